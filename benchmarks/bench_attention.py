@@ -1,0 +1,231 @@
+"""asv benchmarks of exact scaled dot-product attention and softmax.
+
+Run them with airspeed velocity (``pip install -e ".[bench]"``) from the
+repository root, where ``asv.conf.json`` lives::
+
+    asv machine --yes                 # once per machine: record what it is
+
+    # Benchmark the tfmath installed in the current Python environment (an
+    # editable install of the working tree, say). Nothing is built, and the
+    # results are only printed, not saved...
+    asv run -E existing --quick --show-stderr
+    # ...unless a commit is named to file them under:
+    asv run -E existing --set-commit-hash $(git rev-parse HEAD)
+
+    # Build a virtualenv under .asv/env, install the wheel of the repository's
+    # HEAD (the last commit, not the working tree) and benchmark that:
+    asv run --quick                   # every benchmark once: a smoke test
+    asv run                           # proper timings, saved to .asv/results
+    asv continuous main HEAD          # compare two commits
+
+    asv publish && asv preview        # HTML report in .asv/html
+
+``--quick`` runs each benchmark a single time and saves nothing, so use it
+to check that the suite works, not to measure. ``--bench REGEX`` selects
+benchmarks, for example ``--bench "Attention.time_attention"``.
+
+What is measured
+----------------
+One head (``q``, ``k``, ``v`` of shape ``(1, n, d)``, float32, drawn from
+``np.random.default_rng(0)``) for sequence lengths ``n`` in ``SEQUENCE_LENGTHS``
+and head dims ``d`` in ``HEAD_DIMS``, on every backend worth timing here:
+``cpu`` and ``reference`` always, ``cuda`` only on a real GPU (the Numba
+simulator is far too slow to time). Combinations that are skipped raise
+``NotImplementedError`` in ``setup``, which asv reports as ``n/a``: the
+``reference`` backend materialises the ``n x n`` score matrix several times
+over, so it stops at ``REFERENCE_MAX_N``.
+
+Every ``setup`` makes one untimed call first, so JIT compilation (and CUDA
+context creation) is never part of a timing. CUDA inputs are device arrays
+and the timed call ends with ``numba.cuda.synchronize()``, so a CUDA timing
+is the kernel (plus its launch), not host-device copies.
+
+``peakmem_*`` is the peak resident memory of the whole benchmark process
+(Python, NumPy, Numba and the inputs included), as asv measures it; it is
+only meaningful compared between parameters or commits.
+"""
+
+import time
+from typing import ClassVar
+
+import numpy as np
+
+import tfmath
+from tfmath import _cuda
+
+#: Sequence lengths ``n`` (query rows = key rows).
+SEQUENCE_LENGTHS = [128, 256, 512, 1024, 2048, 4096]
+#: Head dims ``d`` (query/key features = value features).
+HEAD_DIMS = [32, 64, 128]
+#: The reference backend allocates several ``n x n`` arrays; beyond this it is skipped.
+REFERENCE_MAX_N = 2048
+#: The head dim of the causal and throughput benchmarks.
+THROUGHPUT_HEAD_DIM = 64
+SEED = 0
+DTYPE = np.float32
+
+
+def usable_backends():
+    """The backends worth benchmarking on this machine, in ``tfmath.backends()`` order.
+
+    ``cpu`` and ``reference`` always; ``cuda`` only when a physical GPU runs
+    it (``tfmath.backends()`` also reports the CUDA simulator as available).
+    """
+    real_gpu = _cuda.status().real_gpu
+    return [
+        name
+        for name, info in tfmath.backends().items()
+        if info.available and (name != "cuda" or real_gpu)
+    ]
+
+
+def compiled_backends():
+    """The usable backends that run tfmath's own kernels (all but the NumPy reference)."""
+    return [name for name in usable_backends() if name != "reference"]
+
+
+def skip_unless_runnable(n, backend):
+    """Raise ``NotImplementedError`` (asv's "skip this combination") when it should not run."""
+    if backend not in usable_backends():
+        raise NotImplementedError(f"backend {backend!r} is not benchmarked on this machine")
+    if backend == "reference" and n > REFERENCE_MAX_N:
+        raise NotImplementedError(
+            f"the reference backend materialises n x n arrays; skipped for n > {REFERENCE_MAX_N}"
+        )
+
+
+def on_backend(array, backend):
+    """``array`` where ``backend`` reads it: in GPU memory for cuda, as it is otherwise."""
+    return _cuda.to_device(array) if backend == "cuda" else array
+
+
+def qkv(n, d, backend):
+    """Query, key and value of shape ``(1, n, d)`` from a fixed seed, placed for ``backend``."""
+    rng = np.random.default_rng(SEED)
+    arrays = [rng.standard_normal((1, n, d), dtype=DTYPE) for _ in range(3)]
+    return [on_backend(a, backend) for a in arrays]
+
+
+def synchronize(backend):
+    """Wait for queued GPU work, so a CUDA timing covers the kernel and not just its launch."""
+    if backend == "cuda":
+        _cuda.numba_cuda().synchronize()
+
+
+def attention_flops(n, d, *, causal=False):
+    """Floating-point operations of one head: ``2 n^2 d`` for ``QK^T`` and as many for ``PV``."""
+    flops = 4 * n * n * d
+    return flops // 2 if causal else flops
+
+
+class _AttentionCase:
+    """Shared setup: one head of length ``n`` and width ``d`` on ``backend``, compiled."""
+
+    is_causal = False
+    timeout = 300
+    # One call per sample (the largest problems take seconds), 1 to 5 samples
+    # per process, and at most ~20 s of sampling.
+    number = 1
+    repeat = (1, 5, 20.0)
+    warmup_time = 0
+
+    def _setup(self, n, d, backend):
+        skip_unless_runnable(n, backend)
+        self.backend = backend
+        self.query, self.key, self.value = qkv(n, d, backend)
+        self.attend()  # warm-up: compilation is never timed
+
+    def attend(self):
+        out = tfmath.scaled_dot_product_attention(
+            self.query, self.key, self.value, is_causal=self.is_causal, backend=self.backend
+        )
+        synchronize(self.backend)
+        return out
+
+
+class Attention(_AttentionCase):
+    """Non-causal attention of one head, across ``n``, ``d`` and backends."""
+
+    params: ClassVar[list] = [SEQUENCE_LENGTHS, HEAD_DIMS, usable_backends()]
+    param_names: ClassVar[list] = ["n", "d", "backend"]
+
+    def setup(self, n, d, backend):
+        self._setup(n, d, backend)
+
+    def time_attention(self, n, d, backend):
+        self.attend()
+
+    def peakmem_attention(self, n, d, backend):
+        self.attend()
+
+
+class CausalAttention(_AttentionCase):
+    """Causal attention (``is_causal=True``): half the score matrix, ideally half the time."""
+
+    is_causal = True
+    params: ClassVar[list] = [SEQUENCE_LENGTHS, HEAD_DIMS, usable_backends()]
+    param_names: ClassVar[list] = ["n", "d", "backend"]
+
+    def setup(self, n, d, backend):
+        self._setup(n, d, backend)
+
+    def time_causal_attention(self, n, d, backend):
+        self.attend()
+
+
+class AttentionThroughput(_AttentionCase):
+    """Achieved GFLOP/s of non-causal attention at ``d = THROUGHPUT_HEAD_DIM``.
+
+    Tracks ``4 n^2 d`` FLOPs over the best of several timed calls, for the
+    compiled backends (the NumPy reference is left out).
+    """
+
+    params: ClassVar[list] = [SEQUENCE_LENGTHS, compiled_backends()]
+    param_names: ClassVar[list] = ["n", "backend"]
+    #: Timed calls per measurement: at least ``MIN_CALLS``, then more until
+    #: ``MIN_SECONDS`` have passed or ``MAX_CALLS`` were made.
+    MIN_CALLS = 3
+    MAX_CALLS = 50
+    MIN_SECONDS = 0.5
+
+    def setup(self, n, backend):
+        self._setup(n, THROUGHPUT_HEAD_DIM, backend)
+
+    def track_gflops(self, n, backend):
+        best = np.inf
+        started = time.perf_counter()
+        for calls in range(1, self.MAX_CALLS + 1):
+            start = time.perf_counter()
+            self.attend()
+            best = min(best, time.perf_counter() - start)
+            if calls >= self.MIN_CALLS and time.perf_counter() - started >= self.MIN_SECONDS:
+                break
+        return attention_flops(n, THROUGHPUT_HEAD_DIM) / best / 1e9
+
+    track_gflops.unit = "GFLOP/s"
+
+
+class Softmax:
+    """Softmax of ``n`` rows of length ``n`` (the score matrix of one head)."""
+
+    params: ClassVar[list] = [SEQUENCE_LENGTHS, usable_backends()]
+    param_names: ClassVar[list] = ["n", "backend"]
+    timeout = 300
+    number = 1
+    repeat = (1, 5, 20.0)
+    warmup_time = 0
+
+    def setup(self, n, backend):
+        skip_unless_runnable(n, backend)
+        self.backend = backend
+        rng = np.random.default_rng(SEED)
+        self.x = on_backend(rng.standard_normal((n, n), dtype=DTYPE), backend)
+        self.softmax()  # warm-up: compilation is never timed
+
+    def softmax(self):
+        out = tfmath.softmax(self.x, backend=self.backend)
+        synchronize(self.backend)
+        return out
+
+    def time_softmax(self, n, backend):
+        self.softmax()

@@ -1,0 +1,41 @@
+"""Shared test setup.
+
+Without a GPU, the CUDA kernels run on Numba's CUDA simulator, switched on
+here before anything imports numba: ``NUMBA_ENABLE_CUDASIM`` is read once, at
+numba's import. Set ``NUMBA_ENABLE_CUDASIM=0`` to insist on a real GPU.
+"""
+
+import os
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+if "NUMBA_ENABLE_CUDASIM" not in os.environ and not Path("/dev/nvidia0").exists():
+    os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
+
+# Compilation makes first examples slow, so no per-example deadline.
+settings.register_profile(
+    "default", max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.load_profile(os.environ.get("TFMATH_HYPOTHESIS_PROFILE", "default"))
+
+
+def pytest_configure(config):
+    config.addinivalue_line("filterwarnings", "error::numba.NumbaWarning")
+
+
+#: The backends whose kernels are tested against the reference. The simulator
+#: runs a Python thread per CUDA thread, so CUDA tests keep shapes tiny.
+KERNEL_BACKENDS = [pytest.param("cpu"), pytest.param("cuda", marks=pytest.mark.cuda)]
+ALL_BACKENDS = [*KERNEL_BACKENDS, pytest.param("reference")]
+
+
+@pytest.fixture(params=KERNEL_BACKENDS)
+def kernel_backend(request):
+    return request.param
+
+
+@pytest.fixture(params=ALL_BACKENDS)
+def any_backend(request):
+    return request.param

@@ -1,0 +1,341 @@
+"""tfmath.attention: softmax and scaled_dot_product_attention on every backend."""
+
+import math
+
+import numpy as np
+import pytest
+from _tolerances import assert_close, attention_tolerance
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import mutually_broadcastable_shapes
+
+import tfmath
+from tfmath import _cuda
+
+DTYPES = [np.float32, np.float64]
+
+
+def sdpa(*args, **kwargs):
+    return tfmath.scaled_dot_product_attention(*args, **kwargs)
+
+
+@st.composite
+def attention_inputs(draw, max_batch_side=3, max_len=6):
+    """Random attention problems: broadcast batch dims, masks of every kind, causal, scale."""
+    dtype = draw(st.sampled_from(DTYPES))
+    batch = draw(mutually_broadcastable_shapes(num_shapes=4, max_dims=2, max_side=max_batch_side))
+    q_batch, k_batch, v_batch, mask_batch = batch.input_shapes
+    n_query = draw(st.integers(0, max_len))
+    n_key = draw(st.integers(0, max_len))
+    n_features = draw(st.integers(1, 5))
+    n_values = draw(st.integers(0, 4))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    query = rng.standard_normal((*q_batch, n_query, n_features)).astype(dtype)
+    key = rng.standard_normal((*k_batch, n_key, n_features)).astype(dtype)
+    value = rng.standard_normal((*v_batch, n_key, n_values)).astype(dtype)
+    mask_kind = draw(st.sampled_from(["none", "bool", "float"]))
+    mask = None
+    if mask_kind != "none":
+        rows = draw(st.sampled_from([1, n_query]))
+        columns = draw(st.sampled_from([1, n_key]))
+        shape = (*mask_batch, rows, columns)
+        if mask_kind == "bool":
+            mask = rng.random(shape) < 0.7
+        else:
+            mask = rng.standard_normal(shape).astype(dtype)
+            mask[rng.random(shape) < 0.3] = -np.inf
+    return {
+        "query": query,
+        "key": key,
+        "value": value,
+        "attn_mask": mask,
+        "is_causal": draw(st.booleans()),
+        "scale": draw(st.one_of(st.none(), st.floats(-2, 2, allow_nan=False))),
+    }
+
+
+def _check_against_reference(inputs, backend):
+    output, weights = sdpa(**inputs, return_weights=True, backend=backend)
+    expected_output, expected_weights = sdpa(**inputs, return_weights=True, backend="reference")
+    dtype = expected_output.dtype
+    assert output.dtype == dtype and weights.dtype == dtype
+    tolerance = attention_tolerance(dtype, inputs["query"].shape[-1], inputs["key"].shape[-2])
+    assert_close(weights, expected_weights, tolerance)
+    assert_close(output, expected_output, tolerance)
+    assert_close(sdpa(**inputs, backend=backend), expected_output, tolerance)
+
+
+@given(inputs=attention_inputs())
+def test_cpu_matches_reference(inputs):
+    _check_against_reference(inputs, "cpu")
+
+
+@pytest.mark.cuda
+@settings(max_examples=25)
+@given(inputs=attention_inputs(max_batch_side=2, max_len=5))
+def test_cuda_matches_reference(inputs):
+    _check_against_reference(inputs, "cuda")
+
+
+def _textbook_attention(query, key, value, scale):
+    """Attention of one head by explicit loops and math.exp: the reference's own check."""
+    output = np.zeros((len(query), value.shape[1]))
+    for i, q in enumerate(query):
+        scores = [scale * sum(a * b for a, b in zip(q, k, strict=True)) for k in key]
+        top = max(scores)
+        exps = [math.exp(s - top) for s in scores]
+        for j, e in enumerate(exps):
+            output[i] += e / sum(exps) * value[j]
+    return output
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_matches_textbook_loops(backend):
+    rng = np.random.default_rng(7)
+    query, key, value = (rng.standard_normal((n, 3)) for n in (4, 5, 5))
+    expected = _textbook_attention(query, key, value, 1 / math.sqrt(3))
+    assert_close(sdpa(query, key, value, backend=backend), expected, 1e-13)
+
+
+def test_default_scale_is_inverse_sqrt_of_features(any_backend):
+    rng = np.random.default_rng(1)
+    query, key, value = (rng.standard_normal((1, 4, 8)) for _ in range(3))
+    default = sdpa(query, key, value, backend=any_backend)
+    explicit = sdpa(query, key, value, scale=1 / math.sqrt(8), backend=any_backend)
+    unscaled = sdpa(query, key, value, scale=1.0, backend=any_backend)
+    assert_close(default, explicit, 1e-14)
+    assert np.max(np.abs(default - unscaled)) > 1e-3
+
+
+def test_causal_equals_lower_triangular_mask(any_backend):
+    rng = np.random.default_rng(2)
+    query = rng.standard_normal((2, 5, 3))
+    key, value = rng.standard_normal((2, 7, 3)), rng.standard_normal((2, 7, 2))
+    lower = np.tril(np.ones((5, 7), dtype=bool))
+    causal = sdpa(query, key, value, is_causal=True, backend=any_backend)
+    masked = sdpa(query, key, value, attn_mask=lower, backend=any_backend)
+    assert_close(causal, masked, 1e-14)
+    # The first query sees only the first key, so it returns the first value.
+    assert_close(causal[:, 0], value[:, 0], 1e-14)
+
+
+def test_causal_combines_with_mask(any_backend):
+    rng = np.random.default_rng(3)
+    query, key, value = (rng.standard_normal((6, 4)) for _ in range(3))
+    mask = rng.random((6, 6)) < 0.6
+    both = sdpa(query, key, value, attn_mask=mask, is_causal=True, backend=any_backend)
+    combined = sdpa(
+        query, key, value, attn_mask=mask & np.tril(np.ones((6, 6), bool)), backend=any_backend
+    )
+    assert_close(both, combined, 1e-14)
+
+
+def test_boolean_mask_equals_additive_minus_infinity(any_backend):
+    rng = np.random.default_rng(4)
+    query, key, value = (rng.standard_normal((3, 5, 4)) for _ in range(3))
+    mask = rng.random((5, 5)) < 0.5
+    mask[:, 0] = True
+    additive = np.where(mask, 0.0, -np.inf)
+    assert_close(
+        sdpa(query, key, value, attn_mask=mask, backend=any_backend),
+        sdpa(query, key, value, attn_mask=additive, backend=any_backend),
+        1e-14,
+    )
+
+
+def test_fully_masked_rows_give_zero_output_and_weights(any_backend):
+    rng = np.random.default_rng(5)
+    query, key, value = (rng.standard_normal((4, 3)) for _ in range(3))
+    mask = np.ones((4, 4), dtype=bool)
+    mask[1] = False
+    output, weights = sdpa(
+        query, key, value, attn_mask=mask, return_weights=True, backend=any_backend
+    )
+    assert np.all(output[1] == 0) and np.all(weights[1] == 0)
+    assert_close(weights.sum(axis=-1)[[0, 2, 3]], np.ones(3), 1e-14)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_very_large_logits_do_not_overflow(any_backend, dtype):
+    # Scores near 1e4: exp(1e4) overflows both dtypes without the max shift.
+    query = np.array([[100.0, 0.0]], dtype=dtype)
+    key = np.array([[100.0, 0.0], [99.99, 0.0], [-100.0, 0.0]], dtype=dtype)
+    value = np.array([[1.0], [2.0], [3.0]], dtype=dtype)
+    output, weights = sdpa(query, key, value, scale=1.0, return_weights=True, backend=any_backend)
+    assert np.all(np.isfinite(weights)) and np.all(np.isfinite(output))
+    # softmax of (1e4, 9999, -1e4) is that of (1, 0, -2e4): weights e/(e+1), 1/(e+1), 0.
+    expected = np.array([math.e, 1.0, 0.0]) / (math.e + 1)
+    assert_close(weights[0], expected, 1e-3 if dtype == np.float32 else 1e-9)
+
+
+def test_nan_propagates_only_to_rows_that_attend_it(any_backend):
+    rng = np.random.default_rng(6)
+    query, key, value = (rng.standard_normal((4, 3)) for _ in range(3))
+    query[0, 1] = np.nan
+    key[3, 0] = np.nan
+    causal_output = sdpa(query, key, value, is_causal=True, backend=any_backend)
+    # Row 0 has a NaN query; only row 3 sees key 3; rows 1 and 2 stay finite.
+    assert np.all(np.isnan(causal_output[[0, 3]]))
+    assert np.all(np.isfinite(causal_output[[1, 2]]))
+
+
+def test_nan_in_masked_value_is_never_read(any_backend):
+    rng = np.random.default_rng(7)
+    query, key, value = (rng.standard_normal((3, 2)) for _ in range(3))
+    value[2] = np.nan
+    mask = np.array([True, True, False])
+    output = sdpa(query, key, value, attn_mask=mask, backend=any_backend)
+    expected = sdpa(query, key[:2], value[:2], backend="reference")
+    assert_close(output, expected, 1e-14)
+
+
+@pytest.mark.parametrize(
+    ("n_query", "n_key", "batch"), [(0, 4, (2,)), (3, 0, (2,)), (0, 0, ()), (3, 4, (0,))]
+)
+def test_empty_shapes(any_backend, n_query, n_key, batch):
+    query = np.ones((*batch, n_query, 2))
+    key = np.ones((*batch, n_key, 2))
+    value = np.ones((*batch, n_key, 3))
+    output, weights = sdpa(query, key, value, return_weights=True, backend=any_backend)
+    assert output.shape == (*batch, n_query, 3) and weights.shape == (*batch, n_query, n_key)
+    assert np.all(output == 0)
+
+
+@pytest.mark.parametrize(
+    ("dtypes", "expected"),
+    [
+        ((np.float32, np.float32, np.float32), np.float32),
+        ((np.float64, np.float64, np.float64), np.float64),
+        ((np.float32, np.float64, np.float32), np.float64),
+    ],
+)
+def test_dtype_follows_numpy_promotion(any_backend, dtypes, expected):
+    query, key, value = (np.ones((2, 3), dtype=d) for d in dtypes)
+    output, weights = sdpa(query, key, value, return_weights=True, backend=any_backend)
+    assert output.dtype == expected and weights.dtype == expected
+
+
+def test_nested_lists_of_integers_become_float64():
+    output = sdpa([[1, 0], [0, 1]], [[1, 0], [0, 1]], [[1, 2], [3, 4]], backend="cpu")
+    assert output.dtype == np.float64
+
+
+def test_cpu_is_deterministic():
+    rng = np.random.default_rng(8)
+    query, key, value = (rng.standard_normal((4, 64, 16)).astype(np.float32) for _ in range(3))
+    first = sdpa(query, key, value, backend="cpu")
+    assert all(np.array_equal(first, sdpa(query, key, value, backend="cpu")) for _ in range(3))
+
+
+def test_weights_rows_are_probability_distributions(kernel_backend):
+    rng = np.random.default_rng(9)
+    query, key, value = (rng.standard_normal((2, 3, 6, 4)) for _ in range(3))
+    _, weights = sdpa(
+        query, key, value, is_causal=True, return_weights=True, backend=kernel_backend
+    )
+    assert np.all(weights >= 0)
+    assert_close(weights.sum(axis=-1), np.ones((2, 3, 6)), 1e-14)
+    assert np.all(np.triu(weights, k=1) == 0)
+
+
+def test_broadcast_key_value_are_not_copied_per_head():
+    # One key/value shared by 16 heads gives the same result as explicit copies.
+    rng = np.random.default_rng(10)
+    query = rng.standard_normal((2, 16, 5, 4))
+    key, value = rng.standard_normal((2, 1, 7, 4)), rng.standard_normal((2, 1, 7, 3))
+    shared = sdpa(query, key, value, backend="cpu")
+    copied = sdpa(query, np.repeat(key, 16, axis=1), np.repeat(value, 16, axis=1), backend="cpu")
+    assert np.array_equal(shared, copied)
+
+
+# --- softmax --------------------------------------------------------------------------------
+
+
+@st.composite
+def softmax_inputs(draw, max_side=5):
+    dtype = draw(st.sampled_from(DTYPES))
+    shape = tuple(draw(st.lists(st.integers(1, max_side), min_size=1, max_size=3)))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    x = (rng.standard_normal(shape) * draw(st.sampled_from([1.0, 30.0]))).astype(dtype)
+    x[rng.random(shape) < 0.2] = -np.inf
+    return x, draw(st.integers(-len(shape), len(shape) - 1))
+
+
+def _check_softmax(x, axis, backend):
+    result = tfmath.softmax(x, axis=axis, backend=backend)
+    expected = tfmath.softmax(x, axis=axis, backend="reference")
+    assert result.dtype == x.dtype
+    assert_close(result, expected, attention_tolerance(x.dtype, 0, x.shape[axis]))
+
+
+@given(case=softmax_inputs())
+def test_softmax_cpu_matches_reference(case):
+    _check_softmax(*case, "cpu")
+
+
+@pytest.mark.cuda
+@settings(max_examples=25)
+@given(case=softmax_inputs(max_side=4))
+def test_softmax_cuda_matches_reference(case):
+    _check_softmax(*case, "cuda")
+
+
+def test_softmax_reference_matches_definition():
+    x = np.array([[0.5, -1.0, 2.0], [3.0, 3.0, 3.0]])
+    expected = np.exp(x) / np.exp(x).sum(axis=1, keepdims=True)
+    assert_close(tfmath.softmax(x, backend="reference"), expected, 1e-15)
+
+
+def test_softmax_is_shift_invariant_and_survives_huge_logits(any_backend):
+    x = np.array([1000.0, 1001.0, 1002.0])
+    assert_close(
+        tfmath.softmax(x, backend=any_backend),
+        tfmath.softmax(x - 1000.0, backend="reference"),
+        1e-15,
+    )
+
+
+def test_softmax_special_rows(any_backend):
+    x = np.array([[-np.inf, -np.inf], [np.nan, 0.0], [np.inf, 0.0]])
+    result = tfmath.softmax(x, backend=any_backend)
+    assert np.all(result[0] == 0)
+    assert np.all(np.isnan(result[1]))
+    assert np.all(np.isnan(result[2]))
+
+
+# --- against PyTorch, when it is installed ------------------------------------------------
+
+
+def test_matches_torch_sdpa():
+    torch = pytest.importorskip("torch")
+    functional = torch.nn.functional
+    rng = np.random.default_rng(11)
+    query = rng.standard_normal((2, 3, 6, 8))
+    key, value = rng.standard_normal((2, 3, 9, 8)), rng.standard_normal((2, 3, 9, 5))
+    mask = rng.random((6, 9)) < 0.7
+    for kwargs in ({}, {"is_causal": True}, {"attn_mask": mask}, {"scale": 0.3}):
+        torch_kwargs = dict(kwargs)
+        if "attn_mask" in kwargs:
+            torch_kwargs["attn_mask"] = torch.from_numpy(kwargs["attn_mask"])
+        expected = functional.scaled_dot_product_attention(
+            *(torch.from_numpy(a) for a in (query, key, value)), **torch_kwargs
+        ).numpy()
+        assert_close(sdpa(query, key, value, backend="cpu", **kwargs), expected, 1e-12)
+
+
+# --- device arrays ----------------------------------------------------------------------------
+
+
+@pytest.mark.cuda
+def test_device_inputs_stay_on_device_and_auto_picks_cuda():
+    rng = np.random.default_rng(12)
+    query, key, value = (rng.standard_normal((2, 4, 3)).astype(np.float32) for _ in range(3))
+    on_device = [_cuda.to_device(a) for a in (query, key, value)]
+    output = sdpa(*on_device, is_causal=True)
+    assert _cuda.is_device_array(output)
+    assert_close(
+        output.copy_to_host(), sdpa(query, key, value, is_causal=True, backend="reference"), 1e-6
+    )
+    assert _cuda.is_device_array(tfmath.softmax(on_device[0]))
+    host = sdpa(*on_device, backend="cpu")
+    assert isinstance(host, np.ndarray)

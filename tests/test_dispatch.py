@@ -1,0 +1,64 @@
+"""The dispatch layer: backend choice, the registry, lazy imports."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import tfmath
+from tfmath import _cuda, _dispatch
+
+
+def test_backends_report_every_backend_with_a_reason():
+    report = tfmath.backends()
+    assert set(report) == {"cpu", "cuda", "reference"}
+    assert report["cpu"].available and report["reference"].available
+    assert all(isinstance(info.reason, str) and info.reason for info in report.values())
+
+
+def test_auto_picks_cpu_without_a_real_gpu(monkeypatch):
+    monkeypatch.setattr(_cuda, "status", lambda: _cuda.CudaStatus(True, False, "simulator"))
+    assert _dispatch.resolve_backend("auto", np.ones(3)) == "cpu"
+
+
+def test_auto_picks_cuda_with_a_real_gpu(monkeypatch):
+    monkeypatch.setattr(_cuda, "status", lambda: _cuda.CudaStatus(True, True, "a GPU"))
+    assert _dispatch.resolve_backend("auto", np.ones(3)) == "cuda"
+
+
+def test_every_routine_has_all_three_backends_importable():
+    for routine in _dispatch.routines().values():
+        assert set(routine.targets) == set(_dispatch.BACKENDS)
+        for backend in ("cpu", "reference"):
+            assert callable(routine.implementation(backend))
+
+
+def test_registering_a_name_twice_is_an_error():
+    with pytest.raises(RuntimeError, match="twice"):
+        _dispatch.register("softmax", cpu="a:b", cuda="a:b", reference="a:b")
+
+
+def test_import_is_lazy_and_fast():
+    # Neither numba nor any kernel module is imported by `import tfmath`.
+    code = (
+        "import sys, tfmath; "
+        "print(sorted(m for m in sys.modules if m.startswith(('numba', 'tfmath.kernels', "
+        "'matplotlib'))))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
+    assert result.stdout.strip() == "[]"
+
+
+def test_only_one_module_imports_numba_cuda():
+    from pathlib import Path
+
+    package = Path(tfmath.__file__).parent
+    importers = sorted(
+        str(path.relative_to(package))
+        for path in package.rglob("*.py")
+        if "from numba import cuda" in path.read_text() or "import numba.cuda" in path.read_text()
+    )
+    assert importers == ["_cuda.py"]

@@ -1,0 +1,107 @@
+"""The report of ``tfmath reproduce``, its registry, and the command line."""
+
+import json
+
+import pytest
+
+from tfmath import cli
+from tfmath.report import (
+    ExperimentResult,
+    ReportError,
+    RunSettings,
+    Table,
+    _registry,
+    build_report,
+    registered_experiments,
+)
+
+
+def test_worked_examples_are_registered():
+    names = [e.name for e in registered_experiments()]
+    assert "worked_examples" in names
+
+
+def test_report_has_figures_data_and_index(tmp_path):
+    out = tmp_path / "report"
+    index = build_report(out, RunSettings(backend="cpu"), only=["worked_examples"])
+    assert index == out / "index.html"
+    folder = out / "worked_examples"
+    for stem in ("attention_weights", "causal_attention_weights"):
+        assert (folder / f"{stem}.png").read_bytes().startswith(b"\x89PNG")
+        assert b"<svg" in (folder / f"{stem}.svg").read_bytes()
+    data = json.loads((folder / "worked_examples.json").read_text())
+    assert data["projection"]["largest_printed_error"]["A"] <= 0.02
+    causal = json.loads((folder / "causal_projection_example.json").read_text())
+    assert causal["max_difference_between_formulas"] == 0.0
+    csv_lines = (folder / "projection_matrices.csv").read_text().splitlines()
+    assert csv_lines[0] == "matrix,row,column,computed,printed,abs_difference"
+    page = index.read_text()
+    assert "worked_examples/attention_weights.png" in page and "0.05, 0.78, 0.17" in page
+
+
+@pytest.fixture
+def broken_experiment():
+    @_registry.experiment("zz_broken", title="fails on purpose", order=10**6)
+    def broken(settings):
+        raise RuntimeError("experiment failed")
+
+    yield "zz_broken"
+    del _registry._EXPERIMENTS["zz_broken"]
+
+
+def test_failure_leaves_previous_report_untouched(tmp_path, broken_experiment):
+    out = tmp_path / "report"
+    build_report(out, only=["worked_examples"])
+    before = sorted(p.relative_to(out) for p in out.rglob("*"))
+    with pytest.raises(RuntimeError, match="experiment failed"):
+        build_report(out, only=["worked_examples", broken_experiment])
+    assert sorted(p.relative_to(out) for p in out.rglob("*")) == before
+    assert [p.name for p in tmp_path.iterdir()] == ["report"]  # no staging folder left
+
+
+def test_rerun_replaces_the_report_cleanly(tmp_path):
+    out = tmp_path / "report"
+    build_report(out, only=["worked_examples"])
+    (out / "stale.txt").write_text("from an older run")
+    build_report(out, only=["worked_examples"])
+    assert not (out / "stale.txt").exists()
+    assert (out / "index.html").exists()
+
+
+def test_refuses_to_overwrite_a_folder_that_is_not_a_report(tmp_path):
+    (tmp_path / "precious.txt").write_text("mine")
+    with pytest.raises(ReportError, match="not a tfmath report"):
+        build_report(tmp_path, only=["worked_examples"])
+    assert (tmp_path / "precious.txt").read_text() == "mine"
+
+
+def test_unknown_experiment_is_refused(tmp_path):
+    with pytest.raises(ReportError, match="unknown experiment"):
+        build_report(tmp_path / "r", only=["no_such_thing"])
+
+
+def test_table_columns_must_have_equal_length():
+    with pytest.raises(ValueError, match="differ in length"):
+        Table({"a": [1, 2], "b": [1]})
+
+
+def test_experiment_result_defaults_are_empty():
+    result = ExperimentResult(caption="nothing")
+    assert result.figures == {} and result.tables == {} and result.data == {}
+
+
+def test_cli_reproduce_and_info(tmp_path, capsys):
+    assert cli.main(["reproduce", "--out", str(tmp_path / "r"), "--backend", "cpu"]) == 0
+    assert (tmp_path / "r" / "index.html").exists()
+    assert "done in" in capsys.readouterr().err
+    assert cli.main(["reproduce", "--out", str(tmp_path / "r"), "--list"]) == 0
+    assert "worked_examples" in capsys.readouterr().out
+    assert cli.main(["info"]) == 0
+    printed = capsys.readouterr().out
+    assert "threading layer" in printed and "reference" in printed
+
+
+def test_cli_reports_bad_output_folder(tmp_path, capsys):
+    (tmp_path / "precious.txt").write_text("mine")
+    assert cli.main(["reproduce", "--out", str(tmp_path)]) == 2
+    assert "not a tfmath report" in capsys.readouterr().err

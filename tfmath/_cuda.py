@@ -1,0 +1,113 @@
+"""The one module of tfmath that imports ``numba.cuda``.
+
+The CUDA target is moving out of Numba (into the ``numba-cuda`` package, which
+installs itself under the same ``numba.cuda`` name), so every use of it goes
+through here. Nothing is imported until a CUDA routine or the backend report
+asks for it: ``import tfmath`` works, and stays fast, on machines without a GPU.
+"""
+
+import functools
+import os
+import sys
+from dataclasses import dataclass
+
+
+@functools.cache
+def numba_cuda():
+    """The ``numba.cuda`` module, imported on first use."""
+    from numba import cuda
+
+    return cuda
+
+
+def simulator_requested():
+    """Whether the Numba CUDA simulator is switched on (``NUMBA_ENABLE_CUDASIM=1``)."""
+    if "numba" in sys.modules:
+        return bool(sys.modules["numba"].config.ENABLE_CUDASIM)
+    return os.environ.get("NUMBA_ENABLE_CUDASIM", "0") not in ("", "0")
+
+
+@dataclass(frozen=True)
+class CudaStatus:
+    """What the CUDA backend can do here.
+
+    Attributes
+    ----------
+    usable : bool
+        Kernels can be launched (on a GPU or on the simulator).
+    real_gpu : bool
+        A physical GPU runs them; ``backend="auto"`` only picks CUDA then.
+    reason : str
+        One line saying why, for :func:`tfmath.backends` and error messages.
+    """
+
+    usable: bool
+    real_gpu: bool
+    reason: str
+
+
+@functools.cache
+def status():
+    """Probe the CUDA backend once per process and remember the answer."""
+    try:
+        cuda = numba_cuda()
+    except Exception as exc:  # a broken CUDA install must not break import tfmath
+        return CudaStatus(False, False, f"numba.cuda failed to import: {exc}")
+    if simulator_requested():
+        return CudaStatus(
+            True,
+            False,
+            "Numba CUDA simulator active (NUMBA_ENABLE_CUDASIM=1): correct but slow",
+        )
+    try:
+        available = cuda.is_available()
+    except Exception as exc:
+        return CudaStatus(False, False, f"CUDA driver error: {exc}")
+    if not available:
+        return CudaStatus(False, False, "no CUDA GPU or driver found")
+    device = cuda.get_current_device()
+    name = device.name.decode() if isinstance(device.name, bytes) else device.name
+    return CudaStatus(True, True, f"{name} (compute capability {device.compute_capability})")
+
+
+def is_device_array(array):
+    """Whether ``array`` lives in GPU memory (a Numba device array or any CUDA array)."""
+    if hasattr(array, "__cuda_array_interface__"):
+        return True
+    # The simulator's device arrays carry no __cuda_array_interface__; they can
+    # only exist if numba.cuda has been imported already.
+    if "numba.cuda" in sys.modules:
+        return numba_cuda().devicearray.is_cuda_ndarray(array)
+    return False
+
+
+def as_device_array(array):
+    """View a CUDA array (CuPy, PyTorch, ...) as a Numba device array, without copying."""
+    cuda = numba_cuda()
+    if cuda.devicearray.is_cuda_ndarray(array):
+        return array
+    return cuda.as_cuda_array(array)
+
+
+def to_device(array):
+    """Copy a host array to the device (a device array is returned as it is)."""
+    if is_device_array(array):
+        return as_device_array(array)
+    return numba_cuda().to_device(array)
+
+
+def to_host(array):
+    """Copy a device array to a host NumPy array (a host array is returned as it is)."""
+    if is_device_array(array):
+        return as_device_array(array).copy_to_host()
+    return array
+
+
+def device_empty(shape, dtype):
+    """An uninitialised device array."""
+    return numba_cuda().device_array(shape, dtype=dtype)
+
+
+def device_version():
+    """Which CUDA target is installed: Numba's built-in one or NVIDIA's numba-cuda."""
+    return getattr(numba_cuda(), "implementation", "unknown")

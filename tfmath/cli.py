@@ -1,0 +1,113 @@
+"""The ``tfmath`` command: ``reproduce`` writes the report, ``info`` describes the setup."""
+
+import argparse
+import platform
+import sys
+
+from tfmath._version import __version__
+
+
+def main(argv=None):
+    """Entry point of the ``tfmath`` console script; returns the exit status."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    return args.handler(args)
+
+
+def _parser():
+    parser = argparse.ArgumentParser(
+        prog="tfmath", description="Numerical experiments on the mathematics of transformers."
+    )
+    parser.add_argument("--version", action="version", version=f"tfmath {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    reproduce = commands.add_parser(
+        "reproduce", help="regenerate every figure and table into one report"
+    )
+    reproduce.add_argument("--out", required=True, help="report folder (created or replaced)")
+    size = reproduce.add_mutually_exclusive_group()
+    size.add_argument(
+        "--quick",
+        dest="quick",
+        action="store_true",
+        default=True,
+        help="small sizes that finish in minutes (default)",
+    )
+    size.add_argument(
+        "--full", dest="quick", action="store_false", help="publication-quality sizes (slower)"
+    )
+    reproduce.add_argument("--only", nargs="+", metavar="NAME", help="run only these experiments")
+    reproduce.add_argument(
+        "--backend",
+        default="auto",
+        choices=("auto", "cpu", "cuda", "reference"),
+        help="backend for the experiments' tfmath calls (default auto)",
+    )
+    reproduce.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    reproduce.add_argument("--list", action="store_true", help="list the experiments and exit")
+    reproduce.set_defaults(handler=_reproduce)
+
+    info = commands.add_parser("info", help="print versions, backends and threading layer")
+    info.set_defaults(handler=_info)
+    return parser
+
+
+def _reproduce(args):
+    from tfmath._dispatch import resolve_backend
+    from tfmath.errors import TfmathError
+    from tfmath.report import ReportError, RunSettings, build_report, registered_experiments
+
+    if args.list:
+        for exp in registered_experiments():
+            print(f"{exp.name:24s} {exp.title}")
+        return 0
+    try:
+        resolve_backend(args.backend)
+        settings = RunSettings(quick=args.quick, backend=args.backend, seed=args.seed)
+        index = build_report(args.out, settings, only=args.only, progress=_progress)
+    except (ReportError, TfmathError) as error:
+        print(f"tfmath reproduce: error: {error}", file=sys.stderr)
+        return 2
+    print(f"report written to {index}")
+    return 0
+
+
+def _progress(line):
+    print(line, file=sys.stderr, flush=True)
+
+
+def _info(args):
+    import llvmlite
+    import numba
+    import numpy
+    import scipy
+
+    from tfmath import _config, _cuda
+    from tfmath._dispatch import backends, routines
+
+    print(f"tfmath {__version__}")
+    print(f"Python {platform.python_version()} ({platform.platform()})")
+    print(
+        f"NumPy {numpy.__version__}, SciPy {scipy.__version__}, Numba {numba.__version__}, "
+        f"llvmlite {llvmlite.__version__}"
+    )
+    print("backends:")
+    for name, backend in backends().items():
+        state = "available" if backend.available else "unavailable"
+        print(f"  {name:10s} {state:12s} {backend.reason}")
+    if _cuda.status().usable:
+        print(f"  CUDA target: {_cuda.device_version()}")
+    print(
+        f"threading layer: {_config.threading_layer()} "
+        f"({numba.config.NUMBA_NUM_THREADS} threads, TFMATH_THREADING_LAYER="
+        f"{_config.requested_threading_layer()})"
+    )
+    print(
+        f"kernel cache: {'on' if _config.cache_enabled() else 'off'}; fast-math flags: "
+        f"{', '.join(sorted(_config.FASTMATH_FLAGS))}"
+    )
+    print(f"routines: {', '.join(sorted(routines()))}")
+    return 0

@@ -1,0 +1,22 @@
+"""Exceptions raised by tfmath.
+
+Every error tfmath raises on bad input is a subclass of the built-in exception a
+NumPy user would expect (``ValueError`` or ``TypeError``), so ``except ValueError``
+keeps working, while ``except tfmath.TfmathError`` catches only ours.
+"""
+
+
+class TfmathError(Exception):
+    """Base class of every exception tfmath raises on purpose."""
+
+
+class ShapeError(TfmathError, ValueError):
+    """An argument has a shape that does not fit the others."""
+
+
+class DTypeError(TfmathError, TypeError):
+    """An argument has a dtype the routine cannot honour."""
+
+
+class BackendUnavailableError(TfmathError, ValueError):
+    """The requested backend is unknown, or cannot run on this machine."""

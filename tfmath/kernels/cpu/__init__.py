@@ -1,0 +1,1 @@
+"""Numba CPU kernels, compiled on first use and cached on disk."""

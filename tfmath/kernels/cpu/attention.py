@@ -1,0 +1,120 @@
+"""CPU kernels for softmax and exact (naive) scaled dot-product attention.
+
+The attention kernel materialises one row of scores at a time: work is split
+into tasks of ``ROWS_PER_TASK`` query rows of one batch entry, so that both
+many-head and few-head/long-sequence shapes keep every core busy, and each
+task's score buffer stays in cache.
+"""
+
+import numba
+import numpy as np
+
+from tfmath._config import cpu_kernel
+
+#: Query rows per parallel task: enough to amortise the task's scratch
+#: allocation, few enough that a single head of a short sequence still splits.
+ROWS_PER_TASK = 16
+
+
+@cpu_kernel
+def _softmax_inplace(row, n):
+    """Replace ``row[:n]`` by its softmax; all ``-inf`` gives zeros, any NaN gives NaN."""
+    row_max = -np.inf
+    for j in range(n):
+        x = row[j]
+        # `x != x` is NaN: once the maximum is NaN it stays NaN, so the whole
+        # row becomes NaN below instead of NaN being skipped by `>`.
+        if x > row_max or x != x:
+            row_max = x
+    if row_max == -np.inf:
+        for j in range(n):
+            row[j] = 0
+        return
+    total = row.dtype.type(0)
+    for j in range(n):
+        e = np.exp(row[j] - row_max)
+        row[j] = e
+        total += e
+    inverse = 1 / total
+    for j in range(n):
+        row[j] *= inverse
+
+
+@cpu_kernel(parallel=True)
+def _softmax_rows_kernel(x, out):
+    for i in numba.prange(x.shape[0]):
+        out[i, :] = x[i, :]
+        _softmax_inplace(out[i], x.shape[1])
+
+
+def softmax_rows(x):
+    """Softmax of each row of a C-contiguous float32/float64 2-D array."""
+    out = np.empty_like(x)
+    _softmax_rows_kernel(x, out)
+    return out
+
+
+@cpu_kernel
+def _scores_row(query_row, keys, mask_row, has_mask, scale, n_visible, scores):
+    """``scores[j] = scale * q.k_j + mask[j]`` for the visible keys; masked keys get -inf."""
+    for j in range(n_visible):
+        bias = mask_row[j] if has_mask else 0
+        if bias == -np.inf:
+            scores[j] = -np.inf
+            continue
+        dot = scores.dtype.type(0)
+        for e in range(keys.shape[1]):
+            dot += query_row[e] * keys[j, e]
+        scores[j] = scale * dot + bias
+
+
+@cpu_kernel
+def _weighted_sum(weights, values, n_visible, out_row):
+    """``out_row = sum_j weights[j] * values[j]`` over positions with non-zero weight."""
+    out_row[:] = 0
+    for j in range(n_visible):
+        w = weights[j]
+        if w != 0:
+            for e in range(values.shape[1]):
+                out_row[e] += w * values[j, e]
+
+
+@cpu_kernel(parallel=True)
+def _attention_kernel(query, key, value, mask, index, is_causal, scale, out, weights):
+    n_batch, n_query = out.shape[0], out.shape[1]
+    n_key = key.shape[1]
+    has_mask = mask.shape[1] != 0
+    keep_weights = weights.shape[1] != 0
+    n_tiles = (n_query + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+    for task in numba.prange(n_batch * n_tiles):
+        b = task // n_tiles
+        first = (task % n_tiles) * ROWS_PER_TASK
+        last = min(first + ROWS_PER_TASK, n_query)
+        q, k, v, m = index[b, 0], index[b, 1], index[b, 2], index[b, 3]
+        scratch = np.empty(n_key, dtype=out.dtype)
+        for i in range(first, last):
+            n_visible = min(i + 1, n_key) if is_causal else n_key
+            scores = weights[b, i] if keep_weights else scratch
+            mask_row = mask[m, i] if has_mask else scratch
+            _scores_row(query[q, i], key[k], mask_row, has_mask, scale, n_visible, scores)
+            _softmax_inplace(scores, n_visible)
+            if keep_weights:
+                scores[n_visible:] = 0
+            _weighted_sum(scores, value[v], n_visible, out[b, i])
+
+
+def scaled_dot_product_attention(problem):
+    """Run the CPU attention kernel on a validated :class:`~tfmath.attention.AttentionProblem`."""
+    query, key, value, mask, index = problem.kernel_operands()
+    n_batch = index.shape[0]
+    dtype = problem.dtype
+    out = np.empty((n_batch, problem.n_query, problem.value_dim), dtype=dtype)
+    weights_shape = (n_batch, problem.n_query, problem.n_key)
+    weights = np.empty(weights_shape if problem.return_weights else (1, 0, 0), dtype=dtype)
+    if mask is None:
+        mask = np.empty((1, 0, 0), dtype=dtype)
+    _attention_kernel(
+        query, key, value, mask, index, problem.is_causal, dtype.type(problem.scale), out, weights
+    )
+    output = out.reshape(problem.output_shape())
+    return output, (weights.reshape(problem.weights_shape()) if problem.return_weights else None)
