@@ -94,7 +94,15 @@ def resolve_backend(backend, *arrays):
 
 @dataclass(frozen=True)
 class BackendInfo:
-    """Whether a backend can run here, and why (see :func:`tfmath.backends`)."""
+    """Whether a backend can run here, and why (see :func:`tfmath.backends`).
+
+    Attributes
+    ----------
+    available : bool
+        The backend can run on this machine.
+    reason : str
+        What runs it, or why it cannot run.
+    """
 
     available: bool
     reason: str

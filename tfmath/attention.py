@@ -249,7 +249,7 @@ def scaled_dot_product_attention(
     Returns
     -------
     output : numpy.ndarray, shape (..., L, Ev)
-        float32 when every input is float32, else float64. A device array
+        The attention output: float32 when every input is float32, else float64. A device array
         when query, key or value was one.
     weights : numpy.ndarray, shape (..., L, S)
         Only with ``return_weights=True``.
