@@ -339,3 +339,188 @@ def test_device_inputs_stay_on_device_and_auto_picks_cuda():
     assert _cuda.is_device_array(tfmath.softmax(on_device[0]))
     host = sdpa(*on_device, backend="cpu")
     assert isinstance(host, np.ndarray)
+
+
+# --- flash attention (method="flash") and attention_grad ------------------------------------
+
+
+def _check_flash_against_reference(inputs, backend):
+    output = sdpa(**inputs, method="flash", backend=backend)
+    expected = sdpa(**inputs, backend="reference")
+    tolerance = attention_tolerance(
+        expected.dtype, inputs["query"].shape[-1], inputs["key"].shape[-2]
+    )
+    assert output.dtype == expected.dtype
+    assert_close(output, expected, tolerance)
+
+
+@given(inputs=attention_inputs())
+def test_flash_cpu_matches_reference(inputs):
+    _check_flash_against_reference(inputs, "cpu")
+
+
+@pytest.mark.cuda
+@settings(max_examples=25)
+@given(inputs=attention_inputs(max_batch_side=2, max_len=5))
+def test_flash_cuda_matches_reference(inputs):
+    _check_flash_against_reference(inputs, "cuda")
+
+
+@pytest.fixture
+def small_cuda_tiles(monkeypatch):
+    """Two rows per block, so tiny simulator shapes still cross tile boundaries."""
+    from tfmath.kernels.cuda import attention, flash_attention
+
+    monkeypatch.setattr(attention, "MAX_ROWS_PER_BLOCK", 2)
+    monkeypatch.setattr(flash_attention, "MAX_ROWS_PER_BLOCK", 2)
+
+
+def _multi_tile_case(dtype, n_query, n_key, seed=13):
+    rng = np.random.default_rng(seed)
+    query = rng.standard_normal((2, n_query, 8)).astype(dtype)
+    key = rng.standard_normal((2, n_key, 8)).astype(dtype)
+    value = rng.standard_normal((2, n_key, 5)).astype(dtype)
+    mask = rng.random((n_query, n_key)) < 0.8
+    mask[3] = False  # one row with nothing to attend
+    return query, key, value, mask
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize(("backend", "n_query", "n_key"), [
+    ("cpu", 150, 200), ("cpu", 200, 70),
+    pytest.param("cuda", 5, 7, marks=pytest.mark.cuda),
+])  # fmt: skip
+def test_flash_and_grad_across_tiles(backend, n_query, n_key, dtype, is_causal, small_cuda_tiles):
+    query, key, value, mask = _multi_tile_case(dtype, n_query, n_key)
+    tolerance = attention_tolerance(dtype, 8, n_key)
+    for attn_mask in (None, mask):
+        args = (query, key, value, attn_mask, is_causal)
+        expected = sdpa(*args, backend="reference")
+        assert_close(sdpa(*args, method="flash", backend=backend), expected, tolerance)
+        assert_close(sdpa(*args, method="naive", backend=backend), expected, tolerance)
+        grad_output = np.random.default_rng(1).standard_normal(expected.shape).astype(dtype)
+        grads = tfmath.attention_grad(*args[:3], grad_output, *args[3:], backend=backend)
+        expected_grads = tfmath.attention_grad(
+            *args[:3], grad_output, *args[3:], backend="reference"
+        )
+        for grad, expected_grad in zip(grads, expected_grads, strict=True):
+            assert grad.dtype == dtype
+            assert_close(grad, expected_grad, 4 * tolerance)
+
+
+def test_flash_is_the_default_without_weights(monkeypatch):
+    from tfmath.attention import FLASH_ATTENTION, SCALED_DOT_PRODUCT_ATTENTION, _attention_routine
+
+    assert _attention_routine("auto", False) is FLASH_ATTENTION
+    assert _attention_routine("auto", True) is SCALED_DOT_PRODUCT_ATTENTION
+    assert _attention_routine("naive", False) is SCALED_DOT_PRODUCT_ATTENTION
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "word"),
+    [({"method": "fast"}, "method"), ({"method": "flash", "return_weights": True}, "naive")],
+)
+def test_bad_method_is_refused(kwargs, word):
+    with pytest.raises(ValueError, match=word):
+        sdpa(np.ones((2, 2)), np.ones((2, 2)), np.ones((2, 2)), **kwargs)
+
+
+def test_flash_nan_and_masked_garbage(any_backend):
+    rng = np.random.default_rng(14)
+    query, key, value = (rng.standard_normal((3, 2)) for _ in range(3))
+    value[2] = np.nan
+    mask = np.array([True, True, False])
+    output = sdpa(query, key, value, attn_mask=mask, method="flash", backend=any_backend)
+    assert_close(output, sdpa(query, key[:2], value[:2], backend="reference"), 1e-14)
+    query[1, 0] = np.nan
+    output = sdpa(query, key, value, attn_mask=mask, method="flash", backend=any_backend)
+    assert np.all(np.isnan(output[1])) and np.all(np.isfinite(output[[0, 2]]))
+
+
+@st.composite
+def gradient_inputs(draw, max_len=6):
+    inputs = draw(attention_inputs(max_len=max_len))
+    output = sdpa(**inputs, backend="reference")
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    inputs["grad_output"] = rng.standard_normal(output.shape).astype(output.dtype)
+    return inputs
+
+
+def _check_grad_against_reference(inputs, backend):
+    grads = tfmath.attention_grad(**inputs, backend=backend)
+    expected = tfmath.attention_grad(**inputs, backend="reference")
+    n_features, n_key = inputs["query"].shape[-1], inputs["key"].shape[-2]
+    tolerance = 4 * attention_tolerance(expected[0].dtype, n_features, n_key)
+    for name, grad, want in zip(("query", "key", "value"), grads, expected, strict=True):
+        assert grad.shape == np.shape(inputs[name]), name
+        assert_close(grad, want, tolerance)
+
+
+@given(inputs=gradient_inputs())
+def test_attention_grad_cpu_matches_reference(inputs):
+    _check_grad_against_reference(inputs, "cpu")
+
+
+@pytest.mark.cuda
+@settings(max_examples=20)
+@given(inputs=gradient_inputs(max_len=4))
+def test_attention_grad_cuda_matches_reference(inputs):
+    _check_grad_against_reference(inputs, "cuda")
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_attention_grad_matches_finite_differences(backend, is_causal):
+    rng = np.random.default_rng(15)
+    query = rng.standard_normal((2, 4, 3))
+    key, value = rng.standard_normal((1, 5, 3)), rng.standard_normal((1, 5, 2))
+    mask = rng.random((4, 5)) < 0.8
+    mask[:, 0] = True
+    weights = rng.standard_normal((2, 4, 2))  # loss = sum(weights * attention)
+
+    def loss(q, k, v):
+        return np.sum(weights * sdpa(q, k, v, mask, is_causal, backend="reference"))
+
+    grads = tfmath.attention_grad(query, key, value, weights, mask, is_causal, backend=backend)
+    step = 1e-6
+    for position, (array, grad) in enumerate(zip((query, key, value), grads, strict=True)):
+        numeric = np.zeros_like(array)
+        for index in np.ndindex(array.shape):
+            arrays = [query.copy(), key.copy(), value.copy()]
+            arrays[position][index] += step
+            upper = loss(*arrays)
+            arrays[position][index] -= 2 * step
+            numeric[index] = (upper - loss(*arrays)) / (2 * step)
+        # Central differences err by O(step^2) plus O(eps / step) of rounding.
+        assert_close(grad, numeric, 1e-8)
+
+
+def test_attention_grad_is_deterministic_on_cpu():
+    rng = np.random.default_rng(16)
+    query, key, value = (rng.standard_normal((4, 130, 16)).astype(np.float32) for _ in range(3))
+    grad_output = rng.standard_normal((4, 130, 16)).astype(np.float32)
+    first = tfmath.attention_grad(query, key, value, grad_output, is_causal=True, backend="cpu")
+    again = tfmath.attention_grad(query, key, value, grad_output, is_causal=True, backend="cpu")
+    assert all(np.array_equal(a, b) for a, b in zip(first, again, strict=True))
+
+
+def test_attention_grad_refuses_wrong_grad_output_shape():
+    with pytest.raises(tfmath.ShapeError, match="grad_output"):
+        tfmath.attention_grad(np.ones((3, 2)), np.ones((4, 2)), np.ones((4, 5)), np.ones((3, 4)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_vectorised_exp2_is_within_a_few_ulp(dtype):
+    from tfmath.kernels.cpu.exp2 import exp2_array
+
+    rng = np.random.default_rng(17)
+    x = np.concatenate([-rng.random(100_000) * 120, -rng.random(1000) * 1e-3, [0.0]]).astype(dtype)
+    exact = np.exp2(x.astype(np.longdouble))
+    relative = np.abs(exp2_array(x) - exact) / exact
+    # Truncation error is below eps/10 (module docstring); the rest is rounding of
+    # about a dozen operations, a few ulp at most.
+    assert relative.max() < 4 * np.finfo(dtype).eps
+    special = np.array([-np.inf, np.nan, -2000.0], dtype=dtype)
+    result = exp2_array(special)
+    assert result[0] == 0 and np.isnan(result[1]) and result[2] == 0

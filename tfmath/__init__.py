@@ -6,7 +6,7 @@ Every numerical routine has a CPU kernel (``numba.njit``), a CUDA kernel
 
 from tfmath._dispatch import BackendInfo, backends
 from tfmath._version import __version__
-from tfmath.attention import scaled_dot_product_attention, softmax
+from tfmath.attention import attention_grad, scaled_dot_product_attention, softmax
 from tfmath.errors import BackendUnavailableError, DTypeError, ShapeError, TfmathError
 
 __all__ = [
@@ -16,6 +16,7 @@ __all__ = [
     "ShapeError",
     "TfmathError",
     "__version__",
+    "attention_grad",
     "backends",
     "scaled_dot_product_attention",
     "softmax",

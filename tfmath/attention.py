@@ -29,7 +29,7 @@ from tfmath._validation import (
 )
 from tfmath.errors import DTypeError, ShapeError
 
-__all__ = ["scaled_dot_product_attention", "softmax"]
+__all__ = ["attention_grad", "scaled_dot_product_attention", "softmax"]
 
 SOFTMAX = register(
     "softmax",
@@ -44,6 +44,23 @@ SCALED_DOT_PRODUCT_ATTENTION = register(
     cuda="tfmath.kernels.cuda.attention:scaled_dot_product_attention",
     reference="tfmath.reference.attention:scaled_dot_product_attention",
 )
+
+FLASH_ATTENTION = register(
+    "flash_attention",
+    cpu="tfmath.kernels.cpu.flash_attention:scaled_dot_product_attention",
+    cuda="tfmath.kernels.cuda.flash_attention:scaled_dot_product_attention",
+    # The math is the same as the naive path's; only the order of work differs.
+    reference="tfmath.reference.attention:scaled_dot_product_attention",
+)
+
+ATTENTION_GRAD = register(
+    "attention_grad",
+    cpu="tfmath.kernels.cpu.flash_attention:attention_grad",
+    cuda="tfmath.kernels.cuda.flash_attention:attention_grad",
+    reference="tfmath.reference.attention:attention_grad",
+)
+
+_METHODS = ("auto", "naive", "flash")
 
 
 def softmax(x, axis=-1, *, backend="auto"):
@@ -214,6 +231,7 @@ def scaled_dot_product_attention(
     scale=None,
     *,
     return_weights=False,
+    method="auto",
     backend="auto",
 ):
     r"""Exact scaled dot-product attention, with the semantics of PyTorch's function.
@@ -243,6 +261,12 @@ def scaled_dot_product_attention(
         Multiplies :math:`QK^\top`; default :math:`1/\sqrt{E}`.
     return_weights : bool, optional
         Also return the attention weights ``softmax(s Q K^T + M)``.
+    method : {"auto", "naive", "flash"}, optional
+        ``"naive"`` forms each row of weights in full; ``"flash"`` sweeps
+        key/value tiles with an online softmax (FlashAttention) and never
+        holds more than a tile of scores, so memory stays :math:`O((L+S)d)`;
+        it cannot return the weights. ``"auto"`` is flash unless
+        ``return_weights=True``. Both give the same result to rounding.
     backend : {"auto", "cpu", "cuda", "reference"}, optional
         Which implementation runs (see :func:`tfmath.backends`).
 
@@ -285,10 +309,111 @@ def scaled_dot_product_attention(
     """
     backend = resolve_backend(backend, query, key, value, attn_mask)
     problem = _attention_problem(query, key, value, attn_mask, is_causal, scale, return_weights)
+    routine = _attention_routine(method, problem.return_weights)
     if backend != "cuda":
         problem = problem.on_host()
-    output, weights = SCALED_DOT_PRODUCT_ATTENTION.implementation(backend)(problem)
+    output, weights = routine.implementation(backend)(problem)
     return (output, weights) if problem.return_weights else output
+
+
+def _attention_routine(method, return_weights):
+    if not isinstance(method, str) or method not in _METHODS:
+        raise ValueError(f"method must be one of {_METHODS}, got {method!r}")
+    if method == "flash" and return_weights:
+        raise ValueError(
+            "method='flash' never forms the attention weights, so it cannot return them; "
+            "use method='naive' (or 'auto') with return_weights=True"
+        )
+    if method == "naive" or return_weights:
+        return SCALED_DOT_PRODUCT_ATTENTION
+    return FLASH_ATTENTION
+
+
+def attention_grad(
+    query,
+    key,
+    value,
+    grad_output,
+    attn_mask=None,
+    is_causal=False,
+    scale=None,
+    *,
+    backend="auto",
+):
+    r"""Gradients of scaled dot-product attention with respect to query, key and value.
+
+    With :math:`S = s\,QK^\top + M`, :math:`P = \operatorname{softmax}(S)`,
+    :math:`O = PV` and the incoming gradient :math:`dO`:
+
+    .. math::
+
+        dV = P^\top dO, \qquad dP = dO\,V^\top, \qquad
+        dS = P \circ \left(dP - \operatorname{rowsum}(dO \circ O)\right),
+
+        dQ = s\, dS\, K, \qquad dK = s\, dS^\top Q
+
+    The ``cpu`` and ``cuda`` backends run the FlashAttention-2 backward
+    (Dao 2023): the forward pass keeps each row's log-sum-exp, and the
+    backward recomputes :math:`P` tile by tile from it, so, as in the forward
+    pass, no :math:`L \times S` matrix is ever held. Rows with nothing to
+    attend contribute no gradient.
+
+    Parameters
+    ----------
+    query, key, value, attn_mask, is_causal, scale
+        As for :func:`scaled_dot_product_attention`.
+    grad_output : array_like, shape (..., L, Ev)
+        Gradient of the loss with respect to the attention output.
+    backend : {"auto", "cpu", "cuda", "reference"}, optional
+        Which implementation runs.
+
+    Returns
+    -------
+    grad_query, grad_key, grad_value : numpy.ndarray
+        Same shapes as ``query``, ``key`` and ``value``; where an operand was
+        broadcast, its gradient is summed over the broadcast dimensions.
+
+    Notes
+    -----
+    On the CPU the result is deterministic: the same inputs and thread count
+    give the same bits. NaN or inf anywhere in the inputs makes the affected
+    gradients NaN.
+
+    Examples
+    --------
+    >>> import numpy as np, tfmath
+    >>> q = k = v = np.eye(3)
+    >>> dq, dk, dv = tfmath.attention_grad(q, k, v, np.ones((3, 3)), backend="reference")
+    >>> dv.shape
+    (3, 3)
+    """
+    backend = resolve_backend(backend, query, key, value, grad_output, attn_mask)
+    problem = _attention_problem(query, key, value, attn_mask, is_causal, scale, False)
+    grad_output = _cast("grad_output", float_operand("grad_output", grad_output), problem.dtype)
+    if shape_of(grad_output) != problem.output_shape():
+        raise ShapeError(
+            f"grad_output must have the attention output's shape {problem.output_shape()}, "
+            f"got {shape_of(grad_output)}"
+        )
+    if backend != "cuda":
+        problem = problem.on_host()
+        grad_output = _cuda.to_host(grad_output)
+    grads = ATTENTION_GRAD.implementation(backend)(problem, grad_output)
+    return tuple(
+        _sum_to_shape(grad, shape_of(operand))
+        for grad, operand in zip(grads, (problem.query, problem.key, problem.value), strict=True)
+    )
+
+
+def _sum_to_shape(grad, shape):
+    """Sum a gradient over the dimensions its operand was broadcast along."""
+    if shape_of(grad) == shape:
+        return grad
+    grad = _cuda.to_host(grad)
+    leading = grad.ndim - len(shape)
+    grad = grad.sum(axis=tuple(range(leading)))
+    stretched = tuple(i for i, n in enumerate(shape) if n == 1 and grad.shape[i] != 1)
+    return grad.sum(axis=stretched, keepdims=True) if stretched else grad
 
 
 def _attention_problem(query, key, value, attn_mask, is_causal, scale, return_weights):

@@ -52,7 +52,19 @@ def _parser():
 
     info = commands.add_parser("info", help="print versions, backends and threading layer")
     info.set_defaults(handler=_info)
+
+    bench = commands.add_parser("bench", help="time tfmath's kernels against their peers")
+    bench.add_argument("topic", choices=("attention",), help="what to benchmark")
+    bench.add_argument("--quick", action="store_true", help="shorter sequences only")
+    bench.set_defaults(handler=_bench)
     return parser
+
+
+def _bench(args):
+    from tfmath.bench import print_attention_report
+
+    print_attention_report(quick=args.quick)
+    return 0
 
 
 def _reproduce(args):

@@ -43,7 +43,19 @@ def scaled_dot_product_attention(problem):
     output : numpy.ndarray, shape ``batch_shape + (L, Ev)``
     weights : numpy.ndarray or None, shape ``batch_shape + (L, S)``
     """
-    query, key, value = problem.query, problem.key, problem.value
+    weights = _attention_weights(problem)
+    value = problem.value
+    output = weights @ value
+    if not np.all(np.isfinite(value)):
+        output = _sum_over_attended(weights, value)
+    output = np.broadcast_to(output, problem.output_shape()).astype(problem.dtype)
+    return output, (weights.astype(problem.dtype) if problem.return_weights else None)
+
+
+def _attention_weights(problem):
+    """``softmax(scale * Q K^T + M)`` with forbidden pairs at ``-inf``, broadcast to
+    ``batch_shape + (L, S)``."""
+    query, key = problem.query, problem.key
     n_query, n_key = problem.n_query, problem.n_key
     scores = problem.scale * (query @ np.swapaxes(key, -1, -2))
     forbidden = np.zeros((n_query, n_key), dtype=bool)
@@ -57,13 +69,37 @@ def scaled_dot_product_attention(problem):
             forbidden = forbidden | (mask == -np.inf)
             scores = scores + mask
     scores = np.where(forbidden, -np.inf, scores)
-    scores = np.broadcast_to(scores, problem.weights_shape())
-    weights = softmax_rows(scores)
-    output = weights @ value
-    if not np.all(np.isfinite(value)):
-        output = _sum_over_attended(weights, value)
-    output = np.broadcast_to(output, problem.output_shape()).astype(problem.dtype)
-    return output, (weights.astype(problem.dtype) if problem.return_weights else None)
+    return softmax_rows(np.broadcast_to(scores, problem.weights_shape()))
+
+
+def attention_grad(problem, grad_output):
+    r"""Gradients of attention by the chain rule, derived by hand.
+
+    With :math:`O = PV`, :math:`P = \operatorname{softmax}(S)` row by row and
+    :math:`S = s\,QK^\top + M`:
+
+    * :math:`\partial L / \partial V = P^\top dO` (O is linear in V);
+    * :math:`dP = dO\,V^\top` (O is linear in P);
+    * the softmax Jacobian of one row is :math:`\operatorname{diag}(p) - pp^\top`,
+      so :math:`dS_{ij} = P_{ij}(dP_{ij} - \sum_k P_{ik} dP_{ik})`, and
+      :math:`\sum_k P_{ik} dP_{ik} = \sum_e dO_{ie} O_{ie}`;
+    * :math:`S` is bilinear in Q and K: :math:`dQ = s\,dS\,K`,
+      :math:`dK = s\,dS^\top Q`.
+
+    Returns the gradients broadcast to ``batch_shape + (rows, features)``.
+    """
+    weights = _attention_weights(problem)
+    grad_weights = grad_output @ np.swapaxes(problem.value, -1, -2)
+    row_dot = np.sum(weights * grad_weights, axis=-1, keepdims=True)
+    grad_scores = weights * (grad_weights - row_dot)
+    batch = problem.batch_shape
+    grad_query = problem.scale * grad_scores @ problem.key
+    grad_key = problem.scale * np.swapaxes(grad_scores, -1, -2) @ problem.query
+    grad_value = np.swapaxes(weights, -1, -2) @ grad_output
+    return tuple(
+        np.broadcast_to(grad, batch + grad.shape[-2:]).astype(problem.dtype)
+        for grad in (grad_query, grad_key, grad_value)
+    )
 
 
 def _sum_over_attended(weights, value):

@@ -1,0 +1,171 @@
+"""``tfmath bench``: side-by-side timings of tfmath's kernels and their peers.
+
+Speed claims live here and in the asv suite, never in pass/fail tests. Every
+number is measured in the same process and run as a ratio against a peer
+(PyTorch, when importable) or against the machine's roof (NumPy's float32
+GEMM rate), so runs on different machines stay comparable.
+"""
+
+import math
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from tfmath.attention import attention_grad, scaled_dot_product_attention
+
+
+def gemm_roof(size=2048, repeats=5):
+    """Float32 GEMM rate of NumPy's BLAS on this machine, in GFLOP/s (best of ``repeats``)."""
+    rng = np.random.default_rng(0)
+    a, b = (rng.standard_normal((size, size), dtype=np.float32) for _ in range(2))
+    a @ b
+    best = min(_timed(lambda: a @ b) for _ in range(repeats))
+    return 2 * size**3 / best / 1e9
+
+
+def _timed(call):
+    start = time.perf_counter()
+    call()
+    return time.perf_counter() - start
+
+
+def best_time(call, repeats):
+    """Best wall time of ``repeats`` calls after one warm-up call."""
+    call()
+    return min(_timed(call) for _ in range(repeats))
+
+
+def numpy_attention(query, key, value, is_causal):
+    """Attention in plain NumPy, the way most people first write it."""
+    scores = query @ np.swapaxes(key, -1, -2) / np.float32(math.sqrt(query.shape[-1]))
+    if is_causal:
+        n_query, n_key = scores.shape[-2:]
+        scores = np.where(np.tril(np.ones((n_query, n_key), bool)), scores, -np.inf)
+    scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    return (scores / scores.sum(axis=-1, keepdims=True)) @ value
+
+
+def _torch():
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch
+
+
+def _contenders(query, key, value, is_causal, torch):
+    """The forward implementations to time, by name."""
+
+    def tfmath_method(method):
+        return lambda: scaled_dot_product_attention(
+            query, key, value, is_causal=is_causal, method=method, backend="cpu"
+        )
+
+    contenders = {
+        "tfmath flash": tfmath_method("flash"),
+        "tfmath naive": tfmath_method("naive"),
+        "numpy": lambda: numpy_attention(query, key, value, is_causal),
+    }
+    if torch is not None:
+        tensors = [torch.from_numpy(a) for a in (query, key, value)]
+        contenders["torch sdpa"] = lambda: torch.nn.functional.scaled_dot_product_attention(
+            *tensors, is_causal=is_causal
+        )
+    return contenders
+
+
+def attention_rows(lengths, heads=8, head_dim=64, repeats=3):
+    """Forward timings of every contender: rows ``(L, causal, name, seconds, GFLOP/s)``."""
+    torch = _torch()
+    rng = np.random.default_rng(0)
+    rows = []
+    for n in lengths:
+        shape = (1, heads, n, head_dim)
+        query, key, value = (rng.standard_normal(shape, dtype=np.float32) for _ in range(3))
+        for is_causal in (False, True):
+            flops = 4 * n * n * head_dim * heads / (2 if is_causal else 1)
+            for name, call in _contenders(query, key, value, is_causal, torch).items():
+                seconds = best_time(call, repeats)
+                rows.append((n, is_causal, name, seconds, flops / seconds / 1e9))
+    return rows
+
+
+def training_step_rows(n=2048, heads=8, head_dim=64, repeats=3):
+    """Forward + backward timings at one length: tfmath flash against torch autograd."""
+    torch = _torch()
+    rng = np.random.default_rng(1)
+    shape = (1, heads, n, head_dim)
+    query, key, value, grad = (rng.standard_normal(shape, dtype=np.float32) for _ in range(4))
+
+    def tfmath_step():
+        scaled_dot_product_attention(query, key, value, method="flash", backend="cpu")
+        attention_grad(query, key, value, grad, backend="cpu")
+
+    rows = [("tfmath flash fwd+bwd", best_time(tfmath_step, repeats))]
+    if torch is not None:
+        tensors = [torch.from_numpy(a.copy()).requires_grad_() for a in (query, key, value)]
+        torch_grad = torch.from_numpy(grad)
+
+        def torch_step():
+            out = torch.nn.functional.scaled_dot_product_attention(*tensors)
+            out.backward(torch_grad)
+
+        rows.append(("torch sdpa fwd+bwd", best_time(torch_step, repeats)))
+    return rows
+
+
+_FIRST_CALL = """
+import time
+import numpy as np
+q = np.random.default_rng(0).standard_normal((1, 8, 1024, 64), dtype=np.float32)
+import tfmath
+start = time.perf_counter()
+tfmath.scaled_dot_product_attention(q, q, q, backend="cpu")
+first = time.perf_counter() - start
+start = time.perf_counter()
+tfmath.scaled_dot_product_attention(q, q, q, backend="cpu")
+print(first, time.perf_counter() - start)
+"""
+
+
+def first_call_seconds():
+    """First and second call of attention in a fresh process: ``(first, second)`` seconds.
+
+    With the on-disk kernel cache warm, the first call pays loading, not
+    compiling; with ``TFMATH_CACHE=0`` it would pay the full compilation.
+    """
+    result = subprocess.run(
+        [sys.executable, "-c", _FIRST_CALL], capture_output=True, text=True, check=True
+    )
+    first, second = (float(x) for x in result.stdout.split())
+    return first, second
+
+
+def print_attention_report(quick=False, out=print):
+    """Run the attention benchmark and print its tables (``tfmath bench attention``)."""
+    lengths = [512, 1024] if quick else [512, 1024, 2048, 4096]
+    roof = gemm_roof()
+    out(f"float32 GEMM roof (NumPy matmul 2048x2048): {roof:.1f} GFLOP/s")
+    out("B=1, H=8, d=64, float32; FLOPs = 4*L*S*d*H (half when causal); best of 3 runs")
+    rows = attention_rows(lengths)
+    out(f"{'L':>6} {'causal':>6}  {'contender':<14} {'time (ms)':>10} {'GFLOP/s':>8} "
+        f"{'% roof':>7} {'flash speed-up':>15}")  # fmt: skip
+    flash_times = {(n, c): s for n, c, name, s, _ in rows if name == "tfmath flash"}
+    for n, is_causal, name, seconds, rate in rows:
+        speedup = seconds / flash_times[(n, is_causal)]
+        out(f"{n:>6} {is_causal!s:>6}  {name:<14} {seconds * 1e3:>10.1f} {rate:>8.1f} "
+            f"{100 * rate / roof:>6.0f}% {speedup:>14.2f}x")  # fmt: skip
+    gains = ", ".join(f"L={n}: {flash_times[(n, False)] / flash_times[(n, True)]:.2f}x"
+                      for n in lengths)  # fmt: skip
+    out(f"flash causal speed-up over non-causal: {gains}")
+    steps = training_step_rows(1024 if quick else 2048)
+    out("forward + backward at L=" + ("1024" if quick else "2048") + ":")
+    for name, seconds in steps:
+        out(f"  {name:<22} {seconds * 1e3:>10.1f} ms")
+    if len(steps) == 2:
+        out(f"  torch time / tfmath time: {steps[1][1] / steps[0][1]:.2f}")
+    first, second = first_call_seconds()
+    out(f"first call in a fresh process (L=1024, H=8): {first * 1e3:.0f} ms; "
+        f"second call: {second * 1e3:.0f} ms")  # fmt: skip

@@ -1,0 +1,256 @@
+r"""CUDA FlashAttention: a single-pass forward with an online softmax, and its backward.
+
+Forward: one thread block per (batch entry, tile of query rows), one thread per
+query row, key and value tiles staged through shared memory. Each thread keeps
+its row's running maximum :math:`m`, normaliser :math:`\ell` and unnormalised
+output in registers (a local array of ``MAX_HEAD_DIM`` elements), rescaling
+them by :math:`e^{m_{old} - m_{new}}` whenever the maximum grows, and writes
+the output and the row's log-sum-exp once at the end.
+
+Backward (FlashAttention-2): one thread block per (batch entry, tile of keys),
+one thread per key row, query rows and their output gradients staged through
+shared memory. Each thread recomputes its column of probabilities from the
+saved log-sum-exp and accumulates its key's and value's gradients in
+registers; query gradients, which every key tile contributes to, are
+accumulated with atomic additions (so, unlike the CPU backward, summation
+order and hence the last bits can vary between runs).
+"""
+
+import functools
+import math
+
+import numba
+import numpy as np
+
+from tfmath import _cuda
+from tfmath.kernels.cuda.attention import (
+    MAX_ROWS_PER_BLOCK,
+    SHARED_MEMORY_BYTES,
+    _score,
+)
+
+cuda = _cuda.numba_cuda()
+
+#: Largest head size (E and Ev) a thread can hold in its local arrays.
+MAX_HEAD_DIM = 256
+
+_NUMBA_DTYPES = {np.dtype(np.float32): numba.float32, np.dtype(np.float64): numba.float64}
+
+
+@functools.cache
+def _forward_kernel(numba_dtype):
+    @cuda.jit
+    def kernel(query, key, value, mask, index, is_causal, scale, out, log_sum_exp):
+        shared = cuda.shared.array(0, dtype=numba_dtype)
+        accumulator = cuda.local.array(MAX_HEAD_DIM, dtype=numba_dtype)
+        n_query, n_key = query.shape[1], key.shape[1]
+        n_features, n_values = key.shape[2], value.shape[2]
+        rows_per_block = cuda.blockDim.x
+        tiles_per_batch = (n_query + rows_per_block - 1) // rows_per_block
+        b = cuda.blockIdx.x // tiles_per_batch
+        first_row = (cuda.blockIdx.x % tiles_per_batch) * rows_per_block
+        tid = cuda.threadIdx.x
+        row = first_row + tid
+        active = row < n_query
+        q, k, v, m = index[b, 0], index[b, 1], index[b, 2], index[b, 3]
+        has_mask = mask.shape[1] != 0
+        key_tile = shared[: rows_per_block * n_features]
+        value_tile = shared[rows_per_block * n_features :]
+        visible = min(row + 1, n_key) if is_causal else n_key
+        block_visible = n_key
+        if is_causal:
+            block_visible = min(min(first_row + rows_per_block, n_query), n_key)
+        for e in range(n_values):
+            accumulator[e] = 0
+        row_max = -math.inf
+        total = numba_dtype(0)
+        for start in range(0, block_visible, rows_per_block):
+            j = start + tid
+            if j < n_key:
+                for e in range(n_features):
+                    key_tile[tid * n_features + e] = key[k, j, e]
+                for e in range(n_values):
+                    value_tile[tid * n_values + e] = value[v, j, e]
+            cuda.syncthreads()
+            if active:
+                for t in range(min(rows_per_block, visible - start)):
+                    s = _score(
+                        query, mask, q, m, row, start + t, has_mask, scale, key_tile, t, n_features
+                    )
+                    if s > row_max:
+                        rescale = math.exp(row_max - s)
+                        total *= rescale
+                        for e in range(n_values):
+                            accumulator[e] *= rescale
+                        row_max = s
+                    elif s != s:
+                        row_max = s
+                    if s != -math.inf:
+                        p = math.exp(s - row_max)
+                        total += p
+                        if p != 0:
+                            for e in range(n_values):
+                                accumulator[e] += p * value_tile[t * n_values + e]
+            cuda.syncthreads()
+        if active:
+            if row_max == -math.inf:
+                for e in range(n_values):
+                    out[b, row, e] = 0
+                log_sum_exp[b, row] = -math.inf
+            else:
+                for e in range(n_values):
+                    out[b, row, e] = accumulator[e] / total
+                log_sum_exp[b, row] = row_max + math.log(total)
+
+    return kernel
+
+
+@functools.cache
+def _backward_kernel(numba_dtype):
+    @cuda.jit
+    def kernel(
+        query, key, value, grad_output, log_sum_exp, delta, mask, index, is_causal, scale,
+        grad_query, grad_key, grad_value,
+    ):  # fmt: skip
+        shared = cuda.shared.array(0, dtype=numba_dtype)
+        key_row = cuda.local.array(MAX_HEAD_DIM, dtype=numba_dtype)
+        value_row = cuda.local.array(MAX_HEAD_DIM, dtype=numba_dtype)
+        grad_key_row = cuda.local.array(MAX_HEAD_DIM, dtype=numba_dtype)
+        grad_value_row = cuda.local.array(MAX_HEAD_DIM, dtype=numba_dtype)
+        n_query, n_key = query.shape[1], key.shape[1]
+        n_features, n_values = key.shape[2], value.shape[2]
+        cols_per_block = cuda.blockDim.x
+        tiles_per_batch = (n_key + cols_per_block - 1) // cols_per_block
+        b = cuda.blockIdx.x // tiles_per_batch
+        first_col = (cuda.blockIdx.x % tiles_per_batch) * cols_per_block
+        tid = cuda.threadIdx.x
+        col = first_col + tid
+        active = col < n_key
+        q, k, v, m = index[b, 0], index[b, 1], index[b, 2], index[b, 3]
+        has_mask = mask.shape[1] != 0
+        query_tile = shared[: cols_per_block * n_features]
+        grad_tile = shared[cols_per_block * n_features :]
+        for e in range(n_features):
+            key_row[e] = key[k, col, e] if active else 0
+            grad_key_row[e] = 0
+        for e in range(n_values):
+            value_row[e] = value[v, col, e] if active else 0
+            grad_value_row[e] = 0
+        first_query = first_col if is_causal else 0
+        for start in range(first_query - first_query % cols_per_block, n_query, cols_per_block):
+            i = start + tid
+            if i < n_query:
+                for e in range(n_features):
+                    query_tile[tid * n_features + e] = query[q, i, e]
+                for e in range(n_values):
+                    grad_tile[tid * n_values + e] = grad_output[b, i, e]
+            cuda.syncthreads()
+            if active:
+                for t in range(min(cols_per_block, n_query - start)):
+                    row = start + t
+                    if (is_causal and col > row) or log_sum_exp[b, row] == -math.inf:
+                        continue
+                    bias = mask[m, row, col] if has_mask else 0
+                    if bias == -math.inf:
+                        continue
+                    dot = numba_dtype(0)
+                    for e in range(n_features):
+                        dot += query_tile[t * n_features + e] * key_row[e]
+                    p = math.exp(scale * dot + bias - log_sum_exp[b, row])
+                    grad_p = numba_dtype(0)
+                    for e in range(n_values):
+                        grad_value_row[e] += p * grad_tile[t * n_values + e]
+                        grad_p += grad_tile[t * n_values + e] * value_row[e]
+                    grad_s = scale * p * (grad_p - delta[b, row])
+                    for e in range(n_features):
+                        grad_key_row[e] += grad_s * query_tile[t * n_features + e]
+                        cuda.atomic.add(grad_query, (b, row, e), grad_s * key_row[e])
+            cuda.syncthreads()
+        if active:
+            for e in range(n_features):
+                grad_key[b, col, e] = grad_key_row[e]
+            for e in range(n_values):
+                grad_value[b, col, e] = grad_value_row[e]
+
+    return kernel
+
+
+def _rows_per_block(problem):
+    if max(problem.n_features, problem.value_dim) > MAX_HEAD_DIM:
+        raise ValueError(
+            f"the cuda flash kernels hold a head of at most {MAX_HEAD_DIM} features per "
+            f"thread, got E = {problem.n_features} and Ev = {problem.value_dim}; use "
+            "method='naive' or backend='cpu'"
+        )
+    row_bytes = (problem.n_features + problem.value_dim) * problem.dtype.itemsize
+    longest = max(problem.n_query, problem.n_key, 1)
+    return min(MAX_ROWS_PER_BLOCK, SHARED_MEMORY_BYTES // max(row_bytes, 1), longest)
+
+
+def _launch_forward(problem, operands, rows):
+    query, key, value, mask, index = operands
+    dtype = problem.dtype
+    n_batch = index.shape[0]
+    out = _cuda.device_empty((n_batch, problem.n_query, problem.value_dim), dtype)
+    log_sum_exp = _cuda.device_empty((n_batch, problem.n_query), dtype)
+    blocks = n_batch * math.ceil(problem.n_query / rows)
+    if blocks > 0:
+        shared_bytes = rows * (problem.n_features + problem.value_dim) * dtype.itemsize
+        _forward_kernel(_NUMBA_DTYPES[dtype])[blocks, rows, 0, shared_bytes](
+            *(_cuda.to_device(a) for a in (query, key, value, _mask_or_empty(mask, dtype), index)),
+            problem.is_causal,
+            dtype.type(problem.scale),
+            out,
+            log_sum_exp,
+        )
+    return out, log_sum_exp
+
+
+def _mask_or_empty(mask, dtype):
+    return np.empty((1, 0, 0), dtype=dtype) if mask is None else mask
+
+
+def scaled_dot_product_attention(problem):
+    """Launch the flash forward kernel on a validated ``AttentionProblem``."""
+    rows = _rows_per_block(problem)
+    out, _ = _launch_forward(problem, problem.kernel_operands(), rows)
+    out = out.reshape(problem.output_shape())
+    return (out if problem.on_device else out.copy_to_host()), None
+
+
+def attention_grad(problem, grad_output):
+    """Launch the flash forward, then the backward kernel; gradients per broadcast batch entry."""
+    rows = _rows_per_block(problem)
+    operands = problem.kernel_operands()
+    query, key, value, mask, index = operands
+    dtype = problem.dtype
+    n_batch = index.shape[0]
+    out, log_sum_exp = _launch_forward(problem, operands, rows)
+    host_out = out.copy_to_host()
+    grad_output = np.asarray(_cuda.to_host(grad_output)).reshape(host_out.shape)
+    delta = np.einsum("bie,bie->bi", grad_output, host_out)
+    grad_query = _cuda.to_device(np.zeros((n_batch, problem.n_query, problem.n_features), dtype))
+    grad_key = _cuda.device_empty((n_batch, problem.n_key, problem.n_features), dtype)
+    grad_value = _cuda.device_empty((n_batch, problem.n_key, problem.value_dim), dtype)
+    blocks = n_batch * math.ceil(problem.n_key / rows)
+    if blocks > 0:
+        shared_bytes = rows * (problem.n_features + problem.value_dim) * dtype.itemsize
+        _backward_kernel(_NUMBA_DTYPES[dtype])[blocks, rows, 0, shared_bytes](
+            *(_cuda.to_device(a) for a in (query, key, value, grad_output)),
+            log_sum_exp,
+            _cuda.to_device(delta),
+            _cuda.to_device(_mask_or_empty(mask, dtype)),
+            _cuda.to_device(index),
+            problem.is_causal,
+            dtype.type(problem.scale),
+            grad_query,
+            grad_key,
+            grad_value,
+        )
+    batch = problem.batch_shape
+    grads = (
+        grad_query.reshape((*batch, problem.n_query, problem.n_features)),
+        grad_key.reshape((*batch, problem.n_key, problem.n_features)),
+        grad_value.reshape((*batch, problem.n_key, problem.value_dim)),
+    )
+    return grads if problem.on_device else tuple(g.copy_to_host() for g in grads)
