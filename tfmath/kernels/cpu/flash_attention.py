@@ -66,57 +66,69 @@ def _balanced_tile(k, n_tiles):
 
 
 @cpu_kernel
-def _mask_scores(row, mask, m, row_index, first_key, n_key, has_mask, is_causal, to_log2):
-    """Add the mask bias (in base-2 units) and write -inf where the key is forbidden:
-    beyond the sequence, above the causal diagonal, or masked with -inf."""
-    width = row.shape[0]
-    n_real = min(width, n_key - first_key)
+def _mask_tile(scores, mask, m, has_mask, is_causal, first_key, first_row, n_key, n_query):
+    """Mask a transposed tile of base-2 scores, ``scores[j, i]`` for key j and query i:
+    add the bias, and write -inf where the key is beyond the sequence, above the
+    causal diagonal, or masked with -inf (even over a NaN score)."""
+    key_tile, query_tile = scores.shape
+    n_keys = min(key_tile, n_key - first_key)
+    n_rows = min(query_tile, n_query - first_row)
     if has_mask:
-        for j in range(n_real):
-            bias = mask[m, row_index, first_key + j]
-            row[j] = -np.inf if bias == -np.inf else row[j] + bias * to_log2
-    for j in range(n_real, width):
-        row[j] = -np.inf
+        for j in range(n_keys):
+            for i in range(n_rows):
+                bias = mask[m, first_key + j, first_row + i]
+                scores[j, i] = -np.inf if bias == -np.inf else scores[j, i] + bias
+    for j in range(n_keys, key_tile):
+        scores[j, :] = -np.inf
     if is_causal:
-        for j in range(max(row_index - first_key + 1, 0), width):
-            row[j] = -np.inf
+        for j in range(n_keys):
+            for i in range(min(query_tile, first_key + j - first_row)):
+                scores[j, i] = -np.inf
 
 
 @cpu_kernel
-def _softmax_tile_update(row, scratch, running_max, running_sum, accumulator, i):
-    """Online-softmax step for query row ``i``: turn ``row`` into weights 2^(s - m') and
-    rescale the row's running sum and output by 2^(m - m')."""
-    new_max = running_max[i]
-    for j in range(row.shape[0]):
-        if row[j] > new_max:
-            new_max = row[j]
-    if new_max == -np.inf:
-        # Nothing attended in this tile: forbidden keys get weight 0, and a NaN
-        # score (the `>` above skips NaN) poisons the row, as in the reference.
-        for j in range(row.shape[0]):
-            if row[j] != row[j]:
-                running_sum[i] = np.nan
-            else:
-                row[j] = 0
-        return
-    rescale = np.exp2(running_max[i] - new_max)
-    for j in range(row.shape[0]):
-        row[j] -= new_max
-    exp2_nonpositive(row, scratch)
-    running_sum[i] = running_sum[i] * rescale + np.sum(row)
-    running_max[i] = new_max
-    if rescale != 1:
-        for e in range(accumulator.shape[1]):
-            accumulator[i, e] *= rescale
+def _softmax_tile(scores, scratch, running_max, running_sum, rescale):
+    """Online-softmax step over a transposed tile: scores become 2^(s - m'), and
+    ``rescale`` receives each row's factor 2^(m - m') for its old sum and output.
+
+    Every loop runs along query rows, the contiguous axis, so each is plain
+    elementwise SIMD work rather than a reduction (LLVM will not vectorise a
+    max reduction without the no-NaN flag this project leaves off)."""
+    key_tile, query_tile = scores.shape
+    new_max = scratch[:query_tile]
+    new_max[:] = running_max
+    for j in range(key_tile):
+        for i in range(query_tile):
+            if scores[j, i] > new_max[i]:
+                new_max[i] = scores[j, i]
+    for i in range(query_tile):
+        # A row with nothing attended so far keeps shift 0: its -inf scores give
+        # weight 0 and any NaN score stays NaN.
+        shift = 0 if new_max[i] == -np.inf else new_max[i]
+        rescale[i] = running_max[i] - shift if running_max[i] != -np.inf else -np.inf
+        running_max[i] = new_max[i]
+        new_max[i] = shift
+    for j in range(key_tile):
+        for i in range(query_tile):
+            scores[j, i] -= new_max[i]
+    exp2_nonpositive(scores.reshape(key_tile * query_tile), scratch)
+    exp2_nonpositive(rescale, scratch[:query_tile])
+    for i in range(query_tile):
+        if running_sum[i] == 0 or running_max[i] == -np.inf:
+            rescale[i] = 1
+        running_sum[i] *= rescale[i]
+    for j in range(key_tile):
+        for i in range(query_tile):
+            running_sum[i] += scores[j, i]
 
 
 @cpu_kernel
-def _accumulate_skipping_zeros(weights, values, accumulator):
-    """``accumulator += weights @ values`` without reading values at zero weight, so that
-    NaN or inf stored at masked positions cannot leak in through 0 * nan."""
-    for i in range(weights.shape[0]):
-        for j in range(weights.shape[1]):
-            w = weights[i, j]
+def _accumulate_skipping_zeros(weights_t, values, accumulator):
+    """``accumulator += weights_t.T @ values`` without reading values at zero weight, so
+    that NaN or inf stored at masked positions cannot leak in through 0 * nan."""
+    for j in range(weights_t.shape[0]):
+        for i in range(weights_t.shape[1]):
+            w = weights_t[j, i]
             if w != 0:
                 for e in range(values.shape[1]):
                     accumulator[i, e] += w * values[j, e]
@@ -124,11 +136,11 @@ def _accumulate_skipping_zeros(weights, values, accumulator):
 
 @cpu_kernel(parallel=True)
 def _forward_kernel(
-    query_tiles, key_columns, value_tiles, value_tile_finite, mask, index,
-    is_causal, scale_log2, n_query, n_key, out, log_sum_exp,
+    query_columns, key_tiles, value_tiles, value_tile_finite, mask, index,
+    is_causal, n_query, n_key, out, log_sum_exp,
 ):  # fmt: skip
     n_batch, n_query_tiles = out.shape[0], out.shape[1]
-    n_key_tiles, key_tile = key_columns.shape[1], key_columns.shape[3]
+    n_key_tiles, key_tile = key_tiles.shape[1], key_tiles.shape[2]
     n_values = value_tiles.shape[3]
     has_mask = mask.shape[1] != 0
     dtype = out.dtype
@@ -137,32 +149,32 @@ def _forward_kernel(
         tile = _balanced_tile(task % n_query_tiles, n_query_tiles)
         first_row = tile * QUERY_TILE
         q, k, v, m = index[b, 0], index[b, 1], index[b, 2], index[b, 3]
-        scaled_query = query_tiles[q, tile] * scale_log2
-        scores = np.empty((QUERY_TILE, key_tile), dtype=dtype)
-        scratch = np.empty(key_tile, dtype=dtype)
+        scores = np.empty((key_tile, QUERY_TILE), dtype=dtype)
+        scratch = np.empty(key_tile * QUERY_TILE, dtype=dtype)
         product = np.empty((QUERY_TILE, n_values), dtype=dtype)
         accumulator = np.zeros((QUERY_TILE, n_values), dtype=dtype)
         running_max = np.full(QUERY_TILE, -np.inf, dtype=dtype)
         running_sum = np.zeros(QUERY_TILE, dtype=dtype)
-        n_rows = min(QUERY_TILE, n_query - first_row)
+        rescale = np.empty(QUERY_TILE, dtype=dtype)
         n_tiles = n_key_tiles
         if is_causal:
-            n_tiles = min(n_key_tiles, (first_row + n_rows - 1) // key_tile + 1)
+            last_row = min(first_row + QUERY_TILE, n_query) - 1
+            n_tiles = min(n_key_tiles, last_row // key_tile + 1)
         for t in range(n_tiles):
-            np.dot(scaled_query, key_columns[k, t], scores)
-            for i in range(n_rows):
-                _mask_scores(
-                    scores[i], mask, m, first_row + i, t * key_tile, n_key,
-                    has_mask, is_causal, LOG2E,
-                )  # fmt: skip
-                _softmax_tile_update(scores[i], scratch, running_max, running_sum, accumulator, i)
-            scores[n_rows:] = 0
+            np.dot(key_tiles[k, t], query_columns[q, tile], scores)
+            _mask_tile(
+                scores, mask, m, has_mask, is_causal, t * key_tile, first_row, n_key, n_query
+            )
+            _softmax_tile(scores, scratch, running_max, running_sum, rescale)
+            for i in range(QUERY_TILE):
+                if rescale[i] != 1:
+                    accumulator[i] *= rescale[i]
             if value_tile_finite[v, t]:
-                np.dot(scores, value_tiles[v, t], product)
+                np.dot(scores.T, value_tiles[v, t], product)
                 accumulator += product
             else:
                 _accumulate_skipping_zeros(scores, value_tiles[v, t], accumulator)
-        for i in range(n_rows):
+        for i in range(min(QUERY_TILE, n_query - first_row)):
             if running_sum[i] == 0:
                 out[b, tile, i] = 0
                 log_sum_exp[b, tile, i] = -np.inf
@@ -173,8 +185,9 @@ def _forward_kernel(
 
 @cpu_kernel(parallel=True)
 def _backward_kernel(
-    query_tiles, key_tiles, key_columns, value_tiles, grad_tiles, log_sum_exp, delta,
-    mask, index, is_causal, scale, scale_log2, n_query, n_key, grad_query, grad_key, grad_value,
+    query_tiles, query_columns, key_tiles, value_tiles, grad_columns, grad_tiles,
+    log2_sum, delta, mask, index, is_causal, scale, n_query, n_key,
+    grad_query, grad_key, grad_value,
 ):  # fmt: skip
     n_batch, n_query_tiles = grad_tiles.shape[0], grad_tiles.shape[1]
     n_key_tiles, key_tile = key_tiles.shape[1], key_tiles.shape[2]
@@ -183,11 +196,9 @@ def _backward_kernel(
     dtype = grad_query.dtype
     for b in numba.prange(n_batch):
         q, k, v, m = index[b, 0], index[b, 1], index[b, 2], index[b, 3]
-        scaled_query = query_tiles[q] * scale_log2
-        log2_sum = log_sum_exp[b] * LOG2E
-        probabilities = np.empty((QUERY_TILE, key_tile), dtype=dtype)
-        grad_scores = np.empty((QUERY_TILE, key_tile), dtype=dtype)
-        scratch = np.empty(key_tile, dtype=dtype)
+        probabilities = np.empty((key_tile, QUERY_TILE), dtype=dtype)
+        grad_scores = np.empty((key_tile, QUERY_TILE), dtype=dtype)
+        scratch = np.empty(key_tile * QUERY_TILE, dtype=dtype)
         query_product = np.empty((QUERY_TILE, n_features), dtype=dtype)
         key_product = np.empty((key_tile, n_features), dtype=dtype)
         value_product = np.empty((key_tile, n_values), dtype=dtype)
@@ -198,33 +209,31 @@ def _backward_kernel(
             first_tile = (t * key_tile) // QUERY_TILE if is_causal else 0
             for tile in range(first_tile, n_query_tiles):
                 first_row = tile * QUERY_TILE
-                n_rows = min(QUERY_TILE, n_query - first_row)
-                np.dot(scaled_query[tile], key_columns[k, t], probabilities)
-                for i in range(n_rows):
-                    row = probabilities[i]
-                    _mask_scores(
-                        row, mask, m, first_row + i, t * key_tile, n_key,
-                        has_mask, is_causal, LOG2E,
-                    )  # fmt: skip
-                    if log2_sum[tile, i] == -np.inf:
-                        row[:] = 0
-                        continue
-                    for j in range(key_tile):
-                        row[j] -= log2_sum[tile, i]
-                    exp2_nonpositive(row, scratch)
-                probabilities[n_rows:] = 0
-                np.dot(probabilities.T, grad_tiles[b, tile], value_product)
-                grad_value[b, t] += value_product
-                np.dot(grad_tiles[b, tile], value_tiles[v, t].T, grad_scores)
-                for i in range(QUERY_TILE):
-                    for j in range(key_tile):
-                        grad_scores[i, j] = (
-                            scale * probabilities[i, j] * (grad_scores[i, j] - delta[b, tile, i])
+                np.dot(key_tiles[k, t], query_columns[q, tile], probabilities)
+                _mask_tile(
+                    probabilities, mask, m, has_mask, is_causal, t * key_tile, first_row,
+                    n_key, n_query,
+                )  # fmt: skip
+                # P = 2^(s - lse); rows with nothing to attend (lse = -inf) get 0.
+                for j in range(key_tile):
+                    for i in range(QUERY_TILE):
+                        lse = log2_sum[b, tile, i]
+                        probabilities[j, i] = (
+                            -np.inf if lse == -np.inf else probabilities[j, i] - lse
                         )
-                np.dot(grad_scores, key_tiles[k, t], query_product)
-                grad_query[b, tile] += query_product
-                np.dot(grad_scores.T, query_tiles[q, tile], key_product)
+                exp2_nonpositive(probabilities.reshape(key_tile * QUERY_TILE), scratch)
+                np.dot(probabilities, grad_tiles[b, tile], value_product)
+                grad_value[b, t] += value_product
+                np.dot(value_tiles[v, t], grad_columns[b, tile], grad_scores)
+                for j in range(key_tile):
+                    for i in range(QUERY_TILE):
+                        grad_scores[j, i] = (
+                            scale * probabilities[j, i] * (grad_scores[j, i] - delta[b, tile, i])
+                        )
+                np.dot(grad_scores, query_tiles[q, tile], key_product)
                 grad_key[b, t] += key_product
+                np.dot(grad_scores.T, key_tiles[k, t], query_product)
+                grad_query[b, tile] += query_product
 
 
 def _row_tiles(array, tile):
@@ -237,13 +246,17 @@ def _row_tiles(array, tile):
     return padded.reshape(batch, n_tiles, tile, features)
 
 
-def _column_tiles(key_tiles):
-    """Key tiles transposed to ``(batch, n_tiles, features, tile)`` for ``Q @ K^T``."""
-    return np.ascontiguousarray(key_tiles.transpose(0, 1, 3, 2))
+def _column_tiles(row_tiles):
+    """Row tiles transposed to ``(batch, n_tiles, features, tile)``."""
+    return np.ascontiguousarray(row_tiles.transpose(0, 1, 3, 2))
 
 
-def _empty_mask(mask, dtype):
-    return np.empty((1, 0, 0), dtype=dtype) if mask is None else mask
+def _transposed_mask(mask, dtype):
+    """The additive mask in base-2 units, transposed to ``(mask_batch, S, L)`` so the
+    kernels read it along query rows, or an empty placeholder."""
+    if mask is None:
+        return np.empty((1, 0, 0), dtype=dtype)
+    return np.ascontiguousarray((mask * dtype.type(LOG2E)).transpose(0, 2, 1))
 
 
 def flash_forward(problem):
@@ -252,17 +265,17 @@ def flash_forward(problem):
     query, key, value, mask, index = problem.kernel_operands()
     dtype = problem.dtype
     key_tile = key_tile_size(problem.n_features, problem.value_dim)
-    query_tiles = _row_tiles(query, QUERY_TILE)
-    key_tiles = _row_tiles(key, key_tile)
+    scaled_query = query * dtype.type(problem.scale * LOG2E)
+    query_columns = _column_tiles(_row_tiles(scaled_query, QUERY_TILE))
     value_tiles = _row_tiles(value, key_tile)
     value_tile_finite = np.isfinite(value_tiles).all(axis=(2, 3))
-    n_batch, n_query_tiles = index.shape[0], query_tiles.shape[1]
+    n_batch, n_query_tiles = index.shape[0], query_columns.shape[1]
     out = np.empty((n_batch, n_query_tiles, QUERY_TILE, problem.value_dim), dtype=dtype)
     log_sum_exp = np.empty((n_batch, n_query_tiles, QUERY_TILE), dtype=dtype)
     _forward_kernel(
-        query_tiles, _column_tiles(key_tiles), value_tiles, value_tile_finite,
-        _empty_mask(mask, dtype), index, problem.is_causal,
-        dtype.type(problem.scale * LOG2E), problem.n_query, problem.n_key, out, log_sum_exp,
+        query_columns, _row_tiles(key, key_tile), value_tiles, value_tile_finite,
+        _transposed_mask(mask, dtype), index, problem.is_causal, problem.n_query,
+        problem.n_key, out, log_sum_exp,
     )  # fmt: skip
     n_query = problem.n_query
     padded_rows = n_query_tiles * QUERY_TILE
@@ -284,22 +297,28 @@ def attention_grad(problem, grad_output):
     dtype = problem.dtype
     n_batch = index.shape[0]
     key_tile = key_tile_size(problem.n_features, problem.value_dim)
-    grad_output = np.ascontiguousarray(grad_output, dtype=dtype).reshape(n_batch, *output.shape[1:])
+    grad_output = np.ascontiguousarray(grad_output, dtype=dtype).reshape(output.shape)
     delta = np.einsum("bie,bie->bi", grad_output, output)
     query_tiles = _row_tiles(query, QUERY_TILE)
     key_tiles = _row_tiles(key, key_tile)
+    grad_tiles = _row_tiles(grad_output, QUERY_TILE)
     n_query_tiles, n_key_tiles = query_tiles.shape[1], key_tiles.shape[1]
-    padded_lse = np.full((n_batch, n_query_tiles * QUERY_TILE), -np.inf, dtype=dtype)
-    padded_lse[:, : problem.n_query] = log_sum_exp
+    padded_rows = n_query_tiles * QUERY_TILE
+    log2_sum = np.full((n_batch, padded_rows), -np.inf, dtype=dtype)
+    log2_sum[:, : problem.n_query] = log_sum_exp * dtype.type(LOG2E)
+    padded_delta = np.zeros((n_batch, padded_rows), dtype=dtype)
+    padded_delta[:, : problem.n_query] = delta
     grad_query = np.empty((n_batch, n_query_tiles, QUERY_TILE, problem.n_features), dtype=dtype)
     grad_key = np.empty((n_batch, n_key_tiles, key_tile, problem.n_features), dtype=dtype)
     grad_value = np.empty((n_batch, n_key_tiles, key_tile, problem.value_dim), dtype=dtype)
+    scaled_query = query * dtype.type(problem.scale * LOG2E)
     _backward_kernel(
-        query_tiles, key_tiles, _column_tiles(key_tiles), _row_tiles(value, key_tile),
-        _row_tiles(grad_output, QUERY_TILE), padded_lse.reshape(n_batch, n_query_tiles, QUERY_TILE),
-        _row_tiles(delta[..., None], QUERY_TILE)[..., 0], _empty_mask(mask, dtype), index,
-        problem.is_causal, dtype.type(problem.scale), dtype.type(problem.scale * LOG2E),
-        problem.n_query, problem.n_key, grad_query, grad_key, grad_value,
+        query_tiles, _column_tiles(_row_tiles(scaled_query, QUERY_TILE)), key_tiles,
+        _row_tiles(value, key_tile), _column_tiles(grad_tiles), grad_tiles,
+        log2_sum.reshape(n_batch, n_query_tiles, QUERY_TILE),
+        padded_delta.reshape(n_batch, n_query_tiles, QUERY_TILE), _transposed_mask(mask, dtype),
+        index, problem.is_causal, dtype.type(problem.scale), problem.n_query, problem.n_key,
+        grad_query, grad_key, grad_value,
     )  # fmt: skip
     return (
         _untile(grad_query, problem.batch_shape, problem.n_query),
