@@ -1,0 +1,192 @@
+"""asv benchmarks of FlashAttention-style tiled attention (``method="flash"``).
+
+They track what the fast-exact-attention work promises, each as a ratio
+measured in the same run, so machines and days stay comparable:
+
+* ``FlashForward``: time and GFLOP/s of the flash and naive CPU kernels for
+  B=1, H=8, d=64, float32, L=S in 512..4096, causal or not; the rate as a
+  fraction of the machine's float32 GEMM roof (NumPy matmul of 2048x2048);
+  and PyTorch's time over tfmath's when PyTorch is importable (n/a otherwise).
+* ``FlashTrainingStep``: forward plus backward, against PyTorch's autograd.
+* ``FlashLongSequence``: one head of L = S = 32768: the process's peak memory
+  (``peakmem_``) and, measured in a fresh subprocess, the memory the call adds
+  beyond its inputs and output (``track_extra_memory``), against the 4 GiB
+  that the L x L float32 scores alone would need.
+
+Run with ``asv run -E existing --quick --bench Flash`` (see bench_attention.py
+for the other ways to run asv).
+"""
+
+import subprocess
+import sys
+import time
+from typing import ClassVar
+
+import numpy as np
+
+import tfmath
+from tfmath.bench import gemm_roof
+
+HEADS = 8
+HEAD_DIM = 64
+SEED = 0
+
+
+def _torch():
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch
+
+
+def _qkv(n, heads=HEADS):
+    rng = np.random.default_rng(SEED)
+    return [rng.standard_normal((1, heads, n, HEAD_DIM), dtype=np.float32) for _ in range(3)]
+
+
+def _flops(n, causal, heads=HEADS):
+    """4 L S d H floating-point operations, half of them when causal."""
+    return 4 * n * n * HEAD_DIM * heads / (2 if causal else 1)
+
+
+def _best_time(call, repeats=3):
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+class FlashForward:
+    params: ClassVar = ([512, 1024, 2048, 4096], [False, True], ["flash", "naive"])
+    param_names: ClassVar = ["n", "causal", "method"]
+    timeout = 600
+    number = 1
+    repeat = (2, 5, 20.0)
+
+    def setup(self, n, causal, method):
+        query, key, value = _qkv(n)
+
+        def forward():
+            return tfmath.scaled_dot_product_attention(
+                query, key, value, is_causal=causal, method=method, backend="cpu"
+            )
+
+        self.forward = forward
+        self.tensors = (query, key, value)
+        forward()  # compile, or load from the cache, before any timing
+
+    def time_forward(self, n, causal, method):
+        self.forward()
+
+    def track_gflops(self, n, causal, method):
+        return _flops(n, causal) / _best_time(self.forward) / 1e9
+
+    track_gflops.unit = "GFLOP/s"
+
+    def track_fraction_of_gemm_roof(self, n, causal, method):
+        rate = _flops(n, causal) / _best_time(self.forward) / 1e9
+        return rate / gemm_roof()
+
+    track_fraction_of_gemm_roof.unit = "fraction"
+
+    def track_torch_time_over_tfmath_time(self, n, causal, method):
+        torch = _torch()
+        if torch is None:
+            raise NotImplementedError("PyTorch is not installed")
+        tensors = [torch.from_numpy(a) for a in self.tensors]
+
+        def torch_forward():
+            return torch.nn.functional.scaled_dot_product_attention(*tensors, is_causal=causal)
+
+        torch_forward()
+        return _best_time(torch_forward) / _best_time(self.forward)
+
+    track_torch_time_over_tfmath_time.unit = "ratio"
+
+
+class FlashTrainingStep:
+    params: ClassVar = [1024, 2048]
+    param_names: ClassVar = ["n"]
+    timeout = 600
+    number = 1
+    repeat = (2, 5, 20.0)
+
+    def setup(self, n):
+        query, key, value = _qkv(n)
+        grad = np.random.default_rng(SEED + 1).standard_normal(query.shape, dtype=np.float32)
+
+        def step():
+            tfmath.scaled_dot_product_attention(query, key, value, backend="cpu")
+            return tfmath.attention_grad(query, key, value, grad, backend="cpu")
+
+        self.step = step
+        self.arrays = (query, key, value, grad)
+        step()
+
+    def time_forward_backward(self, n):
+        self.step()
+
+    def track_torch_time_over_tfmath_time(self, n):
+        torch = _torch()
+        if torch is None:
+            raise NotImplementedError("PyTorch is not installed")
+        query, key, value, grad = self.arrays
+        tensors = [torch.from_numpy(a.copy()).requires_grad_() for a in (query, key, value)]
+        torch_grad = torch.from_numpy(grad)
+
+        def torch_step():
+            torch.nn.functional.scaled_dot_product_attention(*tensors).backward(torch_grad)
+
+        torch_step()
+        return _best_time(torch_step) / _best_time(self.step)
+
+    track_torch_time_over_tfmath_time.unit = "ratio"
+
+
+_EXTRA_MEMORY = """
+import resource, sys
+import numpy as np
+import tfmath
+n = int(sys.argv[1])
+rng = np.random.default_rng(0)
+small = [rng.standard_normal((1, 256, 64), dtype=np.float32) for _ in range(3)]
+tfmath.scaled_dot_product_attention(*small, backend="cpu")  # load the kernels first
+query, key, value = (rng.standard_normal((1, n, 64), dtype=np.float32) for _ in range(3))
+output = np.empty_like(query)  # the output's pages, touched before the baseline
+output[...] = 0
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+output = tfmath.scaled_dot_product_attention(query, key, value, backend="cpu")
+after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print((after - before) / 1024)
+"""
+
+
+class FlashLongSequence:
+    """One head of 32768 tokens: the naive path would need 4 GiB for the scores alone."""
+
+    n = 32768
+    timeout = 600
+    number = 1
+    repeat = 1
+
+    def setup(self):
+        rng = np.random.default_rng(SEED)
+        self.arrays = [rng.standard_normal((1, self.n, HEAD_DIM), dtype=np.float32)
+                       for _ in range(3)]  # fmt: skip
+        small = [a[:, :256] for a in self.arrays]
+        tfmath.scaled_dot_product_attention(*small, backend="cpu")
+
+    def peakmem_flash_forward(self):
+        tfmath.scaled_dot_product_attention(*self.arrays, backend="cpu")
+
+    def track_extra_memory(self):
+        result = subprocess.run(
+            [sys.executable, "-c", _EXTRA_MEMORY, str(self.n)],
+            capture_output=True, text=True, check=True,
+        )  # fmt: skip
+        return float(result.stdout)
+
+    track_extra_memory.unit = "MiB"
