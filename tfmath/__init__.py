@@ -6,18 +6,35 @@ Every numerical routine has a CPU kernel (``numba.njit``), a CUDA kernel
 
 from tfmath._dispatch import BackendInfo, backends
 from tfmath._version import __version__
+from tfmath.accounting import (
+    ModelConfig,
+    activation_memory_per_layer,
+    count_parameters,
+    flops_per_token,
+    kv_cache_bytes_per_token,
+)
 from tfmath.attention import attention_grad, scaled_dot_product_attention, softmax
 from tfmath.errors import BackendUnavailableError, DTypeError, ShapeError, TfmathError
+from tfmath.layers import cross_entropy, layer_norm, log_softmax, rms_norm
 
 __all__ = [
     "BackendInfo",
     "BackendUnavailableError",
     "DTypeError",
+    "ModelConfig",
     "ShapeError",
     "TfmathError",
     "__version__",
+    "activation_memory_per_layer",
     "attention_grad",
     "backends",
+    "count_parameters",
+    "cross_entropy",
+    "flops_per_token",
+    "kv_cache_bytes_per_token",
+    "layer_norm",
+    "log_softmax",
+    "rms_norm",
     "scaled_dot_product_attention",
     "softmax",
 ]

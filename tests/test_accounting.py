@@ -1,0 +1,273 @@
+"""tfmath.accounting: parameter counts against independent per-matrix sums, FLOPs and memory.
+
+Every expected count below is summed here, weight matrix by weight matrix,
+from the published dimensions (the tensors of each model's reference
+implementation), without calling tfmath's formula.
+"""
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tfmath import accounting as A
+from tfmath import models as M
+
+
+def total(shapes):
+    return sum(math.prod(shape) for shape in shapes)
+
+
+def bert_tensors(vocab, d, n_layers, ffn, positions=512, types=2):
+    """The tensors of Hugging Face's BertModel (embeddings, encoder, pooler)."""
+    shapes = [(vocab, d), (positions, d), (types, d), (d,), (d,)]  # + embedding LayerNorm
+    for _ in range(n_layers):
+        shapes += [(d, d), (d,)] * 3  # query, key, value
+        shapes += [(d, d), (d,), (d,), (d,)]  # attention output dense, LayerNorm
+        shapes += [(ffn, d), (ffn,), (d, ffn), (d,), (d,), (d,)]  # intermediate, output, LN
+    return [*shapes, (d, d), (d,)]  # pooler
+
+
+def gpt_tensors(vocab, d, n_layers, n_ctx):
+    """The tensors of GPT-2's reference model (wte, wpe, h.*, ln_f; the head is wte)."""
+    shapes = [(vocab, d), (n_ctx, d)]
+    for _ in range(n_layers):
+        shapes += [(d,), (d,), (d, 3 * d), (3 * d,), (d, d), (d,)]  # ln_1, c_attn, c_proj
+        shapes += [(d,), (d,), (d, 4 * d), (4 * d,), (4 * d, d), (d,)]  # ln_2, c_fc, c_proj
+    return [*shapes, (d,), (d,)]
+
+
+def llama_tensors(vocab, d, n_layers, n_heads, n_kv_heads, ffn):
+    """The tensors of LLaMA (embed_tokens, layers.*, norm, untied lm_head)."""
+    kv = d // n_heads * n_kv_heads
+    shapes = [(vocab, d)]
+    for _ in range(n_layers):
+        shapes += [(d, d), (kv, d), (kv, d), (d, d)]  # q, k, v, o projections
+        shapes += [(ffn, d), (ffn, d), (d, ffn)]  # gate, up, down
+        shapes += [(d,), (d,)]  # input and post-attention RMSNorm
+    return [*shapes, (d,), (vocab, d)]
+
+
+def transformer_tensors(vocab, d, ffn):
+    """Vaswani et al.'s model: one shared embedding/softmax matrix, 6 + 6 post-LN layers."""
+    attention = [(d, d), (d,)] * 4
+    feed_forward = [(d, ffn), (ffn,), (ffn, d), (d,)]
+    layer_norm = [(d,), (d,)]
+    encoder_layer = attention + layer_norm + feed_forward + layer_norm
+    decoder_layer = attention + layer_norm + attention + layer_norm + feed_forward + layer_norm
+    return [(vocab, d)] + 6 * encoder_layer + 6 * decoder_layer
+
+
+INDEPENDENT_COUNTS = {
+    "bert-base": total(bert_tensors(30522, 768, 12, 3072)),
+    "bert-large": total(bert_tensors(30522, 1024, 24, 4096)),
+    "gpt2": total(gpt_tensors(50257, 768, 12, 1024)),
+    "gpt3-175b": total(gpt_tensors(50257, 12288, 96, 2048)),
+    "llama-7b": total(llama_tensors(32000, 4096, 32, 32, 32, 11008)),
+    "llama-70b": total(llama_tensors(32000, 8192, 80, 64, 8, 28672)),
+    "transformer-base": total(transformer_tensors(37000, 512, 2048)),
+    "transformer-big": total(transformer_tensors(37000, 1024, 4096)),
+}
+
+
+@pytest.mark.parametrize("name", list(INDEPENDENT_COUNTS))
+def test_counts_equal_the_sum_over_weight_matrices(name):
+    assert A.count_parameters(name) == INDEPENDENT_COUNTS[name]
+    assert sum(A.parameter_breakdown(name).values()) == INDEPENDENT_COUNTS[name]
+
+
+@pytest.mark.parametrize(
+    ("name", "published"),
+    [
+        ("bert-base", 109_482_240),  # BertModel with pooler, as Hugging Face counts it
+        ("gpt2", 124_439_808),  # the "124M" of openai/gpt-2, once miscounted as 117M
+        ("llama-7b", 6_738_415_616),
+        ("llama-70b", 68_976_648_192),  # LLaMA-2-70B
+    ],
+)
+def test_published_exact_counts(name, published):
+    assert A.count_parameters(name) == published
+
+
+def test_rounded_published_figures():
+    # GPT-3's 175.0B (Brown et al. table 2.1) and the Transformer's 65M / 213M (Vaswani
+    # et al. table 3) are rounded; the exact counts lie within 0.3 % and 3.2 %.
+    assert round(A.count_parameters("gpt3-175b") / 1e9, 1) == 174.6
+    assert abs(A.count_parameters("transformer-base") / 65e6 - 1) < 0.032
+    assert abs(A.count_parameters("transformer-big") / 213e6 - 1) < 0.006
+
+
+def test_bert_without_pooler_and_gpt2_without_embeddings():
+    without_pooler = dataclasses.replace(A.preset("bert-base"), pooler=False)
+    assert A.count_parameters(without_pooler) == 109_482_240 - (768 * 768 + 768)
+    gpt2_layers = total(gpt_tensors(50257, 768, 12, 1024)[2:])
+    assert A.count_parameters("gpt2", include_embeddings=False) == gpt2_layers
+
+
+def test_kaplan_approximation_of_the_non_embedding_count():
+    # Kaplan et al.: N = 12 n_layer d^2. The exact count adds 13 d per layer (biases
+    # 3d + d + 4d + d, LayerNorms 4d) and the final LayerNorm's 2d.
+    n_layers, d = 96, 12288
+    exact = A.count_parameters("gpt3-175b", include_embeddings=False)
+    assert exact == 12 * n_layers * d**2 + 13 * n_layers * d + 2 * d
+
+
+def test_untied_head_and_grouped_query_attention():
+    llama = A.preset("llama-7b")
+    tied = dataclasses.replace(llama, output_head="tied")
+    assert A.count_parameters(llama) - A.count_parameters(tied) == 32000 * 4096
+    mha = dataclasses.replace(A.preset("llama-70b"), n_kv_heads=None)
+    # GQA keeps 8 of 64 key/value heads: each layer saves 2 * 8192 * (8192 - 1024) weights.
+    saved = 80 * 2 * 8192 * (8192 - 1024)
+    assert A.count_parameters(mha) - A.count_parameters("llama-70b") == saved
+
+
+def test_flops_per_token():
+    n = A.count_parameters("gpt2", include_embeddings=False)
+    flops = A.flops_per_token("gpt2")
+    context = 2 * 12 * 1024 * 768  # 2 n_layer n_ctx d_attn
+    assert flops.attention_context == context
+    assert flops.forward == 2 * n + context
+    assert flops.training == 3 * (2 * n + context)
+    assert (flops.forward_approx, flops.training_approx) == (2 * n, 6 * n)
+    assert A.flops_per_token("gpt2", n_ctx=1).attention_context == 2 * 12 * 768
+    # An encoder-decoder attends in the encoder, and twice (self and cross) per decoder layer.
+    big = A.flops_per_token("transformer-big", n_ctx=100)
+    assert big.attention_context == 2 * (6 + 2 * 6) * 100 * 1024
+
+
+def test_seconds_per_token_is_flops_over_rate():
+    rate = 1e12
+    assert A.seconds_per_token("llama-7b", rate) == A.flops_per_token("llama-7b").forward / rate
+    training = A.seconds_per_token("llama-7b", rate, training=True)
+    assert training == A.flops_per_token("llama-7b").training / rate
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        ("gpt2", 2 * 12 * 768 * 2),
+        ("gpt3-175b", 2 * 96 * 12288 * 2),
+        ("llama-7b", 2 * 32 * 4096 * 2),
+        ("llama-70b", 2 * 80 * 8 * 128 * 2),
+        ("transformer-base", 2 * 6 * 512 * 2),
+    ],
+)
+def test_kv_cache_bytes_per_token(name, expected):
+    assert A.kv_cache_bytes_per_token(name) == expected
+    assert A.kv_cache_bytes_per_token(name, bytes_per_element=4) == 2 * expected
+
+
+def test_encoders_keep_no_kv_cache():
+    with pytest.raises(ValueError, match="encoder-only"):
+        A.kv_cache_bytes_per_token("bert-base")
+
+
+@pytest.mark.parametrize(("s", "b"), [(1024, 1), (2048, 4), (7, 3)])
+def test_activation_memory_is_korthikantis_formula_for_gpt_layers(s, b):
+    h, a = 768, 12
+    # Korthikanti et al. 2022: s b h (34 + 5 a s / h) bytes with dropout, 16-bit activations.
+    assert A.activation_memory_per_layer("gpt2", seq_len=s, batch_size=b) == (
+        34 * s * b * h + 5 * a * s * s * b
+    )
+    # Without dropout, drop the masks (a s^2 b + 2 s b h) and the dropout output (2 a s^2 b).
+    no_dropout = A.activation_memory_per_layer("gpt2", seq_len=s, batch_size=b, dropout=False)
+    assert no_dropout == 32 * s * b * h + 2 * a * s * s * b
+
+
+def test_measured_flop_rate_is_positive():
+    assert A.measure_flop_rate(size=64, repeats=2) > 0
+
+
+TINY_ARCHITECTURES = st.sampled_from(A.ARCHITECTURES)
+
+
+@st.composite
+def tiny_configs(draw):
+    n_kv_heads = draw(st.integers(1, 2))
+    n_heads = n_kv_heads * draw(st.integers(1, 2))
+    position = draw(st.sampled_from(["learned", "sinusoidal", "none"]))
+    architecture = draw(TINY_ARCHITECTURES)
+    return A.ModelConfig(
+        name="tiny",
+        architecture=architecture,
+        vocab_size=draw(st.integers(1, 9)),
+        d_model=n_heads * draw(st.integers(1, 3)),
+        n_layers=draw(st.integers(1, 3)),
+        n_decoder_layers=draw(st.integers(1, 2)) if architecture == "encoder-decoder" else None,
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        d_ff=draw(st.integers(1, 5)),
+        activation=draw(st.sampled_from(["relu", "gelu", "gelu_tanh", "swiglu"])),
+        norm=draw(st.sampled_from(["layer_norm", "rms_norm"])),
+        bias=draw(st.booleans()),
+        position=position,
+        n_positions=draw(st.integers(1, 4)) if position == "learned" else 0,
+        n_token_types=draw(st.integers(0, 2)),
+        embedding_norm=draw(st.booleans()),
+        final_norm=draw(st.booleans()),
+        output_head=draw(st.sampled_from(A.OUTPUT_HEADS)),
+        output_bias=draw(st.booleans()),
+        shared_embeddings=draw(st.booleans()),
+    )
+
+
+@settings(max_examples=80)
+@given(config=tiny_configs())
+def test_count_equals_the_size_of_the_arrays_tfmath_builds(config):
+    # The formula and tfmath.models' parameter layout are written independently.
+    assert A.count_parameters(config) == M.model_parameters(config).size
+
+
+@pytest.mark.parametrize(
+    ("change", "exception", "word"),
+    [
+        ({"n_heads": 7}, ValueError, "n_heads = 7"),
+        ({"n_kv_heads": 5}, ValueError, "n_kv_heads = 5"),
+        ({"activation": "tanh"}, ValueError, "activation"),
+        ({"norm": "batch_norm"}, ValueError, "norm"),
+        ({"architecture": "decoder-only"}, ValueError, "architecture"),
+        ({"d_model": 0}, ValueError, "d_model"),
+        ({"d_ff": 2.5}, TypeError, "d_ff"),
+        ({"n_positions": 0}, ValueError, "n_positions"),
+        ({"output_head": "shared"}, ValueError, "output_head"),
+    ],
+)
+def test_bad_configs_are_refused(change, exception, word):
+    with pytest.raises(exception, match=word):
+        dataclasses.replace(A.preset("gpt2"), **change)
+
+
+def test_unknown_preset_names_the_argument_and_the_choices():
+    with pytest.raises(ValueError, match=r"config must be one of the presets .*'gpt2'"):
+        A.count_parameters("gpt-5")
+    with pytest.raises(TypeError, match="config"):
+        A.count_parameters(124)
+    with pytest.raises(TypeError, match="include_embeddings"):
+        A.count_parameters("gpt2", include_embeddings="no")
+
+
+def test_breakdown_shares_are_fractions():
+    for name in A.PRESETS:
+        parts = A.parameter_breakdown(name)
+        assert all(v >= 0 for v in parts.values())
+        assert np.isclose(sum(parts.values()) / A.count_parameters(name), 1.0)
+
+
+def test_report_experiment_writes_the_exact_seed_table(tmp_path):
+    import csv
+
+    from tfmath.report import RunSettings, build_report
+
+    build_report(tmp_path / "report", RunSettings(backend="cpu"), only=["model_accounting"])
+    folder = tmp_path / "report" / "model_accounting"
+    with open(folder / "seed_table.csv", newline="") as handle:
+        rows = {row["preset"]: row for row in csv.DictReader(handle)}
+    for preset, expected in INDEPENDENT_COUNTS.items():
+        assert int(rows[preset]["exact_parameters"]) == expected
+    assert rows["gpt2"]["seed_parameters"] == "117M"
+    assert rows["bert-base"]["kv_cache_bytes_per_token_fp16"].startswith("n/a")
+    assert (folder / "parameter_shares.png").read_bytes().startswith(b"\x89PNG")

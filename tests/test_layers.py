@@ -1,0 +1,1095 @@
+"""tfmath.layers and tfmath.models: kernels vs reference, gradients vs finite differences.
+
+Gradient checks run in float64 with central differences. With step h = 1e-6
+the truncation error is about h^2 |f'''| / 6 ~ 1e-12 and the rounding error
+about eps |f| / h ~ 1e-16 * 10^2 / 1e-6 = 1e-8 for the O(10^2) losses here,
+so a relative tolerance of 1e-6 leaves two orders of margin, while a dropped
+or wrongly signed term in a gradient is off by 1e-2 or more.
+"""
+
+import math
+
+import numpy as np
+import pytest
+from _tolerances import assert_close
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tfmath import _dispatch
+from tfmath import layers as L
+from tfmath import models as M
+from tfmath.accounting import ModelConfig
+from tfmath.errors import DTypeError, ShapeError
+from tfmath.params import Parameters
+
+DTYPES = [np.float32, np.float64]
+FD_STEP = 1e-6
+FD_TOLERANCE = 1e-6
+
+
+def row_tolerance(dtype, width):
+    """Kernels and reference reduce rows of ``width`` terms in different orders.
+
+    A sum of n terms has relative error at most about n * eps (Higham, section
+    3.1); a norm's forward takes two such sums and its backward two more, the
+    special functions (exp, erf, tanh, with fast-math approximations) add a
+    few ulps, hence 8 * eps * (width + 8), as for attention.
+    """
+    return 8 * np.finfo(dtype).eps * (width + 8)
+
+
+def finite_difference_check(loss, arrays, grads, rng, *, max_coords=6):
+    """Compare ``grads[name]`` with central differences of ``loss()`` in each array.
+
+    ``loss`` must read the arrays in ``arrays``, which are perturbed in place;
+    arrays with more than ``max_coords`` entries are checked at random entries.
+    """
+    assert set(arrays) <= set(grads), set(arrays) - set(grads)
+    for name, array in arrays.items():
+        flat = array.reshape(-1)
+        assert np.shares_memory(flat, array)
+        size = flat.size
+        coords = range(size) if size <= max_coords else rng.choice(size, max_coords, replace=False)
+        for i in coords:
+            original = flat[i]
+            flat[i] = original + FD_STEP
+            up = loss()
+            flat[i] = original - FD_STEP
+            down = loss()
+            flat[i] = original
+            numeric = (up - down) / (2 * FD_STEP)
+            analytic = np.asarray(grads[name]).reshape(-1)[i]
+            assert abs(numeric - analytic) <= FD_TOLERANCE * (1 + abs(numeric)), (
+                f"d loss / d {name}[{i}]: analytic {analytic}, finite differences {numeric}"
+            )
+
+
+def weighted_sum(out, weights):
+    return float(np.sum(out * weights))
+
+
+def random_params(spec, rng, dtype=np.float64):
+    """Parameters of ``spec`` with every entry random (no zero biases or unit gains to hide
+    a missing term)."""
+    return Parameters(
+        {name: rng.standard_normal(shape).astype(dtype) for name, shape in spec.shapes().items()}
+    )
+
+
+# -- kernels vs the reference ---------------------------------------------------------
+
+
+@st.composite
+def row_blocks(draw, max_rows=4, max_width=7):
+    dtype = draw(st.sampled_from(DTYPES))
+    batch = tuple(draw(st.lists(st.integers(0, max_rows), min_size=1, max_size=2)))
+    width = draw(st.integers(1, max_width))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    scale = draw(st.sampled_from([0.5, 1.0, 4.0]))
+    x = (scale * rng.standard_normal((*batch, width)) + rng.standard_normal()).astype(dtype)
+    return {"x": x, "rng": rng, "dtype": dtype}
+
+
+def _norm_tolerance(dtype, width, rstd):
+    # Rounding in the centred values (~eps |x|) is multiplied by 1/sigma in the
+    # output and by 1/sigma^2 in the input gradient; rows of nearly equal
+    # values (which hypothesis seeks out) have large 1/sigma.
+    amplification = max(1.0, float(np.max(rstd, initial=1.0))) ** 2
+    return row_tolerance(dtype, width) * amplification
+
+
+def _check_norms(block, backend):
+    x, rng, dtype = block["x"], block["rng"], block["dtype"]
+    width = x.shape[-1]
+    weight, bias = (rng.standard_normal(width).astype(dtype) for _ in range(2))
+    grad_y = rng.standard_normal(x.shape).astype(dtype)
+    for forward, backward, args in (
+        (L.layer_norm_forward, L.layer_norm_backward, (weight, bias)),
+        (L.rms_norm_forward, L.rms_norm_backward, (weight,)),
+    ):
+        y, cache = forward(x, *args, eps=1e-5, backend=backend)
+        expected_y, expected_cache = forward(x, *args, eps=1e-5, backend="reference")
+        tolerance = _norm_tolerance(dtype, width, expected_cache.saved["rstd"])
+        assert y.dtype == dtype
+        assert_close(y, expected_y, tolerance)
+        for got, expected in zip(
+            backward(grad_y, cache), backward(grad_y, expected_cache), strict=True
+        ):
+            assert got.dtype == dtype
+            assert_close(got, expected, tolerance * (1 + x.size // max(width, 1)))
+
+
+@given(block=row_blocks())
+def test_norms_cpu_match_reference(block):
+    _check_norms(block, "cpu")
+
+
+@pytest.mark.cuda
+@settings(max_examples=20)
+@given(block=row_blocks(max_rows=3, max_width=5))
+def test_norms_cuda_match_reference(block):
+    _check_norms(block, "cuda")
+
+
+def _check_activations(block, backend):
+    x, rng, dtype = block["x"], block["rng"], block["dtype"]
+    h = np.concatenate([x, x[..., ::-1]], axis=-1)  # even width, for SwiGLU
+    for activation in L.ACTIVATIONS:
+        out, cache = L.ffn_activation_forward(h, activation, backend=backend)
+        expected, expected_cache = L.ffn_activation_forward(h, activation, backend="reference")
+        tolerance = row_tolerance(dtype, 1) * (1 + float(np.max(np.abs(h), initial=0)))
+        assert out.dtype == dtype
+        assert_close(out, expected, tolerance)
+        grad = rng.standard_normal(out.shape).astype(dtype)
+        assert_close(
+            L.ffn_activation_backward(grad, cache),
+            L.ffn_activation_backward(grad, expected_cache),
+            tolerance,
+        )
+
+
+@given(block=row_blocks())
+def test_activations_cpu_match_reference(block):
+    _check_activations(block, "cpu")
+
+
+@pytest.mark.cuda
+@settings(max_examples=20)
+@given(block=row_blocks(max_rows=3, max_width=4))
+def test_activations_cuda_match_reference(block):
+    _check_activations(block, "cuda")
+
+
+def _check_losses(block, backend, smoothing, reduction):
+    logits, rng, dtype = block["x"], block["rng"], block["dtype"]
+    n_classes = logits.shape[-1]
+    tolerance = row_tolerance(dtype, n_classes) * (1 + float(np.max(np.abs(logits), initial=0)))
+    y, cache = L.log_softmax_forward(logits, backend=backend)
+    expected_y, expected_cache = L.log_softmax_forward(logits, backend="reference")
+    assert_close(y, expected_y, tolerance)
+    grad_y = rng.standard_normal(y.shape).astype(dtype)
+    assert_close(
+        L.log_softmax_backward(grad_y, cache),
+        L.log_softmax_backward(grad_y, expected_cache),
+        tolerance * n_classes,
+    )
+    targets = rng.integers(0, n_classes, size=logits.shape[:-1])
+    targets[rng.random(targets.shape) < 0.25] = -100
+    options = {"label_smoothing": smoothing, "reduction": reduction}
+    loss, cache = L.cross_entropy_forward(logits, targets, backend=backend, **options)
+    expected, expected_cache = L.cross_entropy_forward(
+        logits, targets, backend="reference", **options
+    )
+    assert np.asarray(loss).dtype == dtype
+    assert_close(loss, expected, tolerance * max(targets.size, 1))
+    grad_loss = rng.standard_normal(targets.shape).astype(dtype) if reduction == "none" else 1.0
+    assert_close(
+        L.cross_entropy_backward(grad_loss, cache),
+        L.cross_entropy_backward(grad_loss, expected_cache),
+        tolerance,
+    )
+
+
+@given(
+    block=row_blocks(),
+    smoothing=st.sampled_from([0.0, 0.1, 1.0]),
+    reduction=st.sampled_from(L.REDUCTIONS),
+)
+def test_log_softmax_and_loss_cpu_match_reference(block, smoothing, reduction):
+    _check_losses(block, "cpu", smoothing, reduction)
+
+
+@pytest.mark.cuda
+@settings(max_examples=20)
+@given(
+    block=row_blocks(max_rows=3, max_width=5),
+    smoothing=st.sampled_from([0.0, 0.1]),
+    reduction=st.sampled_from(L.REDUCTIONS),
+)
+def test_log_softmax_and_loss_cuda_match_reference(block, smoothing, reduction):
+    _check_losses(block, "cuda", smoothing, reduction)
+
+
+# -- primitives against independent formulas ---------------------------------------------
+
+
+def test_layer_norm_by_hand():
+    # x = (1, 2, 3): mean 2, variance 2/3, so y = (x - 2) / sqrt(2/3) = (-a, 0, a), a = sqrt(3/2).
+    y = L.layer_norm([[1.0, 2.0, 3.0]], [1.0, 2.0, 1.0], [0.0, 0.0, 5.0], eps=0.0, backend="cpu")
+    a = math.sqrt(1.5)
+    assert_close(y, [[-a, 0.0, a + 5.0]], 1e-15)
+
+
+def test_rms_norm_by_hand():
+    # x = (3, 4): mean square 12.5, so y = x / sqrt(12.5).
+    y = L.rms_norm([[3.0, 4.0]], [1.0, -1.0], eps=0.0, backend="cpu")
+    assert_close(y, [[3 / math.sqrt(12.5), -4 / math.sqrt(12.5)]], 1e-15)
+
+
+def test_normalised_rows_have_zero_mean_and_unit_variance(any_backend):
+    rng = np.random.default_rng(0)
+    x = 3 * rng.standard_normal((4, 16)) + 7
+    y = L.layer_norm(x, np.ones(16), np.zeros(16), eps=0.0, backend=any_backend)
+    assert_close(y.mean(axis=-1), np.zeros(4), 1e-14)
+    assert_close(y.var(axis=-1), np.ones(4), 1e-13)
+    r = L.rms_norm(x, np.ones(16), eps=0.0, backend=any_backend)
+    assert_close(np.mean(r * r, axis=-1), np.ones(4), 1e-13)
+
+
+def test_activations_at_known_points(any_backend):
+    h = np.array([[-1.0, 0.0, 1.0, 2.0]])
+    phi = [0.5 * (1 + math.erf(v / math.sqrt(2))) for v in h[0]]
+    assert_close(L.ffn_activation(h, "relu", backend=any_backend), [[0, 0, 1, 2]], 0)
+    assert_close(
+        L.ffn_activation(h, "gelu", backend=any_backend),
+        [[v * p for v, p in zip(h[0], phi, strict=True)]],
+        1e-15,
+    )
+    tanh_gelu = [
+        0.5 * v * (1 + math.tanh(math.sqrt(2 / math.pi) * (v + 0.044715 * v**3))) for v in h[0]
+    ]
+    assert_close(L.ffn_activation(h, "gelu_tanh", backend=any_backend), [tanh_gelu], 1e-15)
+    # SwiGLU([a | b]) = a * sigmoid(a) * b.
+    gate, up = h[0, :2], h[0, 2:]
+    silu = gate / (1 + np.exp(-gate))
+    assert_close(L.ffn_activation(h, "swiglu", backend=any_backend), [silu * up], 1e-15)
+
+
+def test_primitives_agree_with_pytorch():
+    torch = pytest.importorskip("torch")
+    functional = torch.nn.functional
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((3, 5, 6))
+    weight, bias = rng.standard_normal(6), rng.standard_normal(6)
+    t = torch.from_numpy
+    assert_close(
+        L.layer_norm(x, weight, bias, 1e-5, backend="cpu"),
+        functional.layer_norm(t(x), (6,), t(weight), t(bias), 1e-5).numpy(),
+        1e-13,
+    )
+    assert_close(
+        L.rms_norm(x, weight, 1e-6, backend="cpu"),
+        functional.rms_norm(t(x), (6,), t(weight), 1e-6).numpy(),
+        1e-13,
+    )
+    assert_close(L.ffn_activation(x, "gelu", backend="cpu"), functional.gelu(t(x)).numpy(), 1e-14)
+    assert_close(
+        L.ffn_activation(x, "gelu_tanh", backend="cpu"),
+        functional.gelu(t(x), approximate="tanh").numpy(),
+        1e-14,
+    )
+    assert_close(
+        L.log_softmax(x, backend="cpu"), functional.log_softmax(t(x), dim=-1).numpy(), 1e-14
+    )
+
+
+@pytest.mark.parametrize("reduction", L.REDUCTIONS)
+@pytest.mark.parametrize("smoothing", [0.0, 0.1, 0.7])
+def test_cross_entropy_agrees_with_pytorch(reduction, smoothing):
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(2)
+    logits = 3 * rng.standard_normal((2, 4, 7))
+    targets = rng.integers(0, 7, size=(2, 4))
+    targets[0, 1] = -100
+    expected = torch.nn.functional.cross_entropy(
+        torch.from_numpy(logits.reshape(-1, 7)),
+        torch.from_numpy(targets.reshape(-1)),
+        label_smoothing=smoothing,
+        reduction=reduction,
+    ).numpy()
+    got = L.cross_entropy(
+        logits, targets, label_smoothing=smoothing, reduction=reduction, backend="cpu"
+    )
+    assert_close(np.reshape(got, expected.shape), expected, 1e-13)
+
+
+def test_cross_entropy_is_the_seeds_sum_against_the_smoothed_distribution(any_backend):
+    # L = -sum_j y_j log p_j with y = (1 - eps) one_hot + eps / V, summed over positions.
+    rng = np.random.default_rng(3)
+    logits, targets, eps = rng.standard_normal((5, 4)), np.array([0, 3, 1, 1, 2]), 0.2
+    p = np.exp(logits) / np.exp(logits).sum(axis=1, keepdims=True)
+    y = np.full((5, 4), eps / 4)
+    y[np.arange(5), targets] += 1 - eps
+    expected = -np.sum(y * np.log(p))
+    got = L.cross_entropy(
+        logits, targets, label_smoothing=eps, reduction="sum", backend=any_backend
+    )
+    assert_close(got, expected, 1e-13)
+    uniform = L.cross_entropy(np.zeros((3, 6)), [0, 5, 2], backend=any_backend)
+    assert_close(uniform, math.log(6), 1e-15)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_log_softmax_and_loss_do_not_overflow(any_backend, dtype):
+    logits = np.array([[1e4, 1e4 - 1, -1e4]], dtype=dtype)
+    y = L.log_softmax(logits, backend=any_backend)
+    shift = math.log1p(math.exp(-1))  # log(e^0 + e^-1), after subtracting the maximum
+    expected = [-shift, -1 - shift, -2e4 - shift]
+    assert np.all(np.isfinite(y))
+    assert_close(y[0], expected, 1e-6 if dtype == np.float32 else 1e-12)
+    loss = L.cross_entropy(logits, [1], backend=any_backend)
+    assert_close(loss, -expected[1], 1e-6 if dtype == np.float32 else 1e-12)
+
+
+def test_all_ignored_targets_give_nan_mean_and_zero_gradient(any_backend):
+    loss, cache = L.cross_entropy_forward(np.ones((2, 3)), [-100, -100], backend=any_backend)
+    assert math.isnan(loss)
+    assert np.all(L.cross_entropy_backward(1.0, cache) == 0)
+
+
+def test_split_heads_is_seed_000s_view_and_transpose():
+    torch = pytest.importorskip("torch")
+    x = np.arange(2 * 3 * 8, dtype=np.float64).reshape(2, 3, 8)
+    # Seed 000: x.view(batch_size, -1, n_heads, d_k).transpose(1, 2), and back with
+    # output.transpose(1, 2).contiguous().view(batch_size, -1, d_model).
+    expected = torch.from_numpy(x).view(2, -1, 4, 2).transpose(1, 2).numpy()
+    assert np.array_equal(L.split_heads(x, 4), expected)
+    back = torch.from_numpy(expected).transpose(1, 2).contiguous().view(2, -1, 8).numpy()
+    assert np.array_equal(L.merge_heads(L.split_heads(x, 4)), back)
+
+
+# -- multi-head attention ---------------------------------------------------------------
+
+
+def _attention_by_loops(params, x, memory, n_heads, n_kv_heads, causal):
+    """Multi-head attention head by head, with an explicit softmax: no tfmath attention."""
+    d_head = params["w_q"].shape[1] // n_heads
+    group = n_heads // n_kv_heads
+    q = x @ params["w_q"] + params["b_q"]
+    k = memory @ params["w_k"] + params["b_k"]
+    v = memory @ params["w_v"] + params["b_v"]
+    heads = []
+    for i in range(n_heads):
+        kv = slice((i // group) * d_head, (i // group + 1) * d_head)
+        scores = q[..., i * d_head : (i + 1) * d_head] @ np.swapaxes(k[..., kv], -1, -2)
+        scores = scores / math.sqrt(d_head)
+        if causal:
+            scores = np.where(np.tril(np.ones(scores.shape[-2:], bool)), scores, -np.inf)
+        weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
+        heads.append(weights / weights.sum(axis=-1, keepdims=True) @ v[..., kv])
+    return np.concatenate(heads, axis=-1) @ params["w_o"] + params["b_o"]
+
+
+@pytest.mark.parametrize(
+    ("n_heads", "n_kv_heads", "cross", "causal"),
+    [(2, 2, False, False), (4, 2, False, True), (4, 1, True, False), (2, 2, True, False)],
+)
+def test_attention_matches_head_by_head_loops(any_backend, n_heads, n_kv_heads, cross, causal):
+    rng = np.random.default_rng(4)
+    d_model, d_memory = 8, (6 if cross else 8)
+    spec = L.attention_parameters(d_model, n_heads, n_kv_heads=n_kv_heads, d_source=d_memory)
+    params = random_params(spec, rng)
+    x = rng.standard_normal((2, 3, d_model))
+    memory = rng.standard_normal((2, 5, d_memory)) if cross else None
+    out, _ = L.multi_head_attention_forward(
+        params,
+        x,
+        memory,
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        is_causal=causal,
+        backend=any_backend,
+    )
+    expected = _attention_by_loops(
+        params, x, x if memory is None else memory, n_heads, n_kv_heads, causal
+    )
+    assert_close(out, expected, 1e-12)
+
+
+def test_attention_agrees_with_pytorch_multihead_attention():
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(5)
+    params = random_params(L.attention_parameters(8, 2), rng)
+    x = rng.standard_normal((3, 4, 8))
+    out, _ = L.multi_head_attention_forward(params, x, n_heads=2, is_causal=True, backend="cpu")
+    t = torch.from_numpy
+    in_proj = t(np.concatenate([params[w].T for w in ("w_q", "w_k", "w_v")]))
+    in_bias = t(np.concatenate([params[b] for b in ("b_q", "b_k", "b_v")]))
+    x_t = t(x).transpose(0, 1)  # PyTorch's functional form is (L, batch, d)
+    expected, _ = torch.nn.functional.multi_head_attention_forward(
+        x_t,
+        x_t,
+        x_t,
+        8,
+        2,
+        in_proj,
+        in_bias,
+        None,
+        None,
+        False,
+        0.0,
+        t(params["w_o"].T),
+        t(params["b_o"]),
+        attn_mask=torch.ones(4, 4).triu(1).bool(),
+        need_weights=False,
+    )
+    assert_close(out, expected.transpose(0, 1).numpy(), 1e-12)
+
+
+# -- gradients against finite differences ----------------------------------------------
+
+
+def _check_primitive(forward, backward, inputs, rng):
+    out, cache = forward()
+    weights = rng.standard_normal(np.shape(out))
+    grads = backward(weights, cache)
+    finite_difference_check(lambda: weighted_sum(forward()[0], weights), inputs, grads, rng)
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_norm_gradients(backend):
+    rng = np.random.default_rng(6)
+    x, weight, bias = rng.standard_normal((2, 3, 5)), rng.standard_normal(5), rng.standard_normal(5)
+
+    def layer_norm():
+        return L.layer_norm_forward(x, weight, bias, 1e-3, backend=backend)
+
+    def layer_norm_grads(g, cache):
+        return dict(zip(("x", "weight", "bias"), L.layer_norm_backward(g, cache), strict=True))
+
+    _check_primitive(layer_norm, layer_norm_grads, {"x": x, "weight": weight, "bias": bias}, rng)
+
+    def rms_norm():
+        return L.rms_norm_forward(x, weight, 1e-3, backend=backend)
+
+    def rms_norm_grads(g, cache):
+        return dict(zip(("x", "weight"), L.rms_norm_backward(g, cache), strict=True))
+
+    _check_primitive(rms_norm, rms_norm_grads, {"x": x, "weight": weight}, rng)
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+@pytest.mark.parametrize("activation", list(L.ACTIVATIONS))
+def test_activation_gradients(backend, activation):
+    rng = np.random.default_rng(7)
+    h = rng.standard_normal((3, 6))
+    h += 0.1 * np.sign(h)  # keep ReLU's kink at 0 further than the step from every entry
+
+    def forward():
+        return L.ffn_activation_forward(h, activation, backend=backend)
+
+    def grads(g, cache):
+        return {"h": L.ffn_activation_backward(g, cache)}
+
+    _check_primitive(forward, grads, {"h": h}, rng)
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+@pytest.mark.parametrize(
+    ("smoothing", "reduction"), [(0.0, "mean"), (0.1, "sum"), (0.3, "none"), (1.0, "mean")]
+)
+def test_log_softmax_and_cross_entropy_gradients(backend, smoothing, reduction):
+    rng = np.random.default_rng(8)
+    logits = 2 * rng.standard_normal((2, 3, 5))
+    targets = rng.integers(0, 5, size=(2, 3))
+    targets[1, 2] = -100
+
+    def log_softmax():
+        return L.log_softmax_forward(logits, backend=backend)
+
+    def log_softmax_grads(g, cache):
+        return {"logits": L.log_softmax_backward(g, cache)}
+
+    _check_primitive(log_softmax, log_softmax_grads, {"logits": logits}, rng)
+
+    def loss():
+        return L.cross_entropy_forward(
+            logits, targets, label_smoothing=smoothing, reduction=reduction, backend=backend
+        )
+
+    def loss_grads(g, cache):
+        return {"logits": L.cross_entropy_backward(g, cache)}
+
+    _check_primitive(loss, loss_grads, {"logits": logits}, rng)
+
+
+@pytest.mark.parametrize("activation", list(L.ACTIVATIONS))
+@pytest.mark.parametrize("bias", [True, False])
+def test_feed_forward_gradients(activation, bias):
+    rng = np.random.default_rng(9)
+    spec = L.feed_forward_parameters(4, 6, activation=activation, bias=bias)
+    params = random_params(spec, rng)
+    x = rng.standard_normal((2, 3, 4))
+
+    def forward():
+        return L.feed_forward_forward(params, x, activation=activation, backend="reference")
+
+    def grads(g, cache):
+        grad_x, param_grads = L.feed_forward_backward(g, cache)
+        return {"x": grad_x, **param_grads}
+
+    _check_primitive(forward, grads, {"x": x, **params}, rng)
+
+
+ATTENTION_CASES = {
+    "self": {},
+    "self-causal-gqa": {"n_heads": 4, "n_kv_heads": 2, "is_causal": True},
+    "self-boolean-mask": {"mask": "bool"},
+    "self-additive-mask-no-bias": {"mask": "float", "bias": False},
+    "cross": {"cross": True},
+    "cross-mqa-masked": {"cross": True, "n_heads": 4, "n_kv_heads": 1, "mask": "bool"},
+}
+
+
+@pytest.mark.parametrize("case", list(ATTENTION_CASES))
+def test_attention_gradients(case):
+    options = {"n_heads": 2, "n_kv_heads": None, "is_causal": False, "bias": True}
+    options.update(ATTENTION_CASES[case])
+    rng = np.random.default_rng(10)
+    cross = options.get("cross", False)
+    d_memory = 5 if cross else 8
+    spec = L.attention_parameters(
+        8,
+        options["n_heads"],
+        n_kv_heads=options["n_kv_heads"],
+        d_source=d_memory,
+        bias=options["bias"],
+    )
+    params = random_params(spec, rng)
+    x = rng.standard_normal((2, 3, 8))
+    memory = rng.standard_normal((2, 4, d_memory)) if cross else None
+    n_key = 4 if cross else 3
+    mask = None
+    if options.get("mask") == "bool":
+        mask = rng.random((2, 1, 3, n_key)) < 0.7
+        mask[..., 0, :] = False  # a query that may attend nothing: zero output, zero gradient
+    elif options.get("mask") == "float":
+        mask = rng.standard_normal((3, n_key))
+
+    def forward():
+        return L.multi_head_attention_forward(
+            params,
+            x,
+            memory,
+            n_heads=options["n_heads"],
+            n_kv_heads=options["n_kv_heads"],
+            attn_mask=mask,
+            is_causal=options["is_causal"],
+            backend="reference",
+        )
+
+    def grads(g, cache):
+        grad_x, grad_memory, param_grads = L.multi_head_attention_backward(g, cache)
+        assert (grad_memory is None) == (not cross)
+        return {"x": grad_x, "memory": grad_memory, **param_grads}
+
+    inputs = {"x": x, **params} | ({"memory": memory} if cross else {})
+    _check_primitive(forward, grads, inputs, rng)
+
+
+@pytest.mark.parametrize("order", L.NORM_ORDERS)
+@pytest.mark.parametrize("norm", L.NORMS)
+def test_residual_gradients_and_formulas(order, norm):
+    rng = np.random.default_rng(12)
+    x = rng.standard_normal((2, 3, 4))
+    norm_params = random_params(L.norm_parameters(4, norm), rng)
+    sublayer_params = random_params(L.feed_forward_parameters(4, 5, activation="gelu"), rng)
+
+    def sublayer(z):
+        return L.feed_forward_forward(sublayer_params, z, activation="gelu", backend="reference")
+
+    def forward():
+        return L.residual_forward(
+            x, sublayer, norm_params, order=order, norm=norm, eps=1e-3, backend="reference"
+        )
+
+    def normalise(z):
+        if norm == "layer_norm":
+            return L.layer_norm(z, norm_params["weight"], norm_params["bias"], 1e-3)
+        return L.rms_norm(z, norm_params["weight"], 1e-3)
+
+    ffn = lambda z: sublayer(z)[0]  # noqa: E731
+    expected = normalise(x + ffn(x)) if order == "post" else x + ffn(normalise(x))
+    assert_close(forward()[0], expected, 1e-14)
+
+    def grads(g, cache):
+        grad_x, norm_grads, ffn_grads = L.residual_backward(g, cache, L.feed_forward_backward)
+        return {"x": grad_x, **norm_grads.prefixed("norm"), **ffn_grads.prefixed("ffn")}
+
+    inputs = {"x": x, **norm_params.prefixed("norm"), **sublayer_params.prefixed("ffn")}
+    _check_primitive(forward, grads, inputs, rng)
+
+
+def test_embedding_and_output_projection_gradients():
+    rng = np.random.default_rng(13)
+    table, bias = rng.standard_normal((6, 4)), rng.standard_normal(6)
+    tokens = np.array([[1, 3, 1], [5, 1, 0]])  # token 1 three times: its gradients add up
+
+    def forward():
+        x, embed_cache = L.embedding_forward(table, tokens)
+        logits, head_cache = L.output_projection_forward(np.tanh(x), table, bias)
+        return logits, (x, embed_cache, head_cache)
+
+    def grads(g, cache):
+        x, embed_cache, head_cache = cache
+        grad_h, grad_table_out, grad_bias = L.output_projection_backward(g, head_cache)
+        grad_table_in = L.embedding_backward(grad_h * (1 - np.tanh(x) ** 2), embed_cache)
+        return {"table": grad_table_in + grad_table_out, "bias": grad_bias}
+
+    _check_primitive(forward, grads, {"table": table, "bias": bias}, rng)
+
+
+BLOCK_CONFIGS = {
+    "post-ln-relu": L.BlockConfig(n_heads=2, activation="relu", norm_order="post"),
+    "pre-rms-swiglu-gqa": L.BlockConfig(
+        n_heads=4, n_kv_heads=2, activation="swiglu", norm="rms_norm", norm_order="pre"
+    ),
+    "pre-ln-gelu": L.BlockConfig(n_heads=2, activation="gelu_tanh", norm_order="pre", eps=1e-3),
+}
+
+
+@pytest.mark.parametrize("name", list(BLOCK_CONFIGS))
+def test_encoder_block_gradients(name):
+    config = BLOCK_CONFIGS[name]
+    rng = np.random.default_rng(14)
+    params = random_params(L.encoder_block_parameters(8, 6, config), rng)
+    x = rng.standard_normal((2, 3, 8))
+    mask = np.array([True, True, False])  # padding: the last key is never attended
+
+    def forward():
+        return L.encoder_block_forward(params, x, config, attn_mask=mask, backend="reference")
+
+    def grads(g, cache):
+        grad_x, param_grads = L.encoder_block_backward(g, cache)
+        return {"x": grad_x, **param_grads}
+
+    _check_primitive(forward, grads, {"x": x, **params}, rng)
+
+
+@pytest.mark.parametrize("name", list(BLOCK_CONFIGS))
+def test_decoder_block_gradients(name):
+    config = BLOCK_CONFIGS[name]
+    rng = np.random.default_rng(15)
+    params = random_params(L.decoder_block_parameters(8, 6, config, d_memory=8), rng)
+    x, memory = rng.standard_normal((2, 3, 8)), rng.standard_normal((2, 4, 8))
+    memory_mask = np.array([True, True, True, False])
+
+    def forward():
+        return L.decoder_block_forward(
+            params, x, memory, config, memory_mask=memory_mask, backend="reference"
+        )
+
+    def grads(g, cache):
+        grad_x, grad_memory, param_grads = L.decoder_block_backward(g, cache)
+        return {"x": grad_x, "memory": grad_memory, **param_grads}
+
+    _check_primitive(forward, grads, {"x": x, "memory": memory, **params}, rng)
+
+
+# -- blocks: kernels vs reference ------------------------------------------------------------
+
+
+@st.composite
+def block_problems(draw):
+    dtype = draw(st.sampled_from(DTYPES))
+    n_kv_heads = draw(st.sampled_from([1, 2]))
+    n_heads = n_kv_heads * draw(st.sampled_from([1, 2]))
+    d_model = n_heads * draw(st.integers(1, 3))
+    config = L.BlockConfig(
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        activation=draw(st.sampled_from(list(L.ACTIVATIONS))),
+        norm=draw(st.sampled_from(L.NORMS)),
+        norm_order=draw(st.sampled_from(L.NORM_ORDERS)),
+    )
+    batch = tuple(draw(st.lists(st.integers(1, 2), max_size=2)))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    length, source = draw(st.integers(1, 4)), draw(st.integers(1, 4))
+    return {
+        "config": config,
+        "d_model": d_model,
+        "d_ff": draw(st.integers(1, 6)),
+        "x": rng.standard_normal((*batch, length, d_model)).astype(dtype),
+        "memory": rng.standard_normal((*batch, source, d_model)).astype(dtype),
+        "rng": rng,
+        "dtype": dtype,
+    }
+
+
+def _run_decoder_block(problem, params, backend):
+    out, cache = L.decoder_block_forward(
+        params, problem["x"], problem["memory"], problem["config"], backend=backend
+    )
+    grad = np.ones_like(out)
+    return out, L.decoder_block_backward(grad, cache)
+
+
+def _check_block_against_reference(problem, backend):
+    dtype = problem["dtype"]
+    spec = L.decoder_block_parameters(problem["d_model"], problem["d_ff"], problem["config"])
+    params = random_params(spec, problem["rng"], dtype).map(lambda a: 0.5 * a)
+    out, (grad_x, grad_memory, grads) = _run_decoder_block(problem, params, backend)
+    expected, (e_grad_x, e_grad_memory, e_grads) = _run_decoder_block(problem, params, "reference")
+    # Three sublayers, each a few reductions over d_model, d_ff and the sequence,
+    # and LayerNorm's division by sigma: a block tolerance of 64 row tolerances.
+    tolerance = 64 * row_tolerance(dtype, problem["d_model"] + problem["d_ff"] + 8)
+    assert out.dtype == dtype
+    assert_close(out, expected, tolerance)
+    assert_close(grad_x, e_grad_x, tolerance)
+    assert_close(grad_memory, e_grad_memory, tolerance)
+    assert set(grads) == set(e_grads) == set(params)
+    for name in grads:
+        assert grads[name].dtype == dtype
+        assert_close(grads[name], e_grads[name], tolerance * problem["x"].size)
+
+
+@settings(max_examples=25)
+@given(problem=block_problems())
+def test_decoder_block_cpu_matches_reference(problem):
+    _check_block_against_reference(problem, "cpu")
+
+
+@pytest.mark.cuda
+def test_decoder_block_cuda_matches_reference():
+    rng = np.random.default_rng(16)
+    config = L.BlockConfig(n_heads=2, n_kv_heads=1, activation="swiglu", norm_order="pre")
+    problem = {
+        "config": config,
+        "d_model": 4,
+        "d_ff": 3,
+        "x": rng.standard_normal((1, 2, 4)),
+        "memory": rng.standard_normal((1, 3, 4)),
+        "rng": rng,
+        "dtype": np.float64,
+    }
+    _check_block_against_reference(problem, "cuda")
+
+
+# -- whole models -------------------------------------------------------------------------------
+
+TINY_MODELS = {
+    "gpt-like": ModelConfig(
+        name="tiny-gpt",
+        architecture="decoder",
+        vocab_size=11,
+        d_model=8,
+        n_layers=2,
+        n_heads=2,
+        d_ff=12,
+        activation="gelu_tanh",
+        n_positions=6,
+        n_ctx=6,
+    ),
+    "llama-like": ModelConfig(
+        name="tiny-llama",
+        architecture="decoder",
+        vocab_size=11,
+        d_model=8,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        d_ff=6,
+        activation="swiglu",
+        norm="rms_norm",
+        bias=False,
+        position="none",
+        output_head="untied",
+        n_ctx=6,
+    ),
+    "bert-like": ModelConfig(
+        name="tiny-bert",
+        architecture="encoder",
+        vocab_size=11,
+        d_model=8,
+        n_layers=2,
+        n_heads=2,
+        d_ff=12,
+        norm_order="post",
+        n_positions=6,
+        n_token_types=2,
+        embedding_norm=True,
+        final_norm=False,
+        output_head="tied",
+        output_bias=True,
+        n_ctx=6,
+    ),
+    "transformer-like": ModelConfig(
+        name="tiny-transformer",
+        architecture="encoder-decoder",
+        vocab_size=11,
+        d_model=8,
+        n_layers=2,
+        n_decoder_layers=1,
+        n_heads=2,
+        d_ff=12,
+        activation="relu",
+        norm_order="post",
+        position="sinusoidal",
+        final_norm=False,
+        scale_embeddings=True,
+        shared_embeddings=False,
+        n_ctx=6,
+    ),
+}
+
+
+def _model_run(config, params, rng):
+    source = rng.integers(0, config.vocab_size, size=(2, 5))
+    target = rng.integers(0, config.vocab_size, size=(2, 4))
+    types = source % 2
+
+    def forward():
+        if config.architecture == "encoder-decoder":
+            return M.encoder_decoder_forward(params, source, target, config, backend="reference")
+        if config.architecture == "encoder":
+            return M.encoder_forward(params, source, config, token_types=types, backend="reference")
+        return M.decoder_only_forward(params, source, config, backend="reference")
+
+    backward = {
+        "encoder": M.encoder_backward,
+        "decoder": M.decoder_only_backward,
+        "encoder-decoder": M.encoder_decoder_backward,
+    }[config.architecture]
+    return forward, backward
+
+
+@pytest.mark.parametrize("name", list(TINY_MODELS))
+def test_model_gradients(name):
+    config = TINY_MODELS[name]
+    rng = np.random.default_rng(17)
+    params = M.init_model(config, seed=3).map(lambda a: a + 0.3 * rng.standard_normal(a.shape))
+    forward, backward = _model_run(config, params, rng)
+    grads = backward(rng.standard_normal(forward()[0].shape), forward()[1])
+    assert set(grads) == set(params)
+    _check_primitive(forward, backward, dict(params), rng)
+
+
+def test_training_loss_gradient_through_a_decoder_only_model():
+    config = TINY_MODELS["gpt-like"]
+    rng = np.random.default_rng(18)
+    params = M.init_model(config, seed=4, std=0.3)
+    tokens = rng.integers(0, 11, size=(2, 6))
+
+    def loss():
+        logits, _ = M.decoder_only_forward(params, tokens[:, :-1], config, backend="reference")
+        return float(
+            L.cross_entropy(logits, tokens[:, 1:], label_smoothing=0.1, backend="reference")
+        )
+
+    logits, cache = M.decoder_only_forward(params, tokens[:, :-1], config, backend="reference")
+    _, loss_cache = L.cross_entropy_forward(
+        logits, tokens[:, 1:], label_smoothing=0.1, backend="reference"
+    )
+    grads = M.decoder_only_backward(L.cross_entropy_backward(1.0, loss_cache), cache)
+    finite_difference_check(loss, dict(params), grads, rng, max_coords=3)
+
+
+def test_decoder_only_model_is_causal():
+    config = TINY_MODELS["llama-like"]
+    params = M.init_model(config, seed=5, std=0.5)
+    tokens = np.array([[1, 2, 3, 4, 5]])
+    changed = tokens.copy()
+    changed[0, 3] = 9
+    before, _ = M.decoder_only_forward(params, tokens, config, backend="cpu")
+    after, _ = M.decoder_only_forward(params, changed, config, backend="cpu")
+    assert np.array_equal(before[0, :3], after[0, :3])
+    assert np.max(np.abs(before[0, 3:] - after[0, 3:])) > 1e-6
+
+
+def test_init_is_reproducible_and_seeded_per_name():
+    config = TINY_MODELS["gpt-like"]
+    first, again, other = (M.init_model(config, seed=s) for s in (1, 1, 2))
+    assert all(np.array_equal(first[n], again[n]) for n in first)
+    assert not np.array_equal(first["embed.tokens"], other["embed.tokens"])
+    deeper = M.init_model(ModelConfig(**{**config.__dict__, "n_layers": 3}), seed=1)
+    # Adding a layer leaves every existing parameter as it was.
+    assert all(np.array_equal(first[n], deeper[n]) for n in first)
+    assert first["decoder.layers.0.norm1.weight"].tolist() == [1.0] * 8
+
+
+def test_float32_model_stays_float32():
+    config = TINY_MODELS["transformer-like"]
+    params = M.init_model(config, seed=0, dtype=np.float32)
+    logits, cache = M.encoder_decoder_forward(params, [[1, 2, 3]], [[4, 5]], config, backend="cpu")
+    assert logits.dtype == np.float32
+    grads = M.encoder_decoder_backward(np.ones_like(logits), cache)
+    assert {g.dtype for g in grads.values()} == {np.dtype(np.float32)}
+
+
+# -- bad input --------------------------------------------------------------------------
+
+X = np.ones((2, 3, 8))
+ATTENTION = L.attention_parameters(8, 2).initialize(0)
+FFN = L.feed_forward_parameters(8, 4).initialize(0)
+
+
+def _with(params, **replacements):
+    return Parameters({**params, **replacements})
+
+
+BAD_CALLS = {
+    "heads do not divide d_model": (
+        lambda: L.multi_head_attention_forward(ATTENTION, X, n_heads=3),
+        ShapeError,
+        ["n_heads = 3", "w_q"],
+    ),
+    "heads do not divide d_model at init": (
+        lambda: L.attention_parameters(8, 3),
+        ValueError,
+        ["n_heads = 3", "d_model = 8"],
+    ),
+    "kv heads do not divide heads": (
+        lambda: L.multi_head_attention_forward(ATTENTION, X, n_heads=2, n_kv_heads=3),
+        ValueError,
+        ["n_kv_heads = 3"],
+    ),
+    "n_heads not an integer": (
+        lambda: L.multi_head_attention_forward(ATTENTION, X, n_heads=2.0),
+        TypeError,
+        ["n_heads"],
+    ),
+    "w_k of the wrong shape": (
+        lambda: L.multi_head_attention_forward(_with(ATTENTION, w_k=np.ones((8, 6))), X, n_heads=2),
+        ShapeError,
+        ["w_k", "(8, 8)", "(8, 6)"],
+    ),
+    "memory of another batch": (
+        lambda: L.multi_head_attention_forward(ATTENTION, X, np.ones((3, 4, 8)), n_heads=2),
+        ShapeError,
+        ["memory", "(3, 4, 8)"],
+    ),
+    "w_2 of the wrong shape": (
+        lambda: L.feed_forward_forward(_with(FFN, w_2=np.ones((5, 8))), X),
+        ShapeError,
+        ["w_2", "(4, 8)", "(5, 8)"],
+    ),
+    "w_1 does not fit x": (
+        lambda: L.feed_forward_forward(FFN, np.ones((2, 7))),
+        ShapeError,
+        ["w_1", "d_model = 7"],
+    ),
+    "float32 weights for float64 input": (
+        lambda: L.feed_forward_forward(FFN.astype(np.float32), X),
+        DTypeError,
+        ["w_1", "float32"],
+    ),
+    "unknown activation": (
+        lambda: L.feed_forward_forward(FFN, X, activation="tanh"),
+        ValueError,
+        ["activation", "'tanh'"],
+    ),
+    "unknown activation in a block": (
+        lambda: L.BlockConfig(n_heads=2, activation="swish"),
+        ValueError,
+        ["activation"],
+    ),
+    "unknown norm": (lambda: L.norm_parameters(8, "batch_norm"), ValueError, ["norm"]),
+    "unknown residual order": (
+        lambda: L.residual_forward(X, None, Parameters(), order="middle"),
+        ValueError,
+        ["order"],
+    ),
+    "odd swiglu width": (
+        lambda: L.ffn_activation(np.ones((2, 3)), "swiglu"),
+        ShapeError,
+        ["h", "even"],
+    ),
+    "layer norm weight of the wrong shape": (
+        lambda: L.layer_norm(X, np.ones(7), np.zeros(8)),
+        ShapeError,
+        ["weight", "(8,)", "(7,)"],
+    ),
+    "negative eps": (lambda: L.rms_norm(X, np.ones(8), eps=-1.0), ValueError, ["eps"]),
+    "tokens outside the vocabulary": (
+        lambda: L.embedding_forward(np.ones((5, 2)), [1, 5]),
+        ValueError,
+        ["tokens", "[0, 5)"],
+    ),
+    "float tokens": (
+        lambda: L.embedding_forward(np.ones((5, 2)), [1.0]),
+        DTypeError,
+        ["tokens", "float64"],
+    ),
+    "targets of the wrong shape": (
+        lambda: L.cross_entropy(np.ones((2, 3, 4)), np.zeros((3, 2), int)),
+        ShapeError,
+        ["targets", "(2, 3)", "(3, 2)"],
+    ),
+    "targets outside the classes": (
+        lambda: L.cross_entropy(np.ones((2, 4)), [0, 4]),
+        ValueError,
+        ["targets", "[0, 4)"],
+    ),
+    "label smoothing above 1": (
+        lambda: L.cross_entropy(np.ones((2, 4)), [0, 1], label_smoothing=1.5),
+        ValueError,
+        ["label_smoothing"],
+    ),
+    "unknown reduction": (
+        lambda: L.cross_entropy(np.ones((2, 4)), [0, 1], reduction="max"),
+        ValueError,
+        ["reduction"],
+    ),
+    "the wrong cache": (
+        lambda: L.rms_norm_backward(X, L.layer_norm_forward(X, np.ones(8), np.zeros(8))[1]),
+        ValueError,
+        ["layer_norm_forward", "rms_norm_backward"],
+    ),
+    "a gradient of the wrong shape": (
+        lambda: L.layer_norm_backward(
+            np.ones((2, 8)), L.layer_norm_forward(X, np.ones(8), np.zeros(8))[1]
+        ),
+        ShapeError,
+        ["grad_y", "(2, 3, 8)"],
+    ),
+    "rotary positions in a forward pass": (
+        lambda: M.decoder_only_forward(
+            M.init_model(TINY_MODELS["llama-like"]),
+            [[1]],
+            ModelConfig(**{**TINY_MODELS["llama-like"].__dict__, "position": "rotary"}),
+        ),
+        NotImplementedError,
+        ["rotary"],
+    ),
+    "the wrong architecture": (
+        lambda: M.encoder_forward(Parameters(), [[1]], TINY_MODELS["gpt-like"]),
+        ValueError,
+        ["decoder", "encoder"],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_CALLS))
+def test_bad_input_is_refused_with_a_message_naming_the_argument(case):
+    call, exception, words = BAD_CALLS[case]
+    with pytest.raises(exception) as caught:
+        call()
+    for word in words:
+        assert word in str(caught.value), f"{word!r} missing from: {caught.value}"
+
+
+def _forbidden_implementation(*args, **kwargs):
+    raise AssertionError("a kernel ran before the input was validated")
+
+
+@pytest.fixture
+def layer_kernels_must_not_run(monkeypatch):
+    for routine in (
+        L.LAYER_NORM,
+        L.RMS_NORM,
+        L.FFN_ACTIVATION,
+        L.LOG_SOFTMAX,
+        L.CROSS_ENTROPY,
+    ):
+        for backend in _dispatch.BACKENDS:
+            monkeypatch.setitem(
+                routine.targets, backend, "tests.test_layers:_forbidden_implementation"
+            )
+    _dispatch._load.cache_clear()
+    yield
+    _dispatch._load.cache_clear()
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: L.layer_norm(X, np.ones(8), np.ones(8, np.float32)),
+        lambda: L.rms_norm(X.astype(int), np.ones(8)),
+        lambda: L.ffn_activation(X, "elu"),
+        lambda: L.log_softmax(np.ones(3, complex)),
+        lambda: L.cross_entropy(X, np.ones((2, 3))),
+    ],
+)
+def test_bad_input_is_refused_before_any_kernel(layer_kernels_must_not_run, call):
+    with pytest.raises((ValueError, TypeError)):
+        call()

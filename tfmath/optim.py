@@ -1,0 +1,239 @@
+r"""The optimiser of seed 002 and Vaswani et al. (2017, section 5.3): Adam with warm-up.
+
+:class:`Adam` is Kingma and Ba's (2015) algorithm with the transformer's
+settings :math:`\beta_1 = 0.9`, :math:`\beta_2 = 0.98`, :math:`\epsilon = 10^{-9}`
+as defaults. It is functional: :meth:`Adam.init` makes an :class:`AdamState`
+and :meth:`Adam.update` returns new parameters and a new state, changing
+neither input, so nothing is hidden between steps.
+
+:class:`WarmupSchedule` is the learning rate
+
+.. math::
+
+    \mathrm{lr}(t) = d^{-1/2} \min\big(t^{-1/2},\; t\, w^{-3/2}\big),
+
+which rises linearly for :math:`w` warm-up steps and then decays as
+:math:`t^{-1/2}`. Both branches meet where :math:`t^{-1/2} = t\,w^{-3/2}`,
+i.e. :math:`t^{3/2} = w^{3/2}`, so the peak is at step :math:`t^* = w` with
+value :math:`\mathrm{lr}(w) = d^{-1/2} w^{-1/2} = 1/\sqrt{d\,w}`.
+"""
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from tfmath.errors import ShapeError
+from tfmath.params import Parameters
+
+__all__ = ["Adam", "AdamState", "WarmupSchedule"]
+
+
+def _real(name, value, *, low, low_inclusive=True, high=None):
+    if isinstance(value, bool) or not isinstance(value, int | float | np.integer | np.floating):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
+    value = float(value)
+    too_low = value < low if low_inclusive else value <= low
+    if not math.isfinite(value) or too_low or (high is not None and value >= high):
+        bound = (
+            f"[{low}, {high})" if high is not None else f"{'>=' if low_inclusive else '>'} {low}"
+        )
+        raise ValueError(f"{name} must be {bound}, got {value}")
+    return value
+
+
+@dataclass(frozen=True)
+class WarmupSchedule:
+    r"""The transformer's learning rate, :math:`d^{-1/2} \min(t^{-1/2}, t\, w^{-3/2})`.
+
+    Seed 002 and Vaswani et al. (2017), equation 3, with :math:`d = d_{model}`
+    and :math:`w` the warm-up steps (4000 in the paper).
+
+    Parameters
+    ----------
+    d_model : float
+        Positive.
+    warmup : float
+        Warm-up steps, at least 1.
+
+    Raises
+    ------
+    ValueError
+        For ``d_model <= 0`` or ``warmup < 1``.
+
+    Examples
+    --------
+    >>> from tfmath.optim import WarmupSchedule
+    >>> schedule = WarmupSchedule(d_model=512, warmup=4000)
+    >>> schedule.peak_step, round(schedule.peak_learning_rate, 10)
+    (4000.0, 0.0006987712)
+    >>> float(schedule(4000)) == schedule.peak_learning_rate
+    True
+    """
+
+    d_model: float
+    warmup: float
+
+    def __post_init__(self):
+        object.__setattr__(
+            self, "d_model", _real("d_model", self.d_model, low=0, low_inclusive=False)
+        )
+        object.__setattr__(self, "warmup", _real("warmup", self.warmup, low=1))
+
+    def __call__(self, step):
+        r"""The learning rate at ``step`` (a number or an array, each :math:`\ge 1`)."""
+        steps = np.asarray(step, dtype=np.float64)
+        if steps.size and not np.all(steps >= 1):
+            raise ValueError(f"step must be >= 1 (step^-0.5 is infinite at 0), got {np.min(steps)}")
+        rate = self.d_model**-0.5 * np.minimum(steps**-0.5, steps * self.warmup**-1.5)
+        return rate if rate.ndim else float(rate)
+
+    @property
+    def peak_step(self):
+        """:math:`t^* = w`, where the linear rise meets the :math:`t^{-1/2}` decay."""
+        return self.warmup
+
+    @property
+    def peak_learning_rate(self):
+        r""":math:`\mathrm{lr}(w) = (d\, w)^{-1/2}`."""
+        return 1 / math.sqrt(self.d_model * self.warmup)
+
+
+@dataclass(frozen=True)
+class AdamState:
+    """Adam's state between steps.
+
+    Attributes
+    ----------
+    step : int
+        Steps taken so far.
+    first_moment, second_moment : Parameters
+        :math:`m` and :math:`v`, named as the parameters.
+    """
+
+    step: int
+    first_moment: Parameters
+    second_moment: Parameters
+
+
+@dataclass(frozen=True)
+class Adam:
+    r"""Adam (Kingma and Ba 2015, algorithm 1) with the transformer's defaults.
+
+    For each parameter :math:`\theta` with gradient :math:`g`, at step :math:`t`:
+
+    .. math::
+
+        m_t = \beta_1 m_{t-1} + (1 - \beta_1)\, g, \qquad
+        v_t = \beta_2 v_{t-1} + (1 - \beta_2)\, g^2,
+
+        \theta_t = \theta_{t-1} - \alpha_t\,
+            \frac{m_t / (1 - \beta_1^t)}{\sqrt{v_t / (1 - \beta_2^t)} + \epsilon} .
+
+    The divisions by :math:`1 - \beta^t` undo the moments' bias towards their
+    zero start; on the first step the update is
+    :math:`\alpha\, g / (|g| + \epsilon)`, a step of size about :math:`\alpha`
+    in the direction of :math:`-\operatorname{sign}(g)`.
+
+    Parameters
+    ----------
+    learning_rate : float or callable, optional
+        :math:`\alpha`, or a function of the step :math:`t = 1, 2, \dots`
+        returning it, such as :class:`WarmupSchedule`.
+    beta1, beta2 : float, optional
+        In [0, 1); default 0.9 and 0.98 (Vaswani et al. 2017, section 5.3).
+    eps : float, optional
+        Default :math:`10^{-9}`.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from tfmath.optim import Adam, WarmupSchedule
+    >>> from tfmath.params import Parameters
+    >>> params = Parameters({"w": np.array([1.0, -2.0])})
+    >>> adam = Adam(learning_rate=0.1)
+    >>> state = adam.init(params)
+    >>> params, state = adam.update(params, Parameters({"w": np.array([0.5, -3.0])}), state)
+    >>> params["w"].round(6)
+    array([ 0.9, -1.9])
+    """
+
+    learning_rate: float | Callable = 1e-3
+    beta1: float = 0.9
+    beta2: float = 0.98
+    eps: float = 1e-9
+
+    def __post_init__(self):
+        if not callable(self.learning_rate):
+            _real("learning_rate", self.learning_rate, low=0)
+        _real("beta1", self.beta1, low=0, high=1)
+        _real("beta2", self.beta2, low=0, high=1)
+        _real("eps", self.eps, low=0)
+
+    def init(self, params):
+        """The state before the first step: zero moments, step 0."""
+        params = _parameters("params", params)
+        return AdamState(0, params.zeros_like(), params.zeros_like())
+
+    def rate(self, step):
+        """:math:`\\alpha_t` at step ``step``."""
+        rate = self.learning_rate(step) if callable(self.learning_rate) else self.learning_rate
+        return _real("learning_rate", rate, low=0)
+
+    def update(self, params, grads, state):
+        """One step: new parameters and state (the inputs are not modified).
+
+        Parameters
+        ----------
+        params, grads : Parameters
+            With the same names and shapes.
+        state : AdamState
+            From :meth:`init` or the previous :meth:`update`.
+
+        Returns
+        -------
+        params : Parameters
+        state : AdamState
+
+        Raises
+        ------
+        ShapeError
+            When ``grads`` and ``params`` differ in names or shapes.
+        """
+        params, grads = _parameters("params", params), _parameters("grads", grads)
+        _check_matching(params, grads, state)
+        step = state.step + 1
+        rate = self.rate(step)
+        first_correction = 1 - self.beta1**step
+        second_correction = 1 - self.beta2**step
+        new_params, first, second = {}, {}, {}
+        for name, theta in params.items():
+            g = grads[name]
+            m = self.beta1 * state.first_moment[name] + (1 - self.beta1) * g
+            v = self.beta2 * state.second_moment[name] + (1 - self.beta2) * g * g
+            step_size = (m / first_correction) / (np.sqrt(v / second_correction) + self.eps)
+            new_params[name] = (theta - rate * step_size).astype(theta.dtype)
+            first[name], second[name] = m.astype(theta.dtype), v.astype(theta.dtype)
+        return Parameters(new_params), AdamState(step, Parameters(first), Parameters(second))
+
+
+def _parameters(name, value):
+    if not isinstance(value, Parameters):
+        raise TypeError(f"{name} must be a tfmath.params.Parameters, got {type(value).__name__}")
+    return value
+
+
+def _check_matching(params, grads, state):
+    if not isinstance(state, AdamState):
+        raise TypeError(f"state must be an AdamState, got {type(state).__name__}")
+    if set(params) != set(grads):
+        raise ShapeError(
+            f"grads must have the names of params: missing {sorted(set(params) - set(grads))}, "
+            f"extra {sorted(set(grads) - set(params))}"
+        )
+    for name, theta in params.items():
+        if grads[name].shape != theta.shape or state.first_moment[name].shape != theta.shape:
+            raise ShapeError(
+                f"grads[{name!r}] has shape {grads[name].shape} but the parameter has {theta.shape}"
+            )

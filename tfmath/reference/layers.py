@@ -1,0 +1,260 @@
+r"""NumPy oracles for the transformer layers' kernels, and attention's derivative.
+
+Every function here takes the validated, C-contiguous 2-D row blocks that
+:mod:`tfmath.layers` hands to all backends (one row per token), and is
+written for clarity: the CPU and CUDA kernels are tested against it.
+
+The activation codes are those of :data:`tfmath.layers.ACTIVATIONS`:
+0 ReLU, 1 GELU (erf), 2 GELU (tanh approximation), 3 SwiGLU.
+"""
+
+import math
+
+import numpy as np
+from scipy.special import erf
+
+RELU, GELU, GELU_TANH, SWIGLU = 0, 1, 2, 3
+
+
+def layer_norm(x, weight, bias, eps):
+    r"""Layer normalisation of each row (Ba et al. 2016).
+
+    .. math::
+
+        \mu = \frac1d \sum_j x_j, \quad \sigma^2 = \frac1d \sum_j (x_j - \mu)^2,
+        \quad y_j = \gamma_j \frac{x_j - \mu}{\sqrt{\sigma^2 + \epsilon}} + \beta_j
+
+    Returns
+    -------
+    y : array (n, d)
+    mean, rstd : arrays (n,)
+        :math:`\mu` and :math:`1/\sqrt{\sigma^2 + \epsilon}`, kept for the backward pass.
+    """
+    mean = x.mean(axis=1)
+    centred = x - mean[:, None]
+    rstd = 1 / np.sqrt((centred * centred).mean(axis=1) + eps)
+    y = centred * rstd[:, None] * weight + bias
+    return y.astype(x.dtype), mean.astype(x.dtype), rstd.astype(x.dtype)
+
+
+def layer_norm_backward(grad_y, x, weight, mean, rstd):
+    r"""Gradients of :func:`layer_norm`.
+
+    With :math:`\hat x = (x - \mu) r`, :math:`r = 1/\sqrt{\sigma^2+\epsilon}` and
+    :math:`g = \gamma \odot \partial L/\partial y`,
+
+    .. math::
+
+        \frac{\partial L}{\partial x} = r \left( g - \overline{g} - \hat x\,
+            \overline{g \hat x} \right), \quad
+        \frac{\partial L}{\partial \gamma} = \sum_{\text{rows}} \frac{\partial L}{\partial y}
+            \odot \hat x, \quad
+        \frac{\partial L}{\partial \beta} = \sum_{\text{rows}} \frac{\partial L}{\partial y}
+
+    where the bars are means over the row's :math:`d` features.
+    """
+    normalised = (x - mean[:, None]) * rstd[:, None]
+    g = grad_y * weight
+    grad_x = rstd[:, None] * (
+        g
+        - g.mean(axis=1, keepdims=True)
+        - normalised * (g * normalised).mean(axis=1, keepdims=True)
+    )
+    grad_weight = (grad_y * normalised).sum(axis=0)
+    grad_bias = grad_y.sum(axis=0)
+    return grad_x.astype(x.dtype), grad_weight.astype(x.dtype), grad_bias.astype(x.dtype)
+
+
+def rms_norm(x, weight, eps):
+    r"""Root-mean-square normalisation of each row (Zhang and Sennrich 2019).
+
+    .. math:: y_j = \gamma_j\, x_j\, r, \qquad r = \Big(\frac1d \sum_j x_j^2 + \epsilon\Big)^{-1/2}
+
+    Returns ``y`` and ``r`` (per row).
+    """
+    rstd = 1 / np.sqrt((x * x).mean(axis=1) + eps)
+    return (x * rstd[:, None] * weight).astype(x.dtype), rstd.astype(x.dtype)
+
+
+def rms_norm_backward(grad_y, x, weight, rstd):
+    r"""Gradients of :func:`rms_norm`.
+
+    Since :math:`\partial r / \partial x_j = -r^3 x_j / d`, with :math:`g = \gamma \odot
+    \partial L/\partial y`,
+
+    .. math::
+
+        \frac{\partial L}{\partial x} = r \left( g - x\, r^2\, \overline{g x} \right),
+        \qquad \frac{\partial L}{\partial \gamma} = \sum_{\text{rows}}
+            \frac{\partial L}{\partial y} \odot x\, r
+    """
+    r = rstd[:, None]
+    g = grad_y * weight
+    grad_x = r * (g - x * r * r * (g * x).mean(axis=1, keepdims=True))
+    grad_weight = (grad_y * x * r).sum(axis=0)
+    return grad_x.astype(x.dtype), grad_weight.astype(x.dtype)
+
+
+def _gelu_tanh_inner(x):
+    return math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)
+
+
+def _silu(x):
+    return x / (1 + np.exp(-x))
+
+
+def ffn_activation(h, code):
+    r"""The feed-forward network's nonlinearity, applied to the first linear map's output.
+
+    .. math::
+
+        \operatorname{ReLU}(h) = \max(0, h), \quad
+        \operatorname{GELU}(h) = h\,\Phi(h)
+            = \tfrac{h}{2}\big(1 + \operatorname{erf}(h/\sqrt2)\big),
+
+        \operatorname{GELU}_{\tanh}(h) = \tfrac{h}{2}\Big(1 + \tanh\big(\sqrt{2/\pi}\,
+            (h + 0.044715\, h^3)\big)\Big), \quad
+        \operatorname{SwiGLU}([a, b]) = \operatorname{SiLU}(a) \odot b
+            = \frac{a}{1 + e^{-a}} \odot b
+
+    For SwiGLU the row holds the gate :math:`a` in its first half and :math:`b`
+    in its second, and the result has half the width.
+    """
+    if code == RELU:
+        out = np.maximum(h, 0)
+    elif code == GELU:
+        out = 0.5 * h * (1 + erf(h / math.sqrt(2)))
+    elif code == GELU_TANH:
+        out = 0.5 * h * (1 + np.tanh(_gelu_tanh_inner(h)))
+    else:
+        gate, up = np.split(h, 2, axis=1)
+        out = _silu(gate) * up
+    return out.astype(h.dtype)
+
+
+def ffn_activation_backward(grad_out, h, code):
+    r"""Gradient of :func:`ffn_activation` with respect to its input ``h``.
+
+    .. math::
+
+        \operatorname{ReLU}'(h) = [h > 0], \quad
+        \operatorname{GELU}'(h) = \Phi(h) + h\,\varphi(h), \quad
+        \varphi(h) = \frac{e^{-h^2/2}}{\sqrt{2\pi}},
+
+        \operatorname{GELU}_{\tanh}'(h) = \tfrac12(1 + t) + \tfrac{h}{2}(1 - t^2)\sqrt{2/\pi}
+            (1 + 3 \cdot 0.044715\, h^2), \quad t = \tanh\big(\sqrt{2/\pi}(h + 0.044715 h^3)\big),
+
+        \frac{\partial\, \operatorname{SiLU}(a) b}{\partial a} = b\,\sigma(a)
+            \big(1 + a(1 - \sigma(a))\big), \quad
+        \frac{\partial\, \operatorname{SiLU}(a) b}{\partial b} = \operatorname{SiLU}(a)
+
+    (ReLU's derivative at 0 is taken as 0, as PyTorch does.)
+    """
+    if code == RELU:
+        grad = grad_out * (h > 0)
+    elif code == GELU:
+        cdf = 0.5 * (1 + erf(h / math.sqrt(2)))
+        pdf = np.exp(-0.5 * h * h) / math.sqrt(2 * math.pi)
+        grad = grad_out * (cdf + h * pdf)
+    elif code == GELU_TANH:
+        t = np.tanh(_gelu_tanh_inner(h))
+        slope = math.sqrt(2 / math.pi) * (1 + 3 * 0.044715 * h * h)
+        grad = grad_out * (0.5 * (1 + t) + 0.5 * h * (1 - t * t) * slope)
+    else:
+        gate, up = np.split(h, 2, axis=1)
+        sigmoid = 1 / (1 + np.exp(-gate))
+        grad_gate = grad_out * up * sigmoid * (1 + gate * (1 - sigmoid))
+        grad = np.concatenate([grad_gate, grad_out * gate * sigmoid], axis=1)
+    return grad.astype(h.dtype)
+
+
+def _max_and_log_sum(x):
+    r"""Per row, :math:`m = \max_j x_j` and :math:`\log \sum_j e^{x_j - m}` (``-inf`` for an
+    all ``-inf`` row).
+
+    The two stay separate: forming :math:`m + \log\sum` first would round it to
+    the precision of :math:`m`, which for float32 logits near :math:`10^4` is
+    :math:`10^{-3}`.
+    """
+    row_max = x.max(axis=1)
+    finite_max = np.where(np.isfinite(row_max), row_max, 0)
+    with np.errstate(divide="ignore"):
+        log_sum = np.log(np.exp(x - finite_max[:, None]).sum(axis=1))
+    return row_max, log_sum
+
+
+def log_softmax(x):
+    r"""Log-softmax of each row, computed without overflow.
+
+    .. math:: \log \operatorname{softmax}(x)_j = (x_j - m) - \log \sum_k e^{x_k - m},
+              \qquad m = \max_k x_k
+
+    A row of all ``-inf`` gives ``-inf`` (the log of the zero vector that
+    :func:`tfmath.softmax` returns for it).
+    """
+    row_max, log_sum = _max_and_log_sum(x)
+    with np.errstate(invalid="ignore"):
+        out = (x - row_max[:, None]) - log_sum[:, None]
+    out[np.isneginf(row_max)] = -np.inf
+    return out.astype(x.dtype)
+
+
+def log_softmax_backward(grad_y, y):
+    r"""Gradient of :func:`log_softmax`: :math:`\partial L/\partial x_j = g_j - p_j \sum_k g_k`.
+
+    Here :math:`p = e^{y}` is the softmax and :math:`g = \partial L / \partial y`.
+    """
+    return (grad_y - np.exp(y) * grad_y.sum(axis=1, keepdims=True)).astype(y.dtype)
+
+
+def cross_entropy(logits, targets, label_smoothing, ignore_index):
+    r"""Cross-entropy of each row against an integer target, with label smoothing.
+
+    The target distribution is :math:`q_j = (1 - \varepsilon)[j = t] + \varepsilon / V`
+    (Szegedy et al. 2016; PyTorch's convention), so with :math:`m = \max_k x_k` and
+    :math:`\lambda = \log\sum_k e^{x_k - m}`
+
+    .. math::
+
+        L = -\sum_j q_j \log \operatorname{softmax}(x)_j
+          = \lambda + (1 - \varepsilon)(m - x_t) + \varepsilon \Big(m - \frac1V
+            \sum_j x_j\Big),
+
+    every bracket a difference of nearby numbers taken exactly. Rows whose
+    target equals ``ignore_index`` get loss 0.
+
+    Returns
+    -------
+    loss, row_max, log_sum : arrays (n,)
+        The loss, and :math:`m` and :math:`\lambda` for the backward pass.
+    """
+    n_rows = logits.shape[0]
+    row_max, log_sum = _max_and_log_sum(logits)
+    ignored = targets == ignore_index
+    safe_targets = np.where(ignored, 0, targets)
+    target_logit = logits[np.arange(n_rows), safe_targets]
+    loss = log_sum + (1 - label_smoothing) * (row_max - target_logit)
+    if label_smoothing != 0:
+        loss = loss + label_smoothing * (row_max - logits.mean(axis=1))
+    loss = np.where(ignored, 0, loss)
+    dtype = logits.dtype
+    return loss.astype(dtype), row_max.astype(dtype), log_sum.astype(dtype)
+
+
+def cross_entropy_backward(
+    grad_loss, logits, targets, row_max, log_sum, label_smoothing, ignore_index
+):
+    r"""Gradient of :func:`cross_entropy`: :math:`\partial L/\partial x_j = g\,(p_j - q_j)`.
+
+    :math:`p_j = e^{(x_j - m) - \lambda}` is the softmax, :math:`q` the smoothed
+    target and :math:`g` the row's upstream gradient; ignored rows get zeros.
+    """
+    n_classes = logits.shape[1]
+    probabilities = np.exp((logits - row_max[:, None]) - log_sum[:, None])
+    target_distribution = np.full(logits.shape, label_smoothing / n_classes)
+    ignored = targets == ignore_index
+    rows = np.flatnonzero(~ignored)
+    target_distribution[rows, targets[rows]] += 1 - label_smoothing
+    grad = grad_loss[:, None] * (probabilities - target_distribution)
+    grad[ignored] = 0
+    return grad.astype(logits.dtype)
