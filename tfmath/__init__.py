@@ -16,6 +16,13 @@ from tfmath.accounting import (
 from tfmath.attention import attention_grad, scaled_dot_product_attention, softmax
 from tfmath.errors import BackendUnavailableError, DTypeError, ShapeError, TfmathError
 from tfmath.layers import cross_entropy, layer_norm, log_softmax, rms_norm
+from tfmath.positional import (
+    alibi_bias,
+    alibi_slopes,
+    embed,
+    rotary_embedding,
+    sinusoidal_encoding,
+)
 
 __all__ = [
     "BackendInfo",
@@ -26,15 +33,20 @@ __all__ = [
     "TfmathError",
     "__version__",
     "activation_memory_per_layer",
+    "alibi_bias",
+    "alibi_slopes",
     "attention_grad",
     "backends",
     "count_parameters",
     "cross_entropy",
+    "embed",
     "flops_per_token",
     "kv_cache_bytes_per_token",
     "layer_norm",
     "log_softmax",
     "rms_norm",
+    "rotary_embedding",
     "scaled_dot_product_attention",
+    "sinusoidal_encoding",
     "softmax",
 ]

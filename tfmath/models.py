@@ -50,6 +50,7 @@ from tfmath.layers import (
     output_projection_forward,
 )
 from tfmath.params import Parameters, ParameterSpec
+from tfmath.positional import sinusoidal_encoding
 
 __all__ = [
     "block_config",
@@ -180,20 +181,6 @@ def init_model(config, seed=0, *, dtype=np.float64, std=0.02):
 # -- embeddings -------------------------------------------------------------------
 
 
-def _sinusoidal_positions(n_positions, d_model, dtype):
-    r""":math:`PE_{pos, 2i} = \sin(pos / 10000^{2i/d})`, :math:`PE_{pos, 2i+1} = \cos(\cdot)`.
-
-    A private copy for the encoder-decoder stack until ``tfmath.sinusoidal_encoding``
-    (issue 4) lands.
-    """
-    positions = np.arange(n_positions)[:, None]
-    frequencies = 10000.0 ** (-np.arange(0, d_model, 2) / d_model)
-    table = np.zeros((n_positions, d_model))
-    table[:, 0::2] = np.sin(positions * frequencies)
-    table[:, 1::2] = np.cos(positions * frequencies[: d_model // 2])
-    return table.astype(dtype)
-
-
 def _embed_forward(params, tokens, config, stack, token_types, backend):
     """Token embedding (scaled), plus positions and token types, then the optional norm."""
     table_name = _token_table(config, stack)
@@ -213,7 +200,7 @@ def _embed_forward(params, tokens, config, stack, token_types, backend):
         x = x + positions
         caches["positions"] = (name, position_cache)
     elif config.position == "sinusoidal":
-        x = x + _sinusoidal_positions(length, config.d_model, x.dtype)
+        x = x + sinusoidal_encoding(length, config.d_model, dtype=x.dtype, backend=backend)
     elif config.position == "rotary":
         raise NotImplementedError(
             "rotary position embeddings act inside attention and are not built by "

@@ -1,0 +1,619 @@
+r"""Positional information: the sinusoidal encoding, RoPE, ALiBi, and token embedding.
+
+The sinusoidal encoding of Vaswani et al. (2017, section 3.5) gives position
+:math:`p` the vector
+
+.. math::
+
+    \mathrm{PE}_{p,\,2i} = \sin(\omega_i p), \qquad
+    \mathrm{PE}_{p,\,2i+1} = \cos(\omega_i p), \qquad
+    \omega_i = \text{base}^{-2i/d_{\text{model}}},
+
+which is added to the token embeddings (:func:`embed`). Rotary embeddings
+(RoPE, Su et al. 2021) instead rotate each query and key pair of features by
+the angle :math:`\omega_i p` (:func:`rotary_embedding`), and ALiBi (Press et
+al. 2022) adds a per-head linear penalty on the query–key distance to the
+attention scores (:func:`alibi_bias`).
+
+Accurate angles at any position
+-------------------------------
+Computing :math:`\omega_i p` in float64 and then its sine loses accuracy as
+:math:`p` grows: the product is rounded to a relative :math:`2^{-53}`, so at
+:math:`p = 10^6` the angle, and with it the encoding, is wrong by about
+:math:`10^{-10}`. tfmath reduces the angle exactly instead. The frequency in
+turns per position, :math:`f_i = \omega_i / 2\pi`, is computed once to 60
+significant digits (Python's :mod:`decimal`) and stored as a 64-bit binary
+fraction :math:`F_i = \lfloor 2^{64} f_i \rfloor`, split into two 32-bit
+halves, plus the float64 remainder :math:`c_i = f_i - 2^{-64} F_i`. For an
+integer position :math:`|p| < 2^{31}` the fractional part of :math:`p f_i` is
+then
+
+.. math::
+
+    p f_i \equiv \left[(p F_i^{\text{high}}) \bmod 2^{32}\right] 2^{-32}
+        + p F_i^{\text{low}}\, 2^{-64} + p\, c_i \pmod 1,
+
+where both integer products fit in 63 bits, so they are exact; only the last
+two terms are rounded, each by at most :math:`2^{-54}` turns. The sine and
+cosine are then taken of :math:`2\pi r` with :math:`r \in [-\tfrac12, \tfrac12]`,
+so every value is within a few units in the last place of the exact
+encoding, at position :math:`2^{31} - 1` as at position 1. This is the idea of
+Payne and Hanek's reduction ("Radian reduction for trigonometric
+functions", SIGNUM Newsletter 18(1), 1983), done once per frequency
+instead of once per argument.
+"""
+
+import decimal
+import functools
+import math
+import numbers
+from dataclasses import dataclass
+
+import numpy as np
+
+from tfmath import _cuda
+from tfmath._dispatch import register, resolve_backend
+from tfmath._validation import as_batched_3d, boolean_flag, float_operand, require_ndim, shape_of
+from tfmath.errors import DTypeError, ShapeError
+
+__all__ = [
+    "FrequencyTable",
+    "alibi_bias",
+    "alibi_slopes",
+    "embed",
+    "frequency_table",
+    "rotary_embedding",
+    "sinusoidal_encoding",
+]
+
+SINUSOIDAL_ENCODING = register(
+    "sinusoidal_encoding",
+    cpu="tfmath.kernels.cpu.positional:sinusoidal_encoding",
+    cuda="tfmath.kernels.cuda.positional:sinusoidal_encoding",
+    reference="tfmath.reference.positional:sinusoidal_encoding",
+)
+
+ROTARY_EMBEDDING = register(
+    "rotary_embedding",
+    cpu="tfmath.kernels.cpu.positional:rotary_embedding",
+    cuda="tfmath.kernels.cuda.positional:rotary_embedding",
+    reference="tfmath.reference.positional:rotary_embedding",
+)
+
+ALIBI_BIAS = register(
+    "alibi_bias",
+    cpu="tfmath.kernels.cpu.positional:alibi_bias",
+    cuda="tfmath.kernels.cuda.positional:alibi_bias",
+    reference="tfmath.reference.positional:alibi_bias",
+)
+
+EMBED = register(
+    "embed",
+    cpu="tfmath.kernels.cpu.positional:embed",
+    cuda="tfmath.kernels.cuda.positional:embed",
+    reference="tfmath.reference.positional:embed",
+)
+
+#: Positions must satisfy ``|p| < POSITION_LIMIT``, so that ``p`` times a 32-bit
+#: half of the frequency fits in a signed 64-bit integer (see the module notes).
+POSITION_LIMIT = 2**31
+
+#: Significant decimal digits of the frequencies before they are split.
+_DECIMAL_DIGITS = 60
+
+_OUTPUT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+
+
+# --- frequencies ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FrequencyTable:
+    r"""The frequencies :math:`\omega_i = \text{base}^{-2i/d}` of one encoding, ready for reduction.
+
+    Attributes
+    ----------
+    angular : numpy.ndarray of float64, shape (n_pairs,)
+        :math:`\omega_i` in radians per position, rounded to float64.
+    halves : numpy.ndarray of int64, shape (n_pairs, 2)
+        The high and low 32 bits of :math:`F_i = \lfloor 2^{64} \omega_i / 2\pi \rfloor`.
+    remainder : numpy.ndarray of float64, shape (n_pairs,)
+        :math:`\omega_i / 2\pi - 2^{-64} F_i`, in :math:`[0, 2^{-64})`.
+    """
+
+    angular: np.ndarray
+    halves: np.ndarray
+    remainder: np.ndarray
+
+    @property
+    def n_pairs(self):
+        return self.angular.shape[0]
+
+
+@functools.cache
+def _decimal_pi():
+    """π to ``_DECIMAL_DIGITS + 20`` digits by Machin's formula, 16 atan(1/5) − 4 atan(1/239)."""
+    digits = _DECIMAL_DIGITS + 20
+    unit = 10 ** (digits + 10)
+
+    def arctan_inverse(x):
+        # atan(1/x) = sum_k (-1)^k / ((2k + 1) x^(2k+1)), in fixed point with `unit` = 1.
+        total, power, k = 0, unit // x, 0
+        while power:
+            term = power // (2 * k + 1)
+            total += -term if k % 2 else term
+            power //= x * x
+            k += 1
+        return total
+
+    scaled = 16 * arctan_inverse(5) - 4 * arctan_inverse(239)
+    return decimal.Context(prec=digits).divide(scaled, unit)
+
+
+@functools.lru_cache(maxsize=64)
+def frequency_table(d_model, base=10000.0):
+    r"""The frequencies of a ``d_model``-dimensional encoding, split for exact angle reduction.
+
+    Pair :math:`i = 0, \dots, \lceil d_{\text{model}}/2 \rceil - 1` rotates with
+    :math:`\omega_i = \text{base}^{-2i/d_{\text{model}}}` radians per position.
+
+    Parameters
+    ----------
+    d_model : int
+        The encoding dimension (positive; not checked here).
+    base : float, optional
+        The base of the geometric progression of wavelengths (> 1; not checked here).
+
+    Returns
+    -------
+    FrequencyTable
+        Read-only arrays; cached per ``(d_model, base)``.
+
+    Examples
+    --------
+    >>> from tfmath.positional import frequency_table
+    >>> frequency_table(4).angular
+    array([1.  , 0.01])
+    """
+    n_pairs = (d_model + 1) // 2
+    angular = np.empty(n_pairs)
+    halves = np.empty((n_pairs, 2), dtype=np.int64)
+    remainder = np.empty(n_pairs)
+    # Every Decimal operation below rounds to _DECIMAL_DIGITS, not to the caller's context.
+    with decimal.localcontext(decimal.Context(prec=_DECIMAL_DIGITS)):
+        log_base = decimal.Decimal(float(base)).ln()
+        two_pi = 2 * _decimal_pi()
+        for i in range(n_pairs):
+            omega = (decimal.Decimal(-2 * i) / d_model * log_base).exp()
+            scaled_turns = omega / two_pi * 2**64
+            fraction = int(scaled_turns)  # the floor, as the value is positive
+            angular[i] = float(omega)
+            halves[i] = (fraction >> 32, fraction & 0xFFFFFFFF)
+            remainder[i] = float((scaled_turns - fraction) / 2**64)
+    for array in (angular, halves, remainder):
+        array.flags.writeable = False
+    return FrequencyTable(angular, halves, remainder)
+
+
+# --- argument checks --------------------------------------------------------------------------
+
+
+def _integer(name, value, *, minimum=None):
+    if isinstance(value, bool | np.bool_) or not isinstance(value, numbers.Integral):
+        raise DTypeError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
+    value = int(value)
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be at least {minimum}, got {value}")
+    return value
+
+
+def _base(base):
+    if isinstance(base, bool) or not isinstance(base, numbers.Real):
+        raise DTypeError(f"base must be a real number, got {base!r} ({type(base).__name__})")
+    base = float(base)
+    if not (math.isfinite(base) and base > 1):
+        raise ValueError(
+            f"base must be a finite number greater than 1 (the wavelengths grow as "
+            f"base^(2i/d_model)), got {base}"
+        )
+    return base
+
+
+def _output_dtype(dtype):
+    try:
+        dtype = np.dtype(dtype)
+    except TypeError:
+        raise DTypeError(f"dtype must be float32 or float64, got {dtype!r}") from None
+    if dtype not in _OUTPUT_DTYPES:
+        raise DTypeError(f"dtype must be float32 or float64, got {dtype}")
+    return dtype
+
+
+def _check_position_range(name, first, last):
+    if first <= -POSITION_LIMIT or last >= POSITION_LIMIT:
+        raise ValueError(
+            f"{name} must keep every position p within |p| < 2**31 (the range over which "
+            f"the exact angle reduction is exact), got positions from {first} to {last}"
+        )
+
+
+# --- sinusoidal encoding ----------------------------------------------------------------------
+
+
+def sinusoidal_encoding(
+    n_positions, d_model, *, base=10000.0, offset=0, dtype=np.float64, backend="auto"
+):
+    r"""The sinusoidal positional encoding of Vaswani et al., one row per position.
+
+    .. math::
+
+        \mathrm{PE}_{p,\,2i} = \sin(\omega_i p), \qquad
+        \mathrm{PE}_{p,\,2i+1} = \cos(\omega_i p), \qquad
+        \omega_i = \text{base}^{-2i/d_{\text{model}}},
+
+    for positions :math:`p = \text{offset}, \dots, \text{offset} + n_{\text{positions}} - 1`
+    (Vaswani et al. 2017, section 3.5, with base 10000).
+
+    Parameters
+    ----------
+    n_positions : int
+        Number of positions (rows), at least 0.
+    d_model : int
+        Encoding dimension (columns), at least 1. When it is odd, the last
+        column is :math:`\sin(\omega_m p)` with :math:`m = (d_{\text{model}} - 1)/2`,
+        whose cosine partner would be column :math:`d_{\text{model}}`.
+    base : float, optional
+        Wavelengths run geometrically from :math:`2\pi` to almost
+        :math:`2\pi \cdot \text{base}`; greater than 1.
+    offset : int, optional
+        The first position, so that long encodings can be computed in blocks.
+    dtype : {numpy.float64, numpy.float32}, optional
+        Output dtype. The angles are reduced exactly and the sines computed in
+        float64 either way, then rounded once.
+    backend : {"auto", "cpu", "cuda", "reference"}, optional
+        Which implementation runs (see :func:`tfmath.backends`).
+
+    Returns
+    -------
+    numpy.ndarray, shape (n_positions, d_model)
+        Every value lies in :math:`[-1, 1]` and is within a few float64 units in
+        the last place of the exact encoding for every :math:`|p| < 2^{31}`
+        (see the notes of :mod:`tfmath.positional`).
+
+    Raises
+    ------
+    ValueError
+        For ``n_positions < 0``, ``d_model < 1``, ``base <= 1``, or positions
+        outside :math:`(-2^{31}, 2^{31})`.
+    TypeError
+        For non-integer sizes, a non-real base or a dtype other than float32/float64.
+
+    Examples
+    --------
+    >>> import tfmath.positional as tp
+    >>> tp.sinusoidal_encoding(2, 4, backend="reference")
+    array([[0.        , 1.        , 0.        , 1.        ],
+           [0.84147098, 0.54030231, 0.00999983, 0.99995   ]])
+    """
+    n_positions = _integer("n_positions", n_positions, minimum=0)
+    d_model = _integer("d_model", d_model, minimum=1)
+    base = _base(base)
+    offset = _integer("offset", offset)
+    dtype = _output_dtype(dtype)
+    _check_position_range("offset and n_positions", offset, offset + max(n_positions - 1, 0))
+    backend = resolve_backend(backend)
+    table = frequency_table(d_model, base)
+    return SINUSOIDAL_ENCODING.implementation(backend)(n_positions, d_model, offset, table, dtype)
+
+
+# --- rotary embedding -------------------------------------------------------------------------
+
+
+def rotary_embedding(x, positions=None, *, base=10000.0, backend="auto"):
+    r"""Rotary position embedding (RoPE): rotate feature pairs by position-dependent angles.
+
+    For a vector :math:`x` at position :math:`m` with an even number :math:`d`
+    of features, each interleaved pair :math:`(x_{2i}, x_{2i+1})` is rotated by
+    the angle :math:`m\theta_i`, :math:`\theta_i = \text{base}^{-2i/d}`
+    (Su et al. 2021, equation 34):
+
+    .. math::
+
+        \begin{pmatrix} y_{2i} \\ y_{2i+1} \end{pmatrix} =
+        \begin{pmatrix} \cos m\theta_i & -\sin m\theta_i \\
+                        \sin m\theta_i & \cos m\theta_i \end{pmatrix}
+        \begin{pmatrix} x_{2i} \\ x_{2i+1} \end{pmatrix}.
+
+    Because rotations compose, :math:`\langle R_m q, R_n k\rangle = \langle q,
+    R_{n-m} k\rangle` depends on the positions only through :math:`n - m`.
+
+    Parameters
+    ----------
+    x : array_like, shape (..., n, d)
+        Queries or keys, float32 or float64; ``d`` must be even.
+    positions : array_like of int, shape (n,), optional
+        The position of each of the ``n`` rows; default ``0, 1, ..., n - 1``.
+        Every position must satisfy :math:`|m| < 2^{31}`.
+    base : float, optional
+        Greater than 1; 10000 in RoFormer.
+    backend : {"auto", "cpu", "cuda", "reference"}, optional
+        Which implementation runs (see :func:`tfmath.backends`).
+
+    Returns
+    -------
+    numpy.ndarray, shape (..., n, d)
+        Same dtype as ``x``; a device array when ``x`` is one.
+
+    Raises
+    ------
+    ShapeError
+        When ``x`` has fewer than 2 dimensions, ``d`` is odd, or ``positions``
+        is not of shape ``(n,)`` (a subclass of ``ValueError``).
+    DTypeError
+        For a non-floating ``x`` or non-integer ``positions`` (a subclass of ``TypeError``).
+
+    Notes
+    -----
+    The pairs are interleaved, :math:`(x_0, x_1), (x_2, x_3), \dots`, as in the
+    RoFormer paper. Some implementations (GPT-NeoX, Hugging Face's LLaMA) pair
+    feature :math:`i` with feature :math:`i + d/2` instead; the two conventions
+    differ by a fixed permutation of the features, applied to both queries and
+    keys, so they give the same attention after that permutation.
+
+    Examples
+    --------
+    >>> import numpy as np, tfmath.positional as tp
+    >>> tp.rotary_embedding(np.array([[1.0, 0.0], [1.0, 0.0]]), backend="reference")
+    array([[1.        , 0.        ],
+           [0.54030231, 0.84147098]])
+    """
+    x = float_operand("x", x)
+    require_ndim("x", x, 2, "(..., n, d)")
+    n_rows, n_features = shape_of(x)[-2:]
+    if n_features % 2:
+        raise ShapeError(
+            f"x must have an even number of features d (RoPE rotates pairs of them), "
+            f"got shape {tuple(x.shape)}"
+        )
+    positions = _positions(positions, n_rows)
+    base = _base(base)
+    backend = resolve_backend(backend, x)
+    if _cuda.is_device_array(x) and backend != "cuda":
+        x = _cuda.to_host(x)
+    table = frequency_table(max(n_features, 1), base)
+    batch = math.prod(shape_of(x)[:-2])
+    rows = as_batched_3d(x, batch)
+    rotated = ROTARY_EMBEDDING.implementation(backend)(rows, positions, table)
+    return rotated.reshape(shape_of(x))
+
+
+def _positions(positions, n_rows):
+    if positions is None:
+        return np.arange(n_rows, dtype=np.int64)
+    array = np.asarray(_cuda.to_host(positions))
+    # An empty list has NumPy's default float dtype but holds no non-integer.
+    if array.dtype.kind not in "iu" and array.size:
+        raise DTypeError(f"positions must be integers, got dtype {array.dtype}")
+    if array.shape != (n_rows,):
+        raise ShapeError(
+            f"positions must have shape (n,) = ({n_rows},), one per row of x, "
+            f"got shape {array.shape}"
+        )
+    if array.size:
+        _check_position_range("positions", int(array.min()), int(array.max()))
+    return np.ascontiguousarray(array, dtype=np.int64)
+
+
+# --- ALiBi ------------------------------------------------------------------------------------
+
+
+def alibi_slopes(n_heads):
+    r"""The per-head slopes of ALiBi (Press et al. 2022, section 3).
+
+    For :math:`n` heads, :math:`n` a power of two, head :math:`h = 1, \dots, n`
+    gets :math:`m_h = 2^{-8h/n}`: a geometric sequence starting and stepping at
+    :math:`2^{-8/n}` (for 8 heads, :math:`1/2, 1/4, \dots, 1/256`). For other
+    :math:`n`, with :math:`P = 2^{\lfloor \log_2 n \rfloor}`, the slopes are the
+    :math:`P` slopes of :math:`P` heads followed by the first :math:`n - P` of the
+    odd-numbered slopes of :math:`2P` heads, :math:`2^{-4(2j+1)/P}`, as in the
+    authors' reference implementation (``get_slopes`` in
+    github.com/ofirpress/attention_with_linear_biases).
+
+    Parameters
+    ----------
+    n_heads : int
+        At least 1.
+
+    Returns
+    -------
+    numpy.ndarray of float64, shape (n_heads,)
+
+    Examples
+    --------
+    >>> from tfmath.positional import alibi_slopes
+    >>> alibi_slopes(4)
+    array([0.25      , 0.0625    , 0.015625  , 0.00390625])
+    """
+    n_heads = _integer("n_heads", n_heads, minimum=1)
+    power = 1 << (n_heads.bit_length() - 1)
+    slopes = np.exp2(-8.0 * np.arange(1, power + 1) / power)
+    extra = np.exp2(-4.0 * (2 * np.arange(n_heads - power) + 1) / power)
+    return np.concatenate([slopes, extra])
+
+
+def alibi_bias(n_heads, n_query, n_key, *, dtype=np.float64, backend="auto"):
+    r"""The ALiBi attention bias: a linear penalty on query–key distance, one slope per head.
+
+    .. math:: B_{h,i,j} = -m_h\, |i - j|,
+
+    with the slopes :math:`m_h` of :func:`alibi_slopes`. Query :math:`i` and key
+    :math:`j` sit at positions :math:`i` and :math:`j` (the top-left alignment
+    of ``is_causal=True`` in :func:`tfmath.scaled_dot_product_attention`).
+
+    Parameters
+    ----------
+    n_heads, n_query, n_key : int
+        At least 1, 0 and 0.
+    dtype : {numpy.float64, numpy.float32}, optional
+    backend : {"auto", "cpu", "cuda", "reference"}, optional
+        Which implementation runs (see :func:`tfmath.backends`).
+
+    Returns
+    -------
+    numpy.ndarray, shape (n_heads, n_query, n_key)
+        Pass it as ``attn_mask`` to :func:`tfmath.scaled_dot_product_attention`
+        with queries of shape ``(..., n_heads, n_query, E)``.
+
+    Notes
+    -----
+    Press et al. train causal language models: they add
+    :math:`-m_h (i - j)` for the keys :math:`j \le i` that the causal mask keeps,
+    which is :math:`B` on those keys. For :math:`j > i`, which their models never
+    see, :math:`B` uses the distance :math:`|i - j|` (the symmetric extension
+    used for bidirectional attention) rather than the raw :math:`m_h (j - i)`,
+    which would favour far-future keys when no causal mask is applied.
+
+    Examples
+    --------
+    >>> import tfmath.positional as tp
+    >>> tp.alibi_bias(8, 3, 3, backend="reference")[0]  # head 1 of 8: slope 1/2
+    array([[ 0. , -0.5, -1. ],
+           [-0.5,  0. , -0.5],
+           [-1. , -0.5,  0. ]])
+    """
+    slopes = alibi_slopes(n_heads)
+    n_query = _integer("n_query", n_query, minimum=0)
+    n_key = _integer("n_key", n_key, minimum=0)
+    dtype = _output_dtype(dtype)
+    backend = resolve_backend(backend)
+    return ALIBI_BIAS.implementation(backend)(slopes.astype(dtype), n_query, n_key)
+
+
+# --- embedding --------------------------------------------------------------------------------
+
+_POSITIONAL_CHOICES = ("sinusoidal", None, "an array of shape (n_max, d_model)")
+
+
+def embed(
+    tokens,
+    embedding_matrix,
+    *,
+    positional="sinusoidal",
+    scale_by_sqrt_d=True,
+    base=10000.0,
+    backend="auto",
+):
+    r"""Token embeddings plus positional encodings: the input of a transformer.
+
+    .. math:: X_{t} = s\, E_{\text{tokens}[t]} + P_t, \qquad
+              s = \sqrt{d_{\text{model}}} \text{ or } 1,
+
+    where row :math:`t` of each sequence is position :math:`t` and :math:`P` is
+    the sinusoidal encoding (:func:`sinusoidal_encoding`), a given table, or
+    zero. Vaswani et al. (2017, section 3.4) multiply the embedding weights by
+    :math:`\sqrt{d_{\text{model}}}`, so that embeddings of variance
+    :math:`1/d_{\text{model}}` are of the same order as the encoding's entries.
+
+    Parameters
+    ----------
+    tokens : array_like of int, shape (..., n)
+        Token ids in ``0, ..., vocab_size - 1``; the last axis is the sequence.
+    embedding_matrix : array_like, shape (vocab_size, d_model)
+        float32 or float64.
+    positional : {"sinusoidal", None} or array_like, optional
+        ``"sinusoidal"`` adds :func:`sinusoidal_encoding`; None adds nothing
+        (the permutation-equivariant case); an array of shape
+        ``(n_max, d_model)``, ``n_max >= n``, adds its first ``n`` rows (a
+        learned encoding, say). RoPE and ALiBi act inside attention instead:
+        see :func:`rotary_embedding` and :func:`alibi_bias`.
+    scale_by_sqrt_d : bool, optional
+        Multiply the embeddings by :math:`\sqrt{d_{\text{model}}}`.
+    base : float, optional
+        Base of the sinusoidal encoding.
+    backend : {"auto", "cpu", "cuda", "reference"}, optional
+        Which implementation runs (see :func:`tfmath.backends`).
+
+    Returns
+    -------
+    numpy.ndarray, shape (..., n, d_model)
+        In the dtype NumPy promotes ``embedding_matrix`` and a given
+        positional table to (the matrix's own dtype otherwise).
+
+    Raises
+    ------
+    TypeError
+        For non-integer tokens, a non-floating embedding matrix or table, or a
+        non-boolean ``scale_by_sqrt_d``.
+    ValueError
+        For tokens outside the vocabulary, a matrix that is not 2-D, a table
+        of the wrong shape, or an unknown ``positional``.
+
+    Examples
+    --------
+    >>> import numpy as np, tfmath.positional as tp
+    >>> tp.embed([1, 0], np.eye(2), scale_by_sqrt_d=False, backend="reference")
+    array([[0.        , 2.        ],
+           [1.84147098, 0.54030231]])
+    """
+    embedding_matrix = float_operand("embedding_matrix", _cuda.to_host(embedding_matrix))
+    if embedding_matrix.ndim != 2:
+        raise ShapeError(
+            f"embedding_matrix must have shape (vocab_size, d_model), "
+            f"got shape {embedding_matrix.shape}"
+        )
+    vocab_size, d_model = embedding_matrix.shape
+    tokens = _tokens(tokens, vocab_size)
+    n_rows = tokens.shape[-1]
+    table = _positional_table(positional, n_rows, d_model)
+    scale = math.sqrt(d_model) if boolean_flag("scale_by_sqrt_d", scale_by_sqrt_d) else 1.0
+    base = _base(base)
+    backend = resolve_backend(backend)
+    dtype = embedding_matrix.dtype
+    if isinstance(table, np.ndarray):
+        dtype = np.result_type(dtype, table.dtype)
+    if isinstance(table, str):
+        table = sinusoidal_encoding(n_rows, d_model, base=base, dtype=dtype, backend=backend)
+    if table is not None:
+        table = np.ascontiguousarray(table[:n_rows], dtype=dtype)
+    matrix = np.ascontiguousarray(embedding_matrix, dtype=dtype)
+    rows = tokens.reshape(math.prod(tokens.shape[:-1]), n_rows)
+    embedded = EMBED.implementation(backend)(rows, matrix, table, dtype.type(scale))
+    return embedded.reshape((*tokens.shape, d_model))
+
+
+def _tokens(tokens, vocab_size):
+    array = np.asarray(_cuda.to_host(tokens))
+    if array.dtype.kind not in "iu" and array.size:
+        raise DTypeError(f"tokens must be integer token ids, got dtype {array.dtype}")
+    if array.ndim < 1:
+        raise ShapeError(f"tokens must have at least 1 dimension (..., n), got shape {array.shape}")
+    if array.size:
+        low, high = int(array.min()), int(array.max())
+        if low < 0 or high >= vocab_size:
+            culprit = low if low < 0 else high
+            raise ValueError(
+                f"tokens must lie in 0 .. {vocab_size - 1} (the rows of embedding_matrix), "
+                f"got token {culprit}"
+            )
+    return np.ascontiguousarray(array, dtype=np.int64)
+
+
+def _positional_table(positional, n_rows, d_model):
+    """None, the string "sinusoidal", or a validated float table with at least n_rows rows."""
+    if positional is None or (isinstance(positional, str) and positional == "sinusoidal"):
+        return positional
+    if isinstance(positional, str):
+        if positional in ("rotary", "rope", "alibi"):
+            raise ValueError(
+                f"positional={positional!r} is not added to embeddings: RoPE rotates queries "
+                "and keys (tfmath.positional.rotary_embedding) and ALiBi biases the scores "
+                "(tfmath.positional.alibi_bias); use positional=None here"
+            )
+        raise ValueError(f"positional must be one of {_POSITIONAL_CHOICES}, got {positional!r}")
+    table = float_operand("positional", _cuda.to_host(positional))
+    if table.ndim != 2 or table.shape[1] != d_model or table.shape[0] < n_rows:
+        raise ShapeError(
+            f"positional must have shape (n_max, d_model) with n_max >= n = {n_rows} and "
+            f"d_model = {d_model}, got shape {table.shape}"
+        )
+    return table
