@@ -20,9 +20,11 @@ repository root, where ``asv.conf.json`` lives::
 
     asv publish && asv preview        # HTML report in .asv/html
 
-``--quick`` runs each benchmark a single time and saves nothing, so use it
-to check that the suite works, not to measure. ``--bench REGEX`` selects
-benchmarks, for example ``--bench "Attention.time_attention"``.
+``--quick`` runs each benchmark a single time (asv 0.6 still saves what it
+measured, unless ``-E existing`` runs without ``--set-commit-hash``), so use
+it to check that the suite works, not to measure. ``--bench REGEX`` selects
+benchmarks, for example ``--bench "Attention.time_attention"``; the whole
+suite takes about two minutes with ``--quick`` on two cores.
 
 What is measured
 ----------------
@@ -38,7 +40,8 @@ over, so it stops at ``REFERENCE_MAX_N``.
 Every ``setup`` makes one untimed call first, so JIT compilation (and CUDA
 context creation) is never part of a timing. CUDA inputs are device arrays
 and the timed call ends with ``numba.cuda.synchronize()``, so a CUDA timing
-is the kernel (plus its launch), not host-device copies.
+is the kernel and its launch (which copies a few small index arrays to the
+device), not the copies of ``q``, ``k`` and ``v``.
 
 ``peakmem_*`` is the peak resident memory of the whole benchmark process
 (Python, NumPy, Numba and the inputs included), as asv measures it; it is
@@ -61,21 +64,19 @@ HEAD_DIMS = [32, 64, 128]
 REFERENCE_MAX_N = 2048
 #: The head dim of the causal and throughput benchmarks.
 THROUGHPUT_HEAD_DIM = 64
+#: Exact-attention methods: the row-at-a-time kernel and the tiled FlashAttention one.
+METHODS = ["naive", "flash"]
 SEED = 0
 DTYPE = np.float32
 
 
 def usable_backends():
-    """The backends worth benchmarking on this machine, in ``tfmath.backends()`` order.
-
-    ``cpu`` and ``reference`` always; ``cuda`` only when a physical GPU runs
-    it (``tfmath.backends()`` also reports the CUDA simulator as available).
-    """
-    real_gpu = _cuda.status().real_gpu
+    """The backends worth benchmarking on this machine, in ``tfmath.backends()`` order:
+    every available one except the CUDA simulator (correct, but far too slow to time)."""
     return [
         name
         for name, info in tfmath.backends().items()
-        if info.available and (name != "cuda" or real_gpu)
+        if info.available and not info.simulated
     ]
 
 
@@ -118,44 +119,57 @@ def attention_flops(n, d, *, causal=False):
     return flops // 2 if causal else flops
 
 
-class _AttentionCase:
+class _Timing:
+    """asv timing settings shared by every benchmark class here.
+
+    One call per sample: the largest problems take ~0.5 s on a CPU, and asv re-runs
+    ``setup`` (with its warm-up call) before each sample anyway. Each of
+    asv's two rounds takes 3 to 20 samples and stops sampling after ~10 s,
+    so small problems get enough samples to beat scheduler noise and large
+    ones stay affordable. ``--quick`` overrides all this with a single call.
+    """
+
+    timeout = 300
+    number = 1
+    repeat = (3, 20, 10.0)
+    warmup_time = 0
+
+
+class _AttentionCase(_Timing):
     """Shared setup: one head of length ``n`` and width ``d`` on ``backend``, compiled."""
 
     is_causal = False
-    timeout = 300
-    # One call per sample (the largest problems take seconds), 1 to 5 samples
-    # per process, and at most ~20 s of sampling.
-    number = 1
-    repeat = (1, 5, 20.0)
-    warmup_time = 0
 
-    def _setup(self, n, d, backend):
+    def _setup(self, n, d, backend, method):
         skip_unless_runnable(n, backend)
-        self.backend = backend
+        if backend == "reference" and method != "naive":
+            raise NotImplementedError("the reference has one method: the formula")
+        self.backend, self.method = backend, method
         self.query, self.key, self.value = qkv(n, d, backend)
         self.attend()  # warm-up: compilation is never timed
 
     def attend(self):
         out = tfmath.scaled_dot_product_attention(
-            self.query, self.key, self.value, is_causal=self.is_causal, backend=self.backend
-        )
+            self.query, self.key, self.value, is_causal=self.is_causal,
+            method=self.method, backend=self.backend,
+        )  # fmt: skip
         synchronize(self.backend)
         return out
 
 
 class Attention(_AttentionCase):
-    """Non-causal attention of one head, across ``n``, ``d`` and backends."""
+    """Non-causal attention of one head, across ``n``, ``d``, backends and methods."""
 
-    params: ClassVar[list] = [SEQUENCE_LENGTHS, HEAD_DIMS, usable_backends()]
-    param_names: ClassVar[list] = ["n", "d", "backend"]
+    params: ClassVar[list] = [SEQUENCE_LENGTHS, HEAD_DIMS, usable_backends(), METHODS]
+    param_names: ClassVar[list] = ["n", "d", "backend", "method"]
 
-    def setup(self, n, d, backend):
-        self._setup(n, d, backend)
+    def setup(self, n, d, backend, method):
+        self._setup(n, d, backend, method)
 
-    def time_attention(self, n, d, backend):
+    def time_attention(self, n, d, backend, method):
         self.attend()
 
-    def peakmem_attention(self, n, d, backend):
+    def peakmem_attention(self, n, d, backend, method):
         self.attend()
 
 
@@ -163,13 +177,13 @@ class CausalAttention(_AttentionCase):
     """Causal attention (``is_causal=True``): half the score matrix, ideally half the time."""
 
     is_causal = True
-    params: ClassVar[list] = [SEQUENCE_LENGTHS, HEAD_DIMS, usable_backends()]
-    param_names: ClassVar[list] = ["n", "d", "backend"]
+    params: ClassVar[list] = [SEQUENCE_LENGTHS, HEAD_DIMS, usable_backends(), METHODS]
+    param_names: ClassVar[list] = ["n", "d", "backend", "method"]
 
-    def setup(self, n, d, backend):
-        self._setup(n, d, backend)
+    def setup(self, n, d, backend, method):
+        self._setup(n, d, backend, method)
 
-    def time_causal_attention(self, n, d, backend):
+    def time_causal_attention(self, n, d, backend, method):
         self.attend()
 
 
@@ -180,18 +194,18 @@ class AttentionThroughput(_AttentionCase):
     compiled backends (the NumPy reference is left out).
     """
 
-    params: ClassVar[list] = [SEQUENCE_LENGTHS, compiled_backends()]
-    param_names: ClassVar[list] = ["n", "backend"]
+    params: ClassVar[list] = [SEQUENCE_LENGTHS, compiled_backends(), METHODS]
+    param_names: ClassVar[list] = ["n", "backend", "method"]
     #: Timed calls per measurement: at least ``MIN_CALLS``, then more until
     #: ``MIN_SECONDS`` have passed or ``MAX_CALLS`` were made.
     MIN_CALLS = 3
-    MAX_CALLS = 50
+    MAX_CALLS = 1000
     MIN_SECONDS = 0.5
 
-    def setup(self, n, backend):
-        self._setup(n, THROUGHPUT_HEAD_DIM, backend)
+    def setup(self, n, backend, method):
+        self._setup(n, THROUGHPUT_HEAD_DIM, backend, method)
 
-    def track_gflops(self, n, backend):
+    def track_gflops(self, n, backend, method):
         best = np.inf
         started = time.perf_counter()
         for calls in range(1, self.MAX_CALLS + 1):
@@ -205,15 +219,11 @@ class AttentionThroughput(_AttentionCase):
     track_gflops.unit = "GFLOP/s"
 
 
-class Softmax:
+class Softmax(_Timing):
     """Softmax of ``n`` rows of length ``n`` (the score matrix of one head)."""
 
     params: ClassVar[list] = [SEQUENCE_LENGTHS, usable_backends()]
     param_names: ClassVar[list] = ["n", "backend"]
-    timeout = 300
-    number = 1
-    repeat = (1, 5, 20.0)
-    warmup_time = 0
 
     def setup(self, n, backend):
         skip_unless_runnable(n, backend)

@@ -31,6 +31,24 @@ KERNEL_BACKENDS = [pytest.param("cpu"), pytest.param("cuda", marks=pytest.mark.c
 ALL_BACKENDS = [*KERNEL_BACKENDS, pytest.param("reference")]
 
 
+def _forbidden_kernel(*args, **kwargs):
+    raise AssertionError("a kernel ran before the input was validated")
+
+
+@pytest.fixture
+def kernels_must_not_run(monkeypatch):
+    """Make every registered implementation fail the test if it is called, so a
+    test of bad input proves the error came from validation, before any kernel."""
+    from tfmath import _dispatch
+
+    for routine in _dispatch.routines().values():
+        for backend in _dispatch.BACKENDS:
+            monkeypatch.setitem(routine.targets, backend, "conftest:_forbidden_kernel")
+    _dispatch._load.cache_clear()
+    yield
+    _dispatch._load.cache_clear()
+
+
 @pytest.fixture(params=KERNEL_BACKENDS)
 def kernel_backend(request):
     return request.param

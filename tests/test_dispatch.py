@@ -15,6 +15,14 @@ def test_backends_report_every_backend_with_a_reason():
     assert set(report) == {"cpu", "cuda", "reference"}
     assert report["cpu"].available and report["reference"].available
     assert all(isinstance(info.reason, str) and info.reason for info in report.values())
+    assert not report["cpu"].simulated and not report["reference"].simulated
+
+
+def test_the_simulator_is_reported_as_such(monkeypatch):
+    monkeypatch.setattr(_cuda, "status", lambda: _cuda.CudaStatus(True, False, "simulator"))
+    assert tfmath.backends()["cuda"].simulated
+    monkeypatch.setattr(_cuda, "status", lambda: _cuda.CudaStatus(True, True, "a GPU"))
+    assert not tfmath.backends()["cuda"].simulated
 
 
 def test_auto_picks_cpu_without_a_real_gpu(monkeypatch):

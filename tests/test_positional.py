@@ -23,7 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tfmath
-from tfmath import _cuda, _dispatch
+from tfmath import _cuda
 from tfmath.positional import (
     ALIBI_BIAS,
     EMBED,
@@ -471,19 +471,6 @@ BAD_CALLS = [
     (embed, ([0, 1], np.eye(3)), {"positional": np.ones((4, 2))}, ValueError, ["(4, 2)"]),
     (embed, ([0, 1], np.eye(3)), {"scale_by_sqrt_d": 1}, TypeError, ["scale_by_sqrt_d"]),
 ]
-
-
-@pytest.fixture
-def kernels_must_not_run(monkeypatch):
-    """Replace every positional implementation by one that fails the test if called."""
-    for routine in (SINUSOIDAL_ENCODING, ROTARY_EMBEDDING, ALIBI_BIAS, EMBED):
-        for backend in _dispatch.BACKENDS:
-            monkeypatch.setitem(
-                routine.targets, backend, "tests.test_validation:_forbidden_implementation"
-            )
-    _dispatch._load.cache_clear()
-    yield
-    _dispatch._load.cache_clear()
 
 
 @pytest.mark.parametrize(("function", "args", "kwargs", "exception", "words"), BAD_CALLS)

@@ -102,10 +102,14 @@ class BackendInfo:
         The backend can run on this machine.
     reason : str
         What runs it, or why it cannot run.
+    simulated : bool
+        It runs on Numba's CUDA simulator, not on hardware: correct but far
+        too slow to time.
     """
 
     available: bool
     reason: str
+    simulated: bool = False
 
 
 def backends():
@@ -128,6 +132,10 @@ def backends():
     cuda_status = _cuda.status()
     return {
         "cpu": BackendInfo(True, f"Numba {numba.__version__} @njit kernels"),
-        "cuda": BackendInfo(cuda_status.usable, cuda_status.reason),
+        "cuda": BackendInfo(
+            cuda_status.usable,
+            cuda_status.reason,
+            simulated=cuda_status.usable and not cuda_status.real_gpu,
+        ),
         "reference": BackendInfo(True, f"NumPy {numpy.__version__} reference implementations"),
     }

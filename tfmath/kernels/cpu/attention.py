@@ -10,33 +10,47 @@ import numba
 import numpy as np
 
 from tfmath._config import cpu_kernel
+from tfmath.kernels.cpu.exp2 import exp2_nonpositive
 
 #: Query rows per parallel task: enough to amortise the task's scratch
 #: allocation, few enough that a single head of a short sequence still splits.
 ROWS_PER_TASK = 16
+LOG2E = 1.4426950408889634
 
 
 @cpu_kernel
-def _softmax_inplace(row, n):
-    """Replace ``row[:n]`` by its softmax; all ``-inf`` gives zeros, any NaN gives NaN."""
+def balanced_tile(k, n_tiles):
+    """Visit tiles as 0, n-1, 1, n-2, ...: with causal masking, contiguous halves
+    of this order hold equal work, so a static split over threads stays balanced."""
+    return k // 2 if k % 2 == 0 else n_tiles - 1 - k // 2
+
+
+@cpu_kernel
+def _softmax_inplace(row, bits):
+    """Replace ``row`` by its softmax; ``bits`` is scratch of the same length and dtype.
+
+    All ``-inf`` gives zeros and any NaN gives a NaN row. The maximum skips NaN
+    (``>`` is false for it), but a NaN then reaches the sum through the
+    exponential and so every entry, except in an otherwise all ``-inf`` row,
+    which is checked for explicitly. The exponential is the vectorised base-2
+    one, on scores pre-multiplied by log2(e).
+    """
     row_max = -np.inf
-    for j in range(n):
-        x = row[j]
-        # `x != x` is NaN: once the maximum is NaN it stays NaN, so the whole
-        # row becomes NaN below instead of NaN being skipped by `>`.
-        if x > row_max or x != x:
-            row_max = x
+    for j in range(row.shape[0]):
+        if row[j] > row_max:
+            row_max = row[j]
     if row_max == -np.inf:
-        for j in range(n):
-            row[j] = 0
+        fill = row.dtype.type(0)
+        for j in range(row.shape[0]):
+            if row[j] != row[j]:
+                fill = np.nan
+        row[:] = fill
         return
-    total = row.dtype.type(0)
-    for j in range(n):
-        e = np.exp(row[j] - row_max)
-        row[j] = e
-        total += e
-    inverse = 1 / total
-    for j in range(n):
+    for j in range(row.shape[0]):
+        row[j] = (row[j] - row_max) * LOG2E
+    exp2_nonpositive(row, bits)
+    inverse = 1 / np.sum(row)
+    for j in range(row.shape[0]):
         row[j] *= inverse
 
 
@@ -44,7 +58,7 @@ def _softmax_inplace(row, n):
 def _softmax_rows_kernel(x, out):
     for i in numba.prange(x.shape[0]):
         out[i, :] = x[i, :]
-        _softmax_inplace(out[i], x.shape[1])
+        _softmax_inplace(out[i], np.empty_like(out[i]))
 
 
 def softmax_rows(x):
@@ -88,16 +102,17 @@ def _attention_kernel(query, key, value, mask, index, is_causal, scale, out, wei
     n_tiles = (n_query + ROWS_PER_TASK - 1) // ROWS_PER_TASK
     for task in numba.prange(n_batch * n_tiles):
         b = task // n_tiles
-        first = (task % n_tiles) * ROWS_PER_TASK
+        first = balanced_tile(task % n_tiles, n_tiles) * ROWS_PER_TASK
         last = min(first + ROWS_PER_TASK, n_query)
         q, k, v, m = index[b, 0], index[b, 1], index[b, 2], index[b, 3]
         scratch = np.empty(n_key, dtype=out.dtype)
+        bits = np.empty(n_key, dtype=out.dtype)
         for i in range(first, last):
             n_visible = min(i + 1, n_key) if is_causal else n_key
             scores = weights[b, i] if keep_weights else scratch
             mask_row = mask[m, i] if has_mask else scratch
             _scores_row(query[q, i], key[k], mask_row, has_mask, scale, n_visible, scores)
-            _softmax_inplace(scores, n_visible)
+            _softmax_inplace(scores[:n_visible], bits[:n_visible])
             if keep_weights:
                 scores[n_visible:] = 0
             _weighted_sum(scores, value[v], n_visible, out[b, i])

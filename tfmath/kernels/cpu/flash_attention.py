@@ -40,6 +40,7 @@ import numba
 import numpy as np
 
 from tfmath._config import cpu_kernel
+from tfmath.kernels.cpu.attention import LOG2E, balanced_tile
 from tfmath.kernels.cpu.exp2 import exp2_nonpositive
 
 #: Query rows per task.
@@ -47,7 +48,6 @@ QUERY_TILE = 64
 #: OpenBLAS runs GEMMs with M*N*K <= 65536 * GEMM_MULTITHREAD_THRESHOLD (4 by
 #: default) on the calling thread.
 SERIAL_GEMM_LIMIT = 65536 * 4
-LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
 
@@ -56,13 +56,6 @@ def key_tile_size(n_features, n_values):
     widest = max(n_features, n_values, 1)
     size = SERIAL_GEMM_LIMIT // (QUERY_TILE * widest) // 16 * 16
     return max(16, min(128, size))
-
-
-@cpu_kernel
-def _balanced_tile(k, n_tiles):
-    """Visit tiles as 0, n-1, 1, n-2, ...: with causal masking, contiguous halves
-    of this order hold equal work, so a static split over threads stays balanced."""
-    return k // 2 if k % 2 == 0 else n_tiles - 1 - k // 2
 
 
 @cpu_kernel
@@ -146,7 +139,7 @@ def _forward_kernel(
     dtype = out.dtype
     for task in numba.prange(n_batch * n_query_tiles):
         b = task // n_query_tiles
-        tile = _balanced_tile(task % n_query_tiles, n_query_tiles)
+        tile = balanced_tile(task % n_query_tiles, n_query_tiles)
         first_row = tile * QUERY_TILE
         q, k, v, m = index[b, 0], index[b, 1], index[b, 2], index[b, 3]
         scores = np.empty((key_tile, QUERY_TILE), dtype=dtype)

@@ -39,6 +39,22 @@ def _score(query, mask, q, m, row, j, has_mask, scale, key_tile, t, n_features):
     return scale * dot + bias
 
 
+@cuda.jit(device=True)
+def _query_tile(n_query, n_key, is_causal):
+    """This thread's place: batch entry, first row of its block's tile, its own row,
+    how many keys that row may see, and how many any row of the block may see."""
+    rows_per_block = cuda.blockDim.x
+    tiles_per_batch = (n_query + rows_per_block - 1) // rows_per_block
+    b = cuda.blockIdx.x // tiles_per_batch
+    first_row = (cuda.blockIdx.x % tiles_per_batch) * rows_per_block
+    row = first_row + cuda.threadIdx.x
+    visible = min(row + 1, n_key) if is_causal else n_key
+    block_visible = n_key
+    if is_causal:
+        block_visible = min(min(first_row + rows_per_block, n_query), n_key)
+    return b, row, visible, block_visible
+
+
 @functools.cache
 def _attention_kernel(numba_dtype):
     @cuda.jit
@@ -46,22 +62,14 @@ def _attention_kernel(numba_dtype):
         shared = cuda.shared.array(0, dtype=numba_dtype)
         n_query, n_key = query.shape[1], key.shape[1]
         n_features, n_values = key.shape[2], value.shape[2]
-        rows_per_block = cuda.blockDim.x
-        tiles_per_batch = (n_query + rows_per_block - 1) // rows_per_block
-        b = cuda.blockIdx.x // tiles_per_batch
-        first_row = (cuda.blockIdx.x % tiles_per_batch) * rows_per_block
-        tid = cuda.threadIdx.x
-        row = first_row + tid
+        rows_per_block, tid = cuda.blockDim.x, cuda.threadIdx.x
+        b, row, visible, block_visible = _query_tile(n_query, n_key, is_causal)
         active = row < n_query
         q, k, v, m = index[b, 0], index[b, 1], index[b, 2], index[b, 3]
         has_mask = mask.shape[1] != 0
         keep_weights = weights.shape[1] != 0
         key_tile = shared[: rows_per_block * n_features]
         value_tile = shared[rows_per_block * n_features :]
-        visible = min(row + 1, n_key) if is_causal else n_key
-        block_visible = n_key
-        if is_causal:
-            block_visible = min(min(first_row + rows_per_block, n_query), n_key)
 
         row_max = -math.inf
         total = numba_dtype(0)

@@ -26,6 +26,7 @@ from tfmath import _cuda
 from tfmath.kernels.cuda.attention import (
     MAX_ROWS_PER_BLOCK,
     SHARED_MEMORY_BYTES,
+    _query_tile,
     _score,
 )
 
@@ -45,21 +46,13 @@ def _forward_kernel(numba_dtype):
         accumulator = cuda.local.array(MAX_HEAD_DIM, dtype=numba_dtype)
         n_query, n_key = query.shape[1], key.shape[1]
         n_features, n_values = key.shape[2], value.shape[2]
-        rows_per_block = cuda.blockDim.x
-        tiles_per_batch = (n_query + rows_per_block - 1) // rows_per_block
-        b = cuda.blockIdx.x // tiles_per_batch
-        first_row = (cuda.blockIdx.x % tiles_per_batch) * rows_per_block
-        tid = cuda.threadIdx.x
-        row = first_row + tid
+        rows_per_block, tid = cuda.blockDim.x, cuda.threadIdx.x
+        b, row, visible, block_visible = _query_tile(n_query, n_key, is_causal)
         active = row < n_query
         q, k, v, m = index[b, 0], index[b, 1], index[b, 2], index[b, 3]
         has_mask = mask.shape[1] != 0
         key_tile = shared[: rows_per_block * n_features]
         value_tile = shared[rows_per_block * n_features :]
-        visible = min(row + 1, n_key) if is_causal else n_key
-        block_visible = n_key
-        if is_causal:
-            block_visible = min(min(first_row + rows_per_block, n_query), n_key)
         for e in range(n_values):
             accumulator[e] = 0
         row_max = -math.inf
