@@ -496,6 +496,25 @@ def test_attention_grad_matches_finite_differences(backend, is_causal):
         assert_close(grad, numeric, 1e-8)
 
 
+def test_attention_grad_matches_torch_autograd():
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(18)
+    query, key = rng.standard_normal((2, 70, 8)), rng.standard_normal((2, 90, 8))
+    value, grad_output = rng.standard_normal((2, 90, 5)), rng.standard_normal((2, 70, 5))
+    mask = rng.random((70, 90)) < 0.8
+    for kwargs in ({}, {"is_causal": True}, {"attn_mask": mask, "scale": 0.4}):
+        tensors = [torch.from_numpy(a.copy()).requires_grad_() for a in (query, key, value)]
+        torch_kwargs = dict(kwargs)
+        if "attn_mask" in kwargs:
+            torch_kwargs["attn_mask"] = torch.from_numpy(kwargs["attn_mask"])
+        torch.nn.functional.scaled_dot_product_attention(*tensors, **torch_kwargs).backward(
+            torch.from_numpy(grad_output)
+        )
+        grads = tfmath.attention_grad(query, key, value, grad_output, backend="cpu", **kwargs)
+        for grad, tensor in zip(grads, tensors, strict=True):
+            assert_close(grad, tensor.grad.numpy(), 1e-12)
+
+
 def test_attention_grad_is_deterministic_on_cpu():
     rng = np.random.default_rng(16)
     query, key, value = (rng.standard_normal((4, 130, 16)).astype(np.float32) for _ in range(3))

@@ -23,6 +23,12 @@ from tfmath.positional import (
     rotary_embedding,
     sinusoidal_encoding,
 )
+from tfmath.variance import (
+    dot_product_variance,
+    sample_scores,
+    score_variance,
+    softmax_row_statistics,
+)
 
 __all__ = [
     "BackendInfo",
@@ -39,6 +45,7 @@ __all__ = [
     "backends",
     "count_parameters",
     "cross_entropy",
+    "dot_product_variance",
     "embed",
     "flops_per_token",
     "kv_cache_bytes_per_token",
@@ -46,7 +53,10 @@ __all__ = [
     "log_softmax",
     "rms_norm",
     "rotary_embedding",
+    "sample_scores",
     "scaled_dot_product_attention",
+    "score_variance",
     "sinusoidal_encoding",
     "softmax",
+    "softmax_row_statistics",
 ]

@@ -20,6 +20,20 @@ def numba_cuda():
     return cuda
 
 
+@functools.cache
+def numba_cuda_random():
+    """The ``numba.cuda.random`` module (xoroshiro128+ generators), imported on first use."""
+    import importlib
+    import warnings
+
+    from numba.core.errors import NumbaDeprecationWarning
+
+    with warnings.catch_warnings():
+        # Under the simulator the module's decorators pass nopython=False, which warns.
+        warnings.simplefilter("ignore", NumbaDeprecationWarning)
+        return importlib.import_module(f"{numba_cuda().__name__}.random")
+
+
 def simulator_requested():
     """Whether the Numba CUDA simulator is switched on (``NUMBA_ENABLE_CUDASIM=1``)."""
     if "numba" in sys.modules:
