@@ -69,6 +69,25 @@ def cpu_kernel(function=None, *, parallel=False):
     return decorate if function is None else decorate(function)
 
 
+@functools.cache
+def _blas_controller():
+    import scipy.linalg.cython_blas  # noqa: F401  (loads the BLAS that Numba's np.dot calls)
+    from threadpoolctl import ThreadpoolController
+
+    return ThreadpoolController()
+
+
+def serial_blas():
+    """A context in which BLAS runs on the calling thread only.
+
+    Parallel kernels that multiply tiles with ``np.dot`` already keep every
+    core busy; if BLAS started its own threads inside them, the cores would be
+    oversubscribed many times over, and OpenBLAS would print a warning per call
+    under Numba's OpenMP threading layer.
+    """
+    return _blas_controller().limit(limits=1, user_api="blas")
+
+
 def threading_layer():
     """The threading layer the parallel CPU kernels run on.
 

@@ -27,11 +27,12 @@ log-sum-exp, each key tile recomputes :math:`P`, and with
     dV = P^\top dO, \quad dP = dO\, V^\top, \quad dS = P \circ (dP - D), \quad
     dQ = s\, dS\, K, \quad dK = s\, dS^\top Q
 
-The tile products go to BLAS through ``np.dot``. Tiles are sized so each
-product has ``M * N * K <= SERIAL_GEMM_LIMIT``, below which OpenBLAS runs a
-GEMM on the calling thread: BLAS then never starts threads of its own inside
-Numba's parallel loop, which avoids oversubscription and OpenBLAS's
-"Detect OpenMP Loop" warning under Numba's OpenMP threading layer.
+The tile products go to BLAS through ``np.dot``, with BLAS held to the
+calling thread (:func:`tfmath._config.serial_blas`): the parallel loop already
+occupies every core, and BLAS threads started inside it would oversubscribe
+them (and, under Numba's OpenMP layer, make OpenBLAS print a warning per
+call). Tiles of 64 rows keep each product in cache and near BLAS's best
+single-thread rate.
 """
 
 import math
@@ -39,22 +40,26 @@ import math
 import numba
 import numpy as np
 
-from tfmath._config import cpu_kernel
+from tfmath._config import cpu_kernel, serial_blas
 from tfmath.kernels.cpu.attention import LOG2E, balanced_tile
 from tfmath.kernels.cpu.exp2 import exp2_nonpositive
 
-#: Query rows per task.
+#: Query rows per task (fewer for shorter sequences, down to 8).
 QUERY_TILE = 64
-#: OpenBLAS runs GEMMs with M*N*K <= 65536 * GEMM_MULTITHREAD_THRESHOLD (4 by
-#: default) on the calling thread.
-SERIAL_GEMM_LIMIT = 65536 * 4
+#: Largest tile product (M*N*K): keeps a tile's operands within a core's L2 cache.
+TILE_PRODUCT_LIMIT = 65536 * 4
 LN2 = 0.6931471805599453
 
 
+def query_tile_size(n_query):
+    """Query rows per task: ``QUERY_TILE``, or the sequence rounded up to 8 if shorter."""
+    return min(QUERY_TILE, max(8, -(-n_query // 8) * 8))
+
+
 def key_tile_size(n_features, n_values):
-    """Keys per tile: the largest multiple of 16 (at most 128) keeping tile GEMMs serial."""
+    """Keys per tile: the largest multiple of 16, at most 128, within ``TILE_PRODUCT_LIMIT``."""
     widest = max(n_features, n_values, 1)
-    size = SERIAL_GEMM_LIMIT // (QUERY_TILE * widest) // 16 * 16
+    size = TILE_PRODUCT_LIMIT // (QUERY_TILE * widest) // 16 * 16
     return max(16, min(128, size))
 
 
@@ -132,7 +137,7 @@ def _forward_kernel(
     query_columns, key_tiles, value_tiles, value_tile_finite, mask, index,
     is_causal, n_query, n_key, out, log_sum_exp,
 ):  # fmt: skip
-    n_batch, n_query_tiles = out.shape[0], out.shape[1]
+    n_batch, n_query_tiles, query_tile = out.shape[0], out.shape[1], out.shape[2]
     n_key_tiles, key_tile = key_tiles.shape[1], key_tiles.shape[2]
     n_values = value_tiles.shape[3]
     has_mask = mask.shape[1] != 0
@@ -140,18 +145,18 @@ def _forward_kernel(
     for task in numba.prange(n_batch * n_query_tiles):
         b = task // n_query_tiles
         tile = balanced_tile(task % n_query_tiles, n_query_tiles)
-        first_row = tile * QUERY_TILE
+        first_row = tile * query_tile
         q, k, v, m = index[b, 0], index[b, 1], index[b, 2], index[b, 3]
-        scores = np.empty((key_tile, QUERY_TILE), dtype=dtype)
-        scratch = np.empty(key_tile * QUERY_TILE, dtype=dtype)
-        product = np.empty((QUERY_TILE, n_values), dtype=dtype)
-        accumulator = np.zeros((QUERY_TILE, n_values), dtype=dtype)
-        running_max = np.full(QUERY_TILE, -np.inf, dtype=dtype)
-        running_sum = np.zeros(QUERY_TILE, dtype=dtype)
-        rescale = np.empty(QUERY_TILE, dtype=dtype)
+        scores = np.empty((key_tile, query_tile), dtype=dtype)
+        scratch = np.empty(key_tile * query_tile, dtype=dtype)
+        product = np.empty((query_tile, n_values), dtype=dtype)
+        accumulator = np.zeros((query_tile, n_values), dtype=dtype)
+        running_max = np.full(query_tile, -np.inf, dtype=dtype)
+        running_sum = np.zeros(query_tile, dtype=dtype)
+        rescale = np.empty(query_tile, dtype=dtype)
         n_tiles = n_key_tiles
         if is_causal:
-            last_row = min(first_row + QUERY_TILE, n_query) - 1
+            last_row = min(first_row + query_tile, n_query) - 1
             n_tiles = min(n_key_tiles, last_row // key_tile + 1)
         for t in range(n_tiles):
             np.dot(key_tiles[k, t], query_columns[q, tile], scores)
@@ -159,7 +164,7 @@ def _forward_kernel(
                 scores, mask, m, has_mask, is_causal, t * key_tile, first_row, n_key, n_query
             )
             _softmax_tile(scores, scratch, running_max, running_sum, rescale)
-            for i in range(QUERY_TILE):
+            for i in range(query_tile):
                 if rescale[i] != 1:
                     accumulator[i] *= rescale[i]
             if value_tile_finite[v, t]:
@@ -167,7 +172,7 @@ def _forward_kernel(
                 accumulator += product
             else:
                 _accumulate_skipping_zeros(scores, value_tiles[v, t], accumulator)
-        for i in range(min(QUERY_TILE, n_query - first_row)):
+        for i in range(min(query_tile, n_query - first_row)):
             if running_sum[i] == 0:
                 out[b, tile, i] = 0
                 log_sum_exp[b, tile, i] = -np.inf
@@ -182,26 +187,30 @@ def _backward_kernel(
     log2_sum, delta, mask, index, is_causal, scale, n_query, n_key,
     grad_query, grad_key, grad_value,
 ):  # fmt: skip
-    n_batch, n_query_tiles = grad_tiles.shape[0], grad_tiles.shape[1]
+    n_batch, n_query_tiles, query_tile = (
+        grad_tiles.shape[0],
+        grad_tiles.shape[1],
+        grad_tiles.shape[2],
+    )
     n_key_tiles, key_tile = key_tiles.shape[1], key_tiles.shape[2]
     n_features, n_values = key_tiles.shape[3], value_tiles.shape[3]
     has_mask = mask.shape[1] != 0
     dtype = grad_query.dtype
     for b in numba.prange(n_batch):
         q, k, v, m = index[b, 0], index[b, 1], index[b, 2], index[b, 3]
-        probabilities = np.empty((key_tile, QUERY_TILE), dtype=dtype)
-        grad_scores = np.empty((key_tile, QUERY_TILE), dtype=dtype)
-        scratch = np.empty(key_tile * QUERY_TILE, dtype=dtype)
-        query_product = np.empty((QUERY_TILE, n_features), dtype=dtype)
+        probabilities = np.empty((key_tile, query_tile), dtype=dtype)
+        grad_scores = np.empty((key_tile, query_tile), dtype=dtype)
+        scratch = np.empty(key_tile * query_tile, dtype=dtype)
+        query_product = np.empty((query_tile, n_features), dtype=dtype)
         key_product = np.empty((key_tile, n_features), dtype=dtype)
         value_product = np.empty((key_tile, n_values), dtype=dtype)
         grad_query[b] = 0
         for t in range(n_key_tiles):
             grad_key[b, t] = 0
             grad_value[b, t] = 0
-            first_tile = (t * key_tile) // QUERY_TILE if is_causal else 0
+            first_tile = (t * key_tile) // query_tile if is_causal else 0
             for tile in range(first_tile, n_query_tiles):
-                first_row = tile * QUERY_TILE
+                first_row = tile * query_tile
                 np.dot(key_tiles[k, t], query_columns[q, tile], probabilities)
                 _mask_tile(
                     probabilities, mask, m, has_mask, is_causal, t * key_tile, first_row,
@@ -209,17 +218,17 @@ def _backward_kernel(
                 )  # fmt: skip
                 # P = 2^(s - lse); rows with nothing to attend (lse = -inf) get 0.
                 for j in range(key_tile):
-                    for i in range(QUERY_TILE):
+                    for i in range(query_tile):
                         lse = log2_sum[b, tile, i]
                         probabilities[j, i] = (
                             -np.inf if lse == -np.inf else probabilities[j, i] - lse
                         )
-                exp2_nonpositive(probabilities.reshape(key_tile * QUERY_TILE), scratch)
+                exp2_nonpositive(probabilities.reshape(key_tile * query_tile), scratch)
                 np.dot(probabilities, grad_tiles[b, tile], value_product)
                 grad_value[b, t] += value_product
                 np.dot(value_tiles[v, t], grad_columns[b, tile], grad_scores)
                 for j in range(key_tile):
-                    for i in range(QUERY_TILE):
+                    for i in range(query_tile):
                         grad_scores[j, i] = (
                             scale * probabilities[j, i] * (grad_scores[j, i] - delta[b, tile, i])
                         )
@@ -258,20 +267,22 @@ def flash_forward(problem):
     query, key, value, mask, index = problem.kernel_operands()
     dtype = problem.dtype
     key_tile = key_tile_size(problem.n_features, problem.value_dim)
+    query_tile = query_tile_size(problem.n_query)
     scaled_query = query * dtype.type(problem.scale * LOG2E)
-    query_columns = _column_tiles(_row_tiles(scaled_query, QUERY_TILE))
+    query_columns = _column_tiles(_row_tiles(scaled_query, query_tile))
     value_tiles = _row_tiles(value, key_tile)
     value_tile_finite = np.isfinite(value_tiles).all(axis=(2, 3))
     n_batch, n_query_tiles = index.shape[0], query_columns.shape[1]
-    out = np.empty((n_batch, n_query_tiles, QUERY_TILE, problem.value_dim), dtype=dtype)
-    log_sum_exp = np.empty((n_batch, n_query_tiles, QUERY_TILE), dtype=dtype)
-    _forward_kernel(
-        query_columns, _row_tiles(key, key_tile), value_tiles, value_tile_finite,
-        _transposed_mask(mask, dtype), index, problem.is_causal, problem.n_query,
-        problem.n_key, out, log_sum_exp,
-    )  # fmt: skip
+    out = np.empty((n_batch, n_query_tiles, query_tile, problem.value_dim), dtype=dtype)
+    log_sum_exp = np.empty((n_batch, n_query_tiles, query_tile), dtype=dtype)
+    with serial_blas():
+        _forward_kernel(
+            query_columns, _row_tiles(key, key_tile), value_tiles, value_tile_finite,
+            _transposed_mask(mask, dtype), index, problem.is_causal, problem.n_query,
+            problem.n_key, out, log_sum_exp,
+        )  # fmt: skip
     n_query = problem.n_query
-    padded_rows = n_query_tiles * QUERY_TILE
+    padded_rows = n_query_tiles * query_tile
     output = out.reshape(n_batch, padded_rows, problem.value_dim)[:, :n_query]
     return output, log_sum_exp.reshape(n_batch, padded_rows)[:, :n_query]
 
@@ -290,29 +301,31 @@ def attention_grad(problem, grad_output):
     dtype = problem.dtype
     n_batch = index.shape[0]
     key_tile = key_tile_size(problem.n_features, problem.value_dim)
+    query_tile = query_tile_size(problem.n_query)
     grad_output = np.ascontiguousarray(grad_output, dtype=dtype).reshape(output.shape)
     delta = np.einsum("bie,bie->bi", grad_output, output)
-    query_tiles = _row_tiles(query, QUERY_TILE)
+    query_tiles = _row_tiles(query, query_tile)
     key_tiles = _row_tiles(key, key_tile)
-    grad_tiles = _row_tiles(grad_output, QUERY_TILE)
+    grad_tiles = _row_tiles(grad_output, query_tile)
     n_query_tiles, n_key_tiles = query_tiles.shape[1], key_tiles.shape[1]
-    padded_rows = n_query_tiles * QUERY_TILE
+    padded_rows = n_query_tiles * query_tile
     log2_sum = np.full((n_batch, padded_rows), -np.inf, dtype=dtype)
     log2_sum[:, : problem.n_query] = log_sum_exp * dtype.type(LOG2E)
     padded_delta = np.zeros((n_batch, padded_rows), dtype=dtype)
     padded_delta[:, : problem.n_query] = delta
-    grad_query = np.empty((n_batch, n_query_tiles, QUERY_TILE, problem.n_features), dtype=dtype)
+    grad_query = np.empty((n_batch, n_query_tiles, query_tile, problem.n_features), dtype=dtype)
     grad_key = np.empty((n_batch, n_key_tiles, key_tile, problem.n_features), dtype=dtype)
     grad_value = np.empty((n_batch, n_key_tiles, key_tile, problem.value_dim), dtype=dtype)
     scaled_query = query * dtype.type(problem.scale * LOG2E)
-    _backward_kernel(
-        query_tiles, _column_tiles(_row_tiles(scaled_query, QUERY_TILE)), key_tiles,
-        _row_tiles(value, key_tile), _column_tiles(grad_tiles), grad_tiles,
-        log2_sum.reshape(n_batch, n_query_tiles, QUERY_TILE),
-        padded_delta.reshape(n_batch, n_query_tiles, QUERY_TILE), _transposed_mask(mask, dtype),
-        index, problem.is_causal, dtype.type(problem.scale), problem.n_query, problem.n_key,
-        grad_query, grad_key, grad_value,
-    )  # fmt: skip
+    with serial_blas():
+        _backward_kernel(
+            query_tiles, _column_tiles(_row_tiles(scaled_query, query_tile)), key_tiles,
+            _row_tiles(value, key_tile), _column_tiles(grad_tiles), grad_tiles,
+            log2_sum.reshape(n_batch, n_query_tiles, query_tile),
+            padded_delta.reshape(n_batch, n_query_tiles, query_tile),
+            _transposed_mask(mask, dtype), index, problem.is_causal, dtype.type(problem.scale),
+            problem.n_query, problem.n_key, grad_query, grad_key, grad_value,
+        )  # fmt: skip
     return (
         _untile(grad_query, problem.batch_shape, problem.n_query),
         _untile(grad_key, problem.batch_shape, problem.n_key),
