@@ -117,6 +117,11 @@ def _info(args):
         f"({numba.config.NUMBA_NUM_THREADS} threads, TFMATH_THREADING_LAYER="
         f"{_config.requested_threading_layer()})"
     )
+    for blas in _config._blas_controller().info():
+        print(
+            f"BLAS: {blas['internal_api']} {blas.get('version') or ''} "
+            f"({blas['num_threads']} threads) {blas['filepath']}"
+        )
     print(
         f"kernel cache: {'on' if _config.cache_enabled() else 'off'}; fast-math flags: "
         f"{', '.join(sorted(_config.FASTMATH_FLAGS))}"
