@@ -117,7 +117,7 @@ def _info(args):
         f"({numba.config.NUMBA_NUM_THREADS} threads, TFMATH_THREADING_LAYER="
         f"{_config.requested_threading_layer()})"
     )
-    for blas in _config._blas_controller().info():
+    for blas in _config._blas_controller().select(user_api="blas").info():
         print(
             f"BLAS: {blas['internal_api']} {blas.get('version') or ''} "
             f"({blas['num_threads']} threads) {blas['filepath']}"
