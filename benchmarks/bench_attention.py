@@ -74,9 +74,7 @@ def usable_backends():
     """The backends worth benchmarking on this machine, in ``tfmath.backends()`` order:
     every available one except the CUDA simulator (correct, but far too slow to time)."""
     return [
-        name
-        for name, info in tfmath.backends().items()
-        if info.available and not info.simulated
+        name for name, info in tfmath.backends().items() if info.available and not info.simulated
     ]
 
 

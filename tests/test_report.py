@@ -91,7 +91,10 @@ def test_experiment_result_defaults_are_empty():
 
 
 def test_cli_reproduce_and_info(tmp_path, capsys):
-    assert cli.main(["reproduce", "--out", str(tmp_path / "r"), "--backend", "cpu"]) == 0
+    out = str(tmp_path / "r")
+    assert (
+        cli.main(["reproduce", "--out", out, "--backend", "cpu", "--only", "worked_examples"]) == 0
+    )
     assert (tmp_path / "r" / "index.html").exists()
     assert "done in" in capsys.readouterr().err
     assert cli.main(["reproduce", "--out", str(tmp_path / "r"), "--list"]) == 0

@@ -14,6 +14,7 @@ from tfmath.accounting import (
     kv_cache_bytes_per_token,
 )
 from tfmath.attention import attention_grad, scaled_dot_product_attention, softmax
+from tfmath.efficient import linear_attention, sparse_attention, sparse_attention_mask
 from tfmath.errors import BackendUnavailableError, DTypeError, ShapeError, TfmathError
 from tfmath.layers import cross_entropy, layer_norm, log_softmax, rms_norm
 from tfmath.positional import (
@@ -23,6 +24,7 @@ from tfmath.positional import (
     rotary_embedding,
     sinusoidal_encoding,
 )
+from tfmath.rnn import elman_rnn
 from tfmath.variance import (
     dot_product_variance,
     sample_scores,
@@ -46,10 +48,12 @@ __all__ = [
     "count_parameters",
     "cross_entropy",
     "dot_product_variance",
+    "elman_rnn",
     "embed",
     "flops_per_token",
     "kv_cache_bytes_per_token",
     "layer_norm",
+    "linear_attention",
     "log_softmax",
     "rms_norm",
     "rotary_embedding",
@@ -59,4 +63,6 @@ __all__ = [
     "sinusoidal_encoding",
     "softmax",
     "softmax_row_statistics",
+    "sparse_attention",
+    "sparse_attention_mask",
 ]

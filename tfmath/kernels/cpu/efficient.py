@@ -1,0 +1,407 @@
+r"""CPU kernels for linear attention and sparse attention.
+
+Linear attention (Katharopoulos et al. 2020) runs in chunks of :math:`C \le 64`
+rows (:func:`chunk_size`) so that every product is a small GEMM handed to BLAS
+through ``np.dot``, on the calling thread (:func:`tfmath._config.serial_blas`);
+batch entries (heads) run in parallel:
+
+- non-causal: :math:`S = \sum_j \phi(k_j) v_j^\top` and
+  :math:`z = \sum_j \phi(k_j)` chunk by chunk, then
+  :math:`o_i = \phi(q_i)^\top S / (\phi(q_i)^\top z + \varepsilon)` a chunk of
+  queries at a time;
+- causal: for a chunk of positions, the keys before it act through the
+  prefix state, and those inside it through the masked :math:`C \times C`
+  block :math:`\operatorname{tril}(\phi(Q_C)\phi(K_C)^\top)`; the chunk is
+  then added to the state. Time :math:`O(n\,C\,d + n\,d\,d_v)`, memory
+  :math:`O(C^2 + d\,d_v)` per batch entry, never :math:`O(n^2)`.
+
+Guards for long sequences and extreme magnitudes: the state is a float64 sum
+of per-chunk GEMMs, so a float32 input of length :math:`n` accumulates about
+:math:`C \epsilon_{32} + (n/C)\, \epsilon_{64}` relative rounding rather
+than :math:`n\, \epsilon_{32}`, and numerator and denominator are means
+over the attended keys (see :func:`tfmath.efficient.linear_attention`).
+Every query's features are divided by their largest entry and every key's
+by the largest key feature, with :math:`\varepsilon` rescaled to match
+(the output is unchanged: the rescaling cancels between numerator and
+denominator), so float32 products of features neither overflow nor
+underflow whatever the inputs' scale.
+
+Sparse attention walks, for each query row, the runs of keys it attends
+(:func:`run_bounds`: a contiguous window, an arithmetic progression, or the
+blocks of a layout row), scoring ``RUN_CHUNK`` keys at a time and folding
+them into an online softmax (running maximum and normaliser, as in
+FlashAttention), so the work is proportional to the attended pairs and the
+scratch memory per task is :math:`O(\text{RUN\_CHUNK} + E_v)`.
+"""
+
+import math
+
+import numba
+import numpy as np
+
+from tfmath._config import cpu_kernel, serial_blas
+from tfmath.efficient import BLOCK, LOCAL, STRIDED
+from tfmath.kernels.cpu.exp2 import exp2_nonpositive
+
+#: Bounds on the rows per linear-attention chunk (:func:`chunk_size`).
+MIN_CHUNK, MAX_CHUNK = 8, 64
+#: Largest chunk product (M*N*K): keeps a chunk's operands within a core's L2 cache.
+CHUNK_PRODUCT_LIMIT = 65536 * 4
+#: Query rows per parallel task of sparse attention.
+ROWS_PER_TASK = 16
+#: Keys scored at once before one vectorised exponential.
+RUN_CHUNK = 128
+LOG2E = 1.4426950408889634
+ELU_PLUS_ONE = 0
+
+
+# --- sparse runs (plain Python, compiled for both the CPU and the CUDA kernels) -----------
+
+
+def run_count(code, row, block_size, row_starts):
+    """How many runs of keys :func:`run_bounds` describes for query ``row``."""
+    if code == BLOCK:
+        block_row = row // block_size
+        return row_starts[block_row + 1] - row_starts[block_row]
+    return 3
+
+
+def run_bounds(code, row, part, window, stride, block_size, row_starts, key_blocks, top):
+    """Run ``part`` of the keys query ``row`` attends: ``(start, stop, step)``, maybe empty.
+
+    ``top`` is one past the last key the row may see (``S``, or ``min(row + 1, S)``
+    when causal). The three runs of a banded pattern are: the strided keys
+    below the window, the window, and the strided keys above it, so the union
+    pattern visits no key twice.
+    """
+    if code == BLOCK:
+        start = key_blocks[row_starts[row // block_size] + part] * block_size
+        return start, min(start + block_size, top), 1
+    low = max(row - window + 1, 0)
+    high = min(row + window, top)
+    if code == LOCAL:
+        return (low, high, 1) if part == 1 else (0, 0, 1)
+    residue = row % stride
+    if code == STRIDED or high <= low:
+        return (residue, top, stride) if part == 1 else (0, 0, 1)
+    if part == 0:
+        return residue, low, stride
+    if part == 1:
+        return low, high, 1
+    # The first key at or above `high` congruent to the row (written so that it
+    # holds under either sign convention of %).
+    return high + ((residue - high) % stride + stride) % stride, top, stride
+
+
+_run_count = cpu_kernel(run_count)
+_run_bounds = cpu_kernel(run_bounds)
+
+
+@cpu_kernel
+def _attend_run(
+    query_row, keys, values, start, stop, step, scale_log2, scores, scratch,
+    accumulator, running_max, total,
+):  # fmt: skip
+    """Fold keys ``start:stop:step`` into a row's online softmax; returns ``(max, total)``.
+
+    Scores are kept in base 2 (``scale_log2 = scale * log2(e)``) for the
+    vectorised :func:`exp2_nonpositive`. Keys at weight exactly 0 are not
+    read, so inf or NaN stored there cannot leak in through ``0 * nan``.
+    """
+    zero = scores.dtype.type(0)
+    position = start
+    while position < stop:
+        count = min(scores.shape[0], (stop - position + step - 1) // step)
+        chunk_max = scores.dtype.type(-np.inf)
+        for t in range(count):
+            j = position + t * step
+            dot = zero
+            for e in range(keys.shape[1]):
+                dot += query_row[e] * keys[j, e]
+            scores[t] = dot * scale_log2
+            if scores[t] > chunk_max:
+                chunk_max = scores[t]
+        new_max = max(running_max, chunk_max)
+        # All scores -inf or NaN so far: no shift, so NaN stays NaN and -inf gives 0.
+        shift = zero if new_max == -np.inf else new_max
+        for t in range(count):
+            scores[t] -= shift
+        exp2_nonpositive(scores[:count], scratch[:count])
+        if running_max != -np.inf and running_max != new_max:
+            factor = np.exp2(running_max - new_max)
+            total *= factor
+            for e in range(accumulator.shape[0]):
+                accumulator[e] *= factor
+        running_max = new_max
+        for t in range(count):
+            weight = scores[t]
+            if weight != 0:
+                total += weight
+                j = position + t * step
+                for e in range(accumulator.shape[0]):
+                    accumulator[e] += weight * values[j, e]
+        position += count * step
+    return running_max, total
+
+
+@cpu_kernel(parallel=True)
+def _sparse_kernel(
+    query, key, value, index, code, window, stride, block_size, row_starts, key_blocks,
+    is_causal, scale_log2, out,
+):  # fmt: skip
+    n_batch, n_query = out.shape[0], out.shape[1]
+    n_key = key.shape[1]
+    dtype = out.dtype
+    n_tiles = (n_query + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+    for task in numba.prange(n_batch * n_tiles):
+        b = task // n_tiles
+        first = (task % n_tiles) * ROWS_PER_TASK
+        q, k, v = index[b, 0], index[b, 1], index[b, 2]
+        scores = np.empty(RUN_CHUNK, dtype=dtype)
+        scratch = np.empty(RUN_CHUNK, dtype=dtype)
+        accumulator = np.empty(out.shape[2], dtype=dtype)
+        for i in range(first, min(first + ROWS_PER_TASK, n_query)):
+            top = min(i + 1, n_key) if is_causal else n_key
+            accumulator[:] = 0
+            running_max = dtype.type(-np.inf)
+            total = dtype.type(0)
+            for part in range(_run_count(code, i, block_size, row_starts)):
+                start, stop, step = _run_bounds(
+                    code, i, part, window, stride, block_size, row_starts, key_blocks, top
+                )
+                running_max, total = _attend_run(
+                    query[q, i], key[k], value[v], start, stop, step, scale_log2,
+                    scores, scratch, accumulator, running_max, total,
+                )  # fmt: skip
+            if total == 0:
+                out[b, i] = 0
+            else:
+                for e in range(out.shape[2]):
+                    out[b, i, e] = accumulator[e] / total
+
+
+def sparse_kernel_arguments(pattern):
+    """The pattern as the sparse kernels take it: ``(code, window, stride, block_size,
+    row_starts, key_blocks)``, with placeholders (1, empty arrays) for what it does not use."""
+    row_starts, key_blocks = pattern.block_rows()
+    return (
+        pattern.code,
+        pattern.window or 1,
+        pattern.stride or 1,
+        pattern.block_size or 1,
+        row_starts,
+        key_blocks,
+    )
+
+
+def sparse_attention(problem, pattern):
+    """Run the sparse CPU kernel on a validated problem and its
+    :class:`~tfmath.efficient.SparsePattern`."""
+    query, key, value, _, index = problem.kernel_operands()
+    dtype = problem.dtype
+    out = np.empty((index.shape[0], problem.n_query, problem.value_dim), dtype=dtype)
+    _sparse_kernel(
+        query, key, value, index, *sparse_kernel_arguments(pattern),
+        problem.is_causal, dtype.type(problem.scale * LOG2E), out,
+    )  # fmt: skip
+    return out.reshape(problem.output_shape())
+
+
+# --- linear attention ---------------------------------------------------------------------
+
+
+def chunk_size(n_features, n_values):
+    """Rows per chunk: at most 64, and few enough that every chunk product stays
+    within ``CHUNK_PRODUCT_LIMIT``."""
+    widest = max(n_features, n_values, 1)
+    by_state = CHUNK_PRODUCT_LIMIT // (max(n_features, 1) * max(n_values, 1))
+    by_block = math.isqrt(CHUNK_PRODUCT_LIMIT // widest)
+    return max(MIN_CHUNK, min(MAX_CHUNK, by_state, by_block))
+
+
+@cpu_kernel
+def _feature_map(x, code, out):
+    """``out = phi(x)`` elementwise: elu(x) + 1 (as e^x for x <= 0) or max(x, 0); NaN stays NaN."""
+    one = out.dtype.type(1)
+    zero = out.dtype.type(0)
+    for i in range(x.shape[0]):
+        for e in range(x.shape[1]):
+            value = x[i, e]
+            if code == ELU_PLUS_ONE:
+                out[i, e] = value + one if value > 0 else np.exp(value)
+            else:
+                out[i, e] = zero if value < 0 else value
+
+
+@cpu_kernel
+def _normalised_rows(x, code, out, row_scale):
+    """``out[i] = phi(x[i]) / row_scale[i]`` with ``row_scale[i] = max_e phi(x[i, e])``
+    (1 for an all-zero row), so every row of features lies in [0, 1]."""
+    _feature_map(x, code, out)
+    for i in range(x.shape[0]):
+        largest = 0.0
+        for e in range(x.shape[1]):
+            if out[i, e] > largest:
+                largest = out[i, e]
+        row_scale[i] = largest if largest > 0 else 1.0
+        # Divide rather than multiply by the inverse, which overflows for subnormal scales.
+        for e in range(x.shape[1]):
+            out[i, e] /= row_scale[i]
+
+
+@cpu_kernel
+def _largest_feature(x, code, scratch):
+    """``max phi(x)`` over all rows (1 when every feature is 0), a chunk at a time."""
+    largest = 0.0
+    chunk = scratch.shape[0]
+    for start in range(0, x.shape[0], chunk):
+        rows = min(chunk, x.shape[0] - start)
+        _feature_map(x[start : start + rows], code, scratch[:rows])
+        for r in range(rows):
+            for e in range(x.shape[1]):
+                if scratch[r, e] > largest:
+                    largest = scratch[r, e]
+    return largest if largest > 0 else 1.0
+
+
+@cpu_kernel
+def _key_features(key, code, key_scale, out):
+    """``out = phi(key) / key_scale``."""
+    _feature_map(key, code, out)
+    for r in range(key.shape[0]):
+        for e in range(key.shape[1]):
+            out[r, e] /= key_scale
+
+
+@cpu_kernel
+def _add_features(state, normaliser, features, values, partial):
+    """``state += features^T values`` and ``normaliser += column sums of features`` (float64)."""
+    np.dot(features.T, values, partial)
+    for e in range(state.shape[0]):
+        for f in range(state.shape[1]):
+            state[e, f] += partial[e, f]
+    for r in range(features.shape[0]):
+        for e in range(features.shape[1]):
+            normaliser[e] += features[r, e]
+
+
+@cpu_kernel
+def _global_linear(query, key, value, code, eps, chunk, out):
+    """Non-causal linear attention of one batch entry."""
+    n_query, n_key = query.shape[0], key.shape[0]
+    n_features, n_values = key.shape[1], value.shape[1]
+    dtype = out.dtype
+    state = np.zeros((n_features, n_values))
+    normaliser = np.zeros(n_features)
+    features = np.empty((chunk, n_features), dtype=dtype)
+    partial = np.empty((n_features, n_values), dtype=dtype)
+    row_scale = np.empty(chunk)
+    key_scale = _largest_feature(key, code, features)
+    for start in range(0, n_key, chunk):
+        rows = min(chunk, n_key - start)
+        _key_features(key[start : start + rows], code, key_scale, features[:rows])
+        _add_features(state, normaliser, features[:rows], value[start : start + rows], partial)
+    mean_state = (state / n_key).astype(dtype)
+    mean_normaliser = normaliser / n_key
+    for start in range(0, n_query, chunk):
+        rows = min(chunk, n_query - start)
+        _normalised_rows(query[start : start + rows], code, features[:rows], row_scale)
+        np.dot(features[:rows], mean_state, out[start : start + rows])
+        for r in range(rows):
+            # eps / (row scale * key scale): the guard in the units of the normalised features.
+            denominator = eps / (row_scale[r] * key_scale)
+            for e in range(n_features):
+                denominator += features[r, e] * mean_normaliser[e]
+            for f in range(n_values):
+                out[start + r, f] /= denominator
+
+
+@cpu_kernel
+def _causal_linear(query, key, value, code, eps, chunk, out):
+    """Causal linear attention of one batch entry, a chunk of positions at a time."""
+    n_query, n_key = query.shape[0], key.shape[0]
+    n_features, n_values = key.shape[1], value.shape[1]
+    dtype = out.dtype
+    state = np.zeros((n_features, n_values))
+    normaliser = np.zeros(n_features)
+    mean_state = np.zeros((n_features, n_values), dtype=dtype)
+    query_features = np.empty((chunk, n_features), dtype=dtype)
+    key_features = np.empty((chunk, n_features), dtype=dtype)
+    block = np.empty(chunk * chunk, dtype=dtype)
+    inside = np.empty((chunk, n_values), dtype=dtype)
+    partial = np.empty((n_features, n_values), dtype=dtype)
+    row_scale = np.empty(chunk)
+    # One scale for every key: rescaling all keys alike changes only the units of eps,
+    # so using keys later than a query here does not leak them into its output.
+    key_scale = _largest_feature(key, code, key_features)
+    for start in range(0, n_query, chunk):
+        rows = min(chunk, n_query - start)
+        before = min(start, n_key)  # keys wholly before the chunk: the prefix state
+        n_inside = max(min(start + rows, n_key) - start, 0)  # keys inside the chunk
+        _normalised_rows(query[start : start + rows], code, query_features[:rows], row_scale)
+        if before > 0:
+            for e in range(n_features):
+                for f in range(n_values):
+                    mean_state[e, f] = state[e, f] / before
+            np.dot(query_features[:rows], mean_state, out[start : start + rows])
+        else:
+            out[start : start + rows] = 0
+        scores = block[: rows * max(n_inside, 1)].reshape(rows, max(n_inside, 1))
+        if n_inside > 0:
+            _key_features(key[start : start + n_inside], code, key_scale, key_features[:n_inside])
+            np.dot(query_features[:rows], key_features[:n_inside].T, scores)
+            for r in range(rows):
+                for c in range(r + 1, n_inside):
+                    scores[r, c] = 0
+            np.dot(scores, value[start : start + n_inside], inside[:rows])
+        for r in range(rows):
+            count = min(start + r + 1, n_key)
+            prefix_kernel = 0.0
+            if before > 0:
+                for e in range(n_features):
+                    prefix_kernel += query_features[r, e] * normaliser[e]
+            inside_kernel = 0.0
+            for c in range(min(r + 1, n_inside)):
+                inside_kernel += scores[r, c]
+            guard = eps / (row_scale[r] * key_scale)
+            denominator = (prefix_kernel + inside_kernel) / count + guard
+            for f in range(n_values):
+                numerator = before * out[start + r, f]
+                if n_inside > 0:
+                    numerator += inside[r, f]
+                out[start + r, f] = numerator / count / denominator
+        if n_inside > 0:
+            _add_features(
+                state, normaliser, key_features[:n_inside], value[start : start + n_inside],
+                partial,
+            )  # fmt: skip
+
+
+@cpu_kernel(parallel=True)
+def _linear_kernel(query, key, value, index, code, is_causal, eps, chunk, out):
+    for b in numba.prange(out.shape[0]):
+        q, k, v = index[b, 0], index[b, 1], index[b, 2]
+        if is_causal:
+            _causal_linear(query[q], key[k], value[v], code, eps, chunk, out[b])
+        else:
+            _global_linear(query[q], key[k], value[v], code, eps, chunk, out[b])
+
+
+def is_degenerate(problem):
+    """Whether a dimension is empty, so BLAS has nothing to multiply (the reference handles it)."""
+    return min(problem.n_query, problem.n_key, problem.n_features, problem.value_dim) == 0
+
+
+def linear_attention(problem, feature_code, eps):
+    """Run the linear-attention CPU kernel on a validated ``AttentionProblem``."""
+    if is_degenerate(problem):
+        from tfmath.reference.efficient import linear_attention as reference
+
+        return reference(problem, feature_code, eps)
+    query, key, value, _, index = problem.kernel_operands()
+    out = np.empty((index.shape[0], problem.n_query, problem.value_dim), dtype=problem.dtype)
+    chunk = chunk_size(problem.n_features, problem.value_dim)
+    # The parallel loop occupies the cores; BLAS threads inside it would oversubscribe them.
+    with serial_blas():
+        _linear_kernel(query, key, value, index, feature_code, problem.is_causal, eps, chunk, out)
+    return out.reshape(problem.output_shape())
