@@ -26,8 +26,8 @@ def balanced_tile(k, n_tiles):
 
 
 @cpu_kernel
-def _softmax_inplace(row, bits):
-    """Replace ``row`` by its softmax; ``bits`` is scratch of the same length and dtype.
+def _softmax_inplace(row):
+    """Replace ``row`` by its softmax.
 
     All ``-inf`` gives zeros and any NaN gives a NaN row. The maximum skips NaN
     (``>`` is false for it), but a NaN then reaches the sum through the
@@ -48,7 +48,7 @@ def _softmax_inplace(row, bits):
         return
     for j in range(row.shape[0]):
         row[j] = (row[j] - row_max) * LOG2E
-    exp2_nonpositive(row, bits)
+    exp2_nonpositive(row)
     inverse = 1 / np.sum(row)
     for j in range(row.shape[0]):
         row[j] *= inverse
@@ -58,7 +58,7 @@ def _softmax_inplace(row, bits):
 def _softmax_rows_kernel(x, out):
     for i in numba.prange(x.shape[0]):
         out[i, :] = x[i, :]
-        _softmax_inplace(out[i], np.empty_like(out[i]))
+        _softmax_inplace(out[i])
 
 
 def softmax_rows(x):
@@ -106,13 +106,12 @@ def _attention_kernel(query, key, value, mask, index, is_causal, scale, out, wei
         last = min(first + ROWS_PER_TASK, n_query)
         q, k, v, m = index[b, 0], index[b, 1], index[b, 2], index[b, 3]
         scratch = np.empty(n_key, dtype=out.dtype)
-        bits = np.empty(n_key, dtype=out.dtype)
         for i in range(first, last):
             n_visible = min(i + 1, n_key) if is_causal else n_key
             scores = weights[b, i] if keep_weights else scratch
             mask_row = mask[m, i] if has_mask else scratch
             _scores_row(query[q, i], key[k], mask_row, has_mask, scale, n_visible, scores)
-            _softmax_inplace(scores[:n_visible], bits[:n_visible])
+            _softmax_inplace(scores[:n_visible])
             if keep_weights:
                 scores[n_visible:] = 0
             _weighted_sum(scores, value[v], n_visible, out[b, i])

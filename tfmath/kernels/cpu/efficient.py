@@ -99,7 +99,7 @@ _run_bounds = cpu_kernel(run_bounds)
 
 @cpu_kernel
 def _attend_run(
-    query_row, keys, values, start, stop, step, scale_log2, scores, scratch,
+    query_row, keys, values, start, stop, step, scale_log2, scores,
     accumulator, running_max, total,
 ):  # fmt: skip
     """Fold keys ``start:stop:step`` into a row's online softmax; returns ``(max, total)``.
@@ -126,7 +126,7 @@ def _attend_run(
         shift = zero if new_max == -np.inf else new_max
         for t in range(count):
             scores[t] -= shift
-        exp2_nonpositive(scores[:count], scratch[:count])
+        exp2_nonpositive(scores[:count])
         if running_max != -np.inf and running_max != new_max:
             factor = np.exp2(running_max - new_max)
             total *= factor
@@ -158,7 +158,6 @@ def _sparse_kernel(
         first = (task % n_tiles) * ROWS_PER_TASK
         q, k, v = index[b, 0], index[b, 1], index[b, 2]
         scores = np.empty(RUN_CHUNK, dtype=dtype)
-        scratch = np.empty(RUN_CHUNK, dtype=dtype)
         accumulator = np.empty(out.shape[2], dtype=dtype)
         for i in range(first, min(first + ROWS_PER_TASK, n_query)):
             top = min(i + 1, n_key) if is_causal else n_key
@@ -171,7 +170,7 @@ def _sparse_kernel(
                 )
                 running_max, total = _attend_run(
                     query[q, i], key[k], value[v], start, stop, step, scale_log2,
-                    scores, scratch, accumulator, running_max, total,
+                    scores, accumulator, running_max, total,
                 )  # fmt: skip
             if total == 0:
                 out[b, i] = 0

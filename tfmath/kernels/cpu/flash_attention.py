@@ -12,7 +12,7 @@ a running normaliser :math:`\ell` and an unnormalised output :math:`O`:
     O' = O\, 2^{m - m'} + P V, \quad P_{j} = 2^{s_j - m'}
 
 The scores are kept in base 2 (the query tile is pre-multiplied by
-``scale * log2(e)``) so the exponential is :func:`exp2_nonpositive`, which LLVM
+``scale * log2(e)``) so the exponential is :func:`exp2_nonpositive_scalar`, which LLVM
 vectorises. Only a ``QUERY_TILE x key_tile`` block of scores ever exists, so
 the extra memory per task is :math:`O((\text{tile} + d)\,\text{tile})`,
 independent of :math:`L S`. The log-sum-exp of each row is kept for the
@@ -42,7 +42,7 @@ import numpy as np
 
 from tfmath._config import cpu_kernel, serial_blas
 from tfmath.kernels.cpu.attention import LOG2E, balanced_tile
-from tfmath.kernels.cpu.exp2 import exp2_nonpositive
+from tfmath.kernels.cpu.exp2 import exp2_nonpositive_scalar
 
 #: Query rows per task (fewer for shorter sequences, down to 8).
 QUERY_TILE = 64
@@ -85,39 +85,35 @@ def _mask_tile(scores, mask, m, has_mask, is_causal, first_key, first_row, n_key
 
 
 @cpu_kernel
-def _softmax_tile(scores, scratch, running_max, running_sum, rescale):
+def _softmax_tile(scores, running_max, running_sum, rescale):
     """Online-softmax step over a transposed tile: scores become 2^(s - m'), and
     ``rescale`` receives each row's factor 2^(m - m') for its old sum and output.
 
     Every loop runs along query rows, the contiguous axis, so each is plain
     elementwise SIMD work rather than a reduction (LLVM will not vectorise a
-    max reduction without the no-NaN flag this project leaves off)."""
+    max reduction without the no-NaN flag this project leaves off), and the
+    shift, the exponential and the row sums share one pass.
+    """
     key_tile, query_tile = scores.shape
-    new_max = scratch[:query_tile]
-    new_max[:] = running_max
+    new_max = running_max.copy()
     for j in range(key_tile):
         for i in range(query_tile):
-            if scores[j, i] > new_max[i]:
-                new_max[i] = scores[j, i]
+            new_max[i] = max(new_max[i], scores[j, i])
     for i in range(query_tile):
         # A row with nothing attended so far keeps shift 0: its -inf scores give
         # weight 0 and any NaN score stays NaN.
         shift = 0 if new_max[i] == -np.inf else new_max[i]
-        rescale[i] = running_max[i] - shift if running_max[i] != -np.inf else -np.inf
+        grown = running_max[i] - shift if running_max[i] != -np.inf else -np.inf
+        factor = exp2_nonpositive_scalar(grown)
+        rescale[i] = 1 if running_sum[i] == 0 or new_max[i] == -np.inf else factor
+        running_sum[i] *= rescale[i]
         running_max[i] = new_max[i]
         new_max[i] = shift
     for j in range(key_tile):
         for i in range(query_tile):
-            scores[j, i] -= new_max[i]
-    exp2_nonpositive(scores.reshape(key_tile * query_tile), scratch)
-    exp2_nonpositive(rescale, scratch[:query_tile])
-    for i in range(query_tile):
-        if running_sum[i] == 0 or running_max[i] == -np.inf:
-            rescale[i] = 1
-        running_sum[i] *= rescale[i]
-    for j in range(key_tile):
-        for i in range(query_tile):
-            running_sum[i] += scores[j, i]
+            weight = exp2_nonpositive_scalar(scores[j, i] - new_max[i])
+            scores[j, i] = weight
+            running_sum[i] += weight
 
 
 @cpu_kernel
@@ -148,7 +144,6 @@ def _forward_kernel(
         first_row = tile * query_tile
         q, k, v, m = index[b, 0], index[b, 1], index[b, 2], index[b, 3]
         scores = np.empty((key_tile, query_tile), dtype=dtype)
-        scratch = np.empty(key_tile * query_tile, dtype=dtype)
         product = np.empty((query_tile, n_values), dtype=dtype)
         accumulator = np.zeros((query_tile, n_values), dtype=dtype)
         running_max = np.full(query_tile, -np.inf, dtype=dtype)
@@ -163,14 +158,17 @@ def _forward_kernel(
             _mask_tile(
                 scores, mask, m, has_mask, is_causal, t * key_tile, first_row, n_key, n_query
             )
-            _softmax_tile(scores, scratch, running_max, running_sum, rescale)
-            for i in range(query_tile):
-                if rescale[i] != 1:
-                    accumulator[i] *= rescale[i]
+            _softmax_tile(scores, running_max, running_sum, rescale)
             if value_tile_finite[v, t]:
                 np.dot(scores.T, value_tiles[v, t], product)
-                accumulator += product
+                # One pass for the rescale and the sum: an array expression here
+                # cost a sixth of the kernel.
+                for i in range(query_tile):
+                    for e in range(n_values):
+                        accumulator[i, e] = accumulator[i, e] * rescale[i] + product[i, e]
             else:
+                for i in range(query_tile):
+                    accumulator[i] *= rescale[i]
                 _accumulate_skipping_zeros(scores, value_tiles[v, t], accumulator)
         for i in range(min(query_tile, n_query - first_row)):
             if running_sum[i] == 0:
@@ -200,7 +198,6 @@ def _backward_kernel(
         q, k, v, m = index[b, 0], index[b, 1], index[b, 2], index[b, 3]
         probabilities = np.empty((key_tile, query_tile), dtype=dtype)
         grad_scores = np.empty((key_tile, query_tile), dtype=dtype)
-        scratch = np.empty(key_tile * query_tile, dtype=dtype)
         query_product = np.empty((query_tile, n_features), dtype=dtype)
         key_product = np.empty((key_tile, n_features), dtype=dtype)
         value_product = np.empty((key_tile, n_values), dtype=dtype)
@@ -220,10 +217,9 @@ def _backward_kernel(
                 for j in range(key_tile):
                     for i in range(query_tile):
                         lse = log2_sum[b, tile, i]
-                        probabilities[j, i] = (
+                        probabilities[j, i] = exp2_nonpositive_scalar(
                             -np.inf if lse == -np.inf else probabilities[j, i] - lse
                         )
-                exp2_nonpositive(probabilities.reshape(key_tile * query_tile), scratch)
                 np.dot(probabilities, grad_tiles[b, tile], value_product)
                 grad_value[b, t] += value_product
                 np.dot(value_tiles[v, t], grad_columns[b, tile], grad_scores)
