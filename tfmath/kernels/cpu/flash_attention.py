@@ -47,7 +47,7 @@ from tfmath.kernels.cpu.exp2 import exp2_nonpositive_scalar
 #: Query rows per task (fewer for shorter sequences, down to 8).
 QUERY_TILE = 64
 #: Largest tile product (M*N*K): keeps a tile's operands within a core's L2 cache.
-TILE_PRODUCT_LIMIT = 65536 * 4
+TILE_PRODUCT_LIMIT = 65536 * 8
 LN2 = 0.6931471805599453
 
 
