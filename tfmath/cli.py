@@ -27,7 +27,7 @@ def _parser():
     reproduce = commands.add_parser(
         "reproduce", help="regenerate every figure and table into one report"
     )
-    reproduce.add_argument("--out", required=True, help="report folder (created or replaced)")
+    reproduce.add_argument("--out", help="report folder (created or replaced)")
     size = reproduce.add_mutually_exclusive_group()
     size.add_argument(
         "--quick",
@@ -76,6 +76,9 @@ def _reproduce(args):
         for exp in registered_experiments():
             print(f"{exp.name:24s} {exp.title}")
         return 0
+    if args.out is None:
+        print("tfmath reproduce: error: --out DIR is required", file=sys.stderr)
+        return 2
     try:
         resolve_backend(args.backend)
         settings = RunSettings(quick=args.quick, backend=args.backend, seed=args.seed)
