@@ -1,0 +1,224 @@
+r"""Sweeps of training runs: in this process or on a Dask cluster, resumable from a folder.
+
+A scaling-law experiment trains many independent models (one per model size
+or data size), which is embarrassingly parallel. :func:`run_sweep` takes a
+list of :class:`TrainingRun` and returns their
+:class:`~tfmath.training.TrainingResult`, in order:
+
+* by default it trains them one after another in this process;
+* with ``scheduler=`` (a Dask scheduler address such as
+  ``"tcp://10.0.0.5:8786"``, or a ``distributed.Client``) it submits each run
+  to the cluster with ``Client.submit`` and gathers the results as they
+  finish. Dask is an optional dependency (``pip install 'tfmath[dask]'``).
+
+With ``results_dir=``, each result is written to ``<results_dir>/<key>.json``
+the moment it arrives, atomically (a temporary file renamed over the
+target), where ``key`` is a hash of everything that determines the run. A
+sweep that is interrupted and started again loads the finished runs and
+trains only the others; since training is reproducible from its seed, the
+results, and any figure drawn from them, are the same as those of an
+uninterrupted sweep. :func:`cache_dir` is the default home of such folders.
+"""
+
+import hashlib
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from tfmath.accounting import ModelConfig
+from tfmath.synthetic import ZipfLexicon
+from tfmath.training import TrainingConfig, TrainingResult, train_language_model
+
+__all__ = ["TrainingRun", "cache_dir", "run_sweep", "run_training"]
+
+#: Part of every run's key: raise it when a change to the training code changes
+#: results, so that results saved by older code are not reused.
+RESULTS_FORMAT = 1
+
+
+def cache_dir():
+    """Where tfmath keeps results between runs.
+
+    ``$TFMATH_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/tfmath``, else
+    ``~/.cache/tfmath``. Nothing is created here; deleting the folder only
+    costs recomputation.
+    """
+    if os.environ.get("TFMATH_CACHE_DIR"):
+        return Path(os.environ["TFMATH_CACHE_DIR"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base).expanduser() / "tfmath"
+
+
+@dataclass(frozen=True)
+class TrainingRun:
+    """One point of a sweep: a model, a source and how to train it.
+
+    Attributes
+    ----------
+    model : ModelConfig
+    source : ZipfLexicon
+    training : TrainingConfig
+    backend : str
+        Passed to :func:`~tfmath.training.train_language_model`.
+    """
+
+    model: ModelConfig
+    source: ZipfLexicon
+    training: TrainingConfig
+    backend: str = "auto"
+
+    def __post_init__(self):
+        for name, kind in (("model", ModelConfig), ("source", ZipfLexicon),
+                           ("training", TrainingConfig)):  # fmt: skip
+            if not isinstance(getattr(self, name), kind):
+                raise TypeError(
+                    f"{name} must be a {kind.__name__}, got {type(getattr(self, name)).__name__}"
+                )
+
+    def spec(self):
+        """Everything that determines the result, as plain JSON data."""
+        spec = {
+            "format": RESULTS_FORMAT,
+            "model": asdict(self.model),
+            "source": asdict(self.source),
+            "training": asdict(self.training),
+            "backend": self.backend,
+        }
+        return json.loads(json.dumps(spec, sort_keys=True))
+
+    @property
+    def key(self):
+        """A 20-hex-digit hash of :meth:`spec`: the run's file name in a results folder."""
+        text = json.dumps(self.spec(), sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+def run_training(run):
+    """Train one :class:`TrainingRun`; returns ``{"key", "run", "result"}`` as JSON data.
+
+    A module-level function, so Dask workers can import it by name.
+    """
+    result = train_language_model(run.model, run.source, run.training, backend=run.backend)
+    return {"key": run.key, "run": run.spec(), "result": result.to_dict()}
+
+
+def run_sweep(runs, *, results_dir=None, scheduler=None, progress=None):
+    """Train every run that has no saved result, and return all results in order.
+
+    Parameters
+    ----------
+    runs : sequence of TrainingRun
+    results_dir : str or os.PathLike, optional
+        Folder of saved results (created if missing). Runs found there are not
+        trained again; each new result is saved as soon as it is known.
+    scheduler : str or distributed.Client, optional
+        Train on this Dask cluster instead of in this process. A string is a
+        scheduler address; a client made from it is closed afterwards.
+    progress : callable, optional
+        Called with one line of text per run as it is loaded or finished.
+
+    Returns
+    -------
+    list of TrainingResult
+
+    Raises
+    ------
+    TypeError
+        For runs that are not :class:`TrainingRun`, or a scheduler of another type.
+    ImportError
+        For ``scheduler=`` without Dask's ``distributed`` installed.
+    """
+    runs = list(runs)
+    for run in runs:
+        if not isinstance(run, TrainingRun):
+            raise TypeError(f"runs must be TrainingRun objects, got {type(run).__name__}")
+    progress = progress or (lambda line: None)
+    folder = None if results_dir is None else Path(results_dir)
+    records = {}
+    for run in runs:
+        saved = _load(folder, run)
+        if saved is not None and run.key not in records:
+            records[run.key] = saved
+            progress(f"loaded {_describe(run, saved)}")
+    pending = list({run.key: run for run in runs if run.key not in records}.values())
+
+    def finished(record, run):
+        _save(folder, record)
+        records[run.key] = record
+        progress(f"trained {_describe(run, record)}")
+
+    if scheduler is None:
+        for run in pending:
+            finished(run_training(run), run)
+    elif pending:
+        _run_on_dask(pending, scheduler, finished)
+    return [TrainingResult.from_dict(records[run.key]["result"]) for run in runs]
+
+
+def _describe(run, record):
+    result = record["result"]
+    return (
+        f"{run.model.name} (N = {result['non_embedding_parameters']}, "
+        f"D = {run.training.dataset_tokens or 'unlimited'}): validation loss "
+        f"{result['validation_loss']:.4f} after {result['steps']} steps in "
+        f"{result['seconds']:.1f} s"
+    )
+
+
+def _run_on_dask(runs, scheduler, finished):
+    try:
+        from distributed import Client, as_completed
+    except ImportError as error:
+        raise ImportError(
+            "scheduler= needs Dask's distributed scheduler: pip install 'tfmath[dask]'"
+        ) from error
+    if isinstance(scheduler, str):
+        client, owned = Client(scheduler), True
+    elif isinstance(scheduler, Client):
+        client, owned = scheduler, False
+    else:
+        raise TypeError(
+            f"scheduler must be an address string or a distributed.Client, got "
+            f"{type(scheduler).__name__}"
+        )
+    try:
+        futures = {
+            client.submit(run_training, run, key=f"tfmath-train-{run.key}", pure=True): run
+            for run in runs
+        }
+        for future in as_completed(futures):
+            finished(future.result(), futures[future])
+    finally:
+        if owned:
+            client.close()
+
+
+def _load(folder, run):
+    """The saved record of ``run``, or None when missing, unreadable or for another run."""
+    if folder is None:
+        return None
+    path = folder / f"{run.key}.json"
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return record if record.get("run") == run.spec() else None
+
+
+def _save(folder, record):
+    """Write ``record`` to ``<folder>/<key>.json`` atomically: a reader sees all of it or none."""
+    if folder is None:
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(dir=folder, prefix=f".{record['key']}.", suffix=".tmp")
+    try:
+        with os.fdopen(handle, "w") as file:
+            json.dump(record, file, indent=1, sort_keys=True)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, folder / f"{record['key']}.json")
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
