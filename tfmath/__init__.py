@@ -25,6 +25,14 @@ from tfmath.positional import (
     sinusoidal_encoding,
 )
 from tfmath.rnn import elman_rnn
+from tfmath.scaling import (
+    chinchilla_loss,
+    chinchilla_optimal,
+    critical_batch_size,
+    fit_scaling_law,
+    kaplan_joint_loss,
+    kaplan_loss,
+)
 from tfmath.variance import (
     dot_product_variance,
     sample_scores,
@@ -45,12 +53,18 @@ __all__ = [
     "alibi_slopes",
     "attention_grad",
     "backends",
+    "chinchilla_loss",
+    "chinchilla_optimal",
     "count_parameters",
+    "critical_batch_size",
     "cross_entropy",
     "dot_product_variance",
     "elman_rnn",
     "embed",
+    "fit_scaling_law",
     "flops_per_token",
+    "kaplan_joint_loss",
+    "kaplan_loss",
     "kv_cache_bytes_per_token",
     "layer_norm",
     "linear_attention",

@@ -47,6 +47,11 @@ def _parser():
         help="backend for the experiments' tfmath calls (default auto)",
     )
     reproduce.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    reproduce.add_argument(
+        "--scheduler",
+        metavar="ADDRESS",
+        help="Dask scheduler to train the scaling-law sweep on (needs the dask extra)",
+    )
     reproduce.add_argument("--list", action="store_true", help="list the experiments and exit")
     reproduce.set_defaults(handler=_reproduce)
 
@@ -81,7 +86,9 @@ def _reproduce(args):
         return 2
     try:
         resolve_backend(args.backend)
-        settings = RunSettings(quick=args.quick, backend=args.backend, seed=args.seed)
+        settings = RunSettings(
+            quick=args.quick, backend=args.backend, seed=args.seed, scheduler=args.scheduler
+        )
         index = build_report(args.out, settings, only=args.only, progress=_progress)
     except (ReportError, TfmathError) as error:
         print(f"tfmath reproduce: error: {error}", file=sys.stderr)

@@ -420,7 +420,7 @@ def _results_folder():
 
 
 def _scheduler(settings):
-    return getattr(settings, "scheduler", None) or os.environ.get("TFMATH_SCHEDULER") or None
+    return settings.scheduler or os.environ.get("TFMATH_SCHEDULER") or None
 
 
 @experiment(
@@ -464,8 +464,8 @@ def scaling_reproduction(settings):
         settings, fit_n, fit_d, n, d, entropy, loaded, len(results), train_seconds, folder
     ) + (
         f" Over the last quarter of their steps the reducible loss of the model-size sweep "
-        f"still fell by {min(drops):.0f}% to {max(drops):.0f}%: the models are short of "
-        f"convergence, and alpha_N is measured at a fixed training budget."
+        f"fell by {min(drops):.0f}% to {max(drops):.0f}%: near convergence when that is a few "
+        f"percent, but alpha_N is always that of a fixed training budget."
     )
     return ExperimentResult(
         caption=caption,
@@ -572,27 +572,22 @@ def _learning_curves(size_runs, size_results, data_runs, data_results, entropy):
 
     figure, axes = new_figure(11, 4.5, ncols=2)
     groups = (
-        (
-            axes[0, 0],
-            size_runs,
-            size_results,
-            "model-size sweep (unlimited data)",
-            lambda run, r: f"N = {r.non_embedding_parameters}",
-        ),
-        (
-            axes[0, 1],
-            data_runs,
-            data_results,
-            "data-size sweep (early stopping at the dot)",
-            lambda run, r: f"D = {run.training.dataset_tokens}",
-        ),
+        (axes[0, 0], size_runs, size_results, "model-size sweep (unlimited data)", False),
+        (axes[0, 1], data_runs, data_results, "data-size sweep (early stopping)", True),
     )
-    for ax, runs, results, title, label in groups:
+    for ax, runs, results, title, early_stopped in groups:
         for i, (run, result) in enumerate(zip(runs, results, strict=True)):
             excess = np.array(result.curve_losses) - entropy
-            ax.loglog(result.curve_steps, excess, color=f"C{i}", label=label(run, result))
-            best = result.curve_steps.index(result.best_step)
-            ax.plot(result.best_step, excess[best], "o", color=f"C{i}", ms=4)
+            label = (
+                f"D = {run.training.dataset_tokens}"
+                if early_stopped
+                else f"N = {result.non_embedding_parameters}"
+            )
+            ax.loglog(result.curve_steps, excess, color=f"C{i}", label=label)
+            # The dot is the loss the fit uses: the best one, or the last.
+            step = result.best_step if early_stopped else result.curve_steps[-1]
+            ax.plot(step, excess[result.curve_steps.index(step)], "o", color=f"C{i}", ms=4)
+        title += "; dots: the losses fitted"
         ax.set_xlabel("training step")
         ax.set_ylabel("validation loss - E (nats per token)")
         ax.set_title(title, fontsize=10)

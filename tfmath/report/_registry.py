@@ -21,11 +21,15 @@ class RunSettings:
         Backend for the experiment's tfmath calls.
     seed : int
         Seed for any randomness, so that a re-run reproduces the numbers.
+    scheduler : str or None
+        Address of a Dask scheduler for experiments whose independent runs
+        can be farmed out (the scaling-law sweep); None runs them in-process.
     """
 
     quick: bool = True
     backend: str = "auto"
     seed: int = 0
+    scheduler: str | None = None
 
 
 @dataclass(frozen=True)
