@@ -48,13 +48,11 @@ def _configure_numba():
     return numba
 
 
-def cpu_kernel(function=None, *, parallel=False, inline=False):
+def cpu_kernel(function=None, *, parallel=False):
     """Compile ``function`` as a tfmath CPU kernel (``numba.njit`` with tfmath's options).
 
-    Used bare (``@cpu_kernel``) for serial kernels and helpers, as
-    ``@cpu_kernel(parallel=True)`` for kernels with a ``prange`` loop, or as
-    ``@cpu_kernel(inline=True)`` for scalar helpers that must be inlined into
-    their callers' loops for those loops to vectorise.
+    Used bare (``@cpu_kernel``) for serial kernels and helpers, or as
+    ``@cpu_kernel(parallel=True)`` for kernels with a ``prange`` loop.
     Compilation is lazy: it happens on the first call for each signature.
     """
     numba = _configure_numba()
@@ -66,7 +64,6 @@ def cpu_kernel(function=None, *, parallel=False, inline=False):
             parallel=parallel,
             nogil=True,
             error_model="numpy",
-            inline="always" if inline else "never",
         )(func)
 
     return decorate if function is None else decorate(function)

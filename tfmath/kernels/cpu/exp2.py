@@ -6,8 +6,8 @@ This version splits :math:`2^x = 2^k \cdot 2^f` with :math:`k = \lfloor x + 1/2
 \rfloor` and :math:`|f| \le 1/2`, evaluates :math:`2^f = e^{f \ln 2}` by its
 Taylor polynomial, and builds :math:`2^k` from its IEEE-754 exponent bits
 (an integer reinterpreted as a float, by a one-instruction intrinsic). Every
-step is branch-free scalar arithmetic that inlines into the caller's loop, so
-LLVM turns the loop, exponential included, into SIMD code.
+step is branch-free scalar arithmetic, which LLVM inlines into the caller's
+loop and turns, exponential included, into SIMD code.
 
 Error: the first omitted Taylor term bounds the truncation error,
 :math:`(\ln 2 / 2)^{n+1} / (n+1)!`: about :math:`5 \times 10^{-9}` for the
@@ -50,7 +50,7 @@ def _bits_as_float(typingctx, bits):
     return float_type(bits), codegen
 
 
-@cpu_kernel(inline=True)
+@cpu_kernel
 def _exp2_float32(x):
     # Written as selects, not max(), so NaN never reaches the int conversion.
     exponent = np.floor(x + np.float32(0.5))
@@ -67,7 +67,7 @@ def _exp2_float32(x):
     return x if x != x else result
 
 
-@cpu_kernel(inline=True)
+@cpu_kernel
 def _exp2_float64(x):
     exponent = np.floor(x + 0.5)
     exponent = exponent if exponent > -1023.0 else -1023.0
@@ -85,7 +85,7 @@ def exp2_nonpositive_scalar(x):
     raise NotImplementedError("only callable from Numba-compiled code")
 
 
-@overload(exp2_nonpositive_scalar, inline="always")
+@overload(exp2_nonpositive_scalar)
 def _exp2_nonpositive_scalar_overload(x):
     kernel = _exp2_float32 if x == types.float32 else _exp2_float64
     return lambda x: kernel(x)
