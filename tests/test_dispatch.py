@@ -70,3 +70,12 @@ def test_only_one_module_imports_numba_cuda():
         if "from numba import cuda" in path.read_text() or "import numba.cuda" in path.read_text()
     )
     assert importers == ["_cuda.py"]
+
+
+@pytest.mark.cuda
+def test_strided_host_views_reach_the_device_whole():
+    # A real driver copies one contiguous region; a strided view must be packed first.
+    host = np.arange(24.0).reshape(4, 6)[:, ::2]
+    device = _cuda.to_device(host)
+    assert device.is_c_contiguous()
+    np.testing.assert_array_equal(device.copy_to_host(), host)

@@ -104,10 +104,16 @@ def as_device_array(array):
 
 
 def to_device(array):
-    """Copy a host array to the device (a device array is returned as it is)."""
+    """Copy a host array to the device (a device array is returned as it is).
+
+    A strided host view is made contiguous first: the driver copies one memory
+    region (the simulator accepts any view, so only a real GPU would notice).
+    """
     if is_device_array(array):
         return as_device_array(array)
-    return numba_cuda().to_device(array)
+    import numpy as np
+
+    return numba_cuda().to_device(np.ascontiguousarray(array))
 
 
 def to_host(array):

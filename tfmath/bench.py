@@ -38,6 +38,18 @@ def best_time(call, repeats):
     return min(_timed(call) for _ in range(repeats))
 
 
+def _synchronizer(backend, torch):
+    """A call that waits for queued GPU work, so a timing covers the kernels, not their launch."""
+    if backend != "cuda":
+        return lambda: None
+    from tfmath import _cuda
+
+    cuda = _cuda.numba_cuda()
+    if torch is None:
+        return cuda.synchronize
+    return lambda: (cuda.synchronize(), torch.cuda.synchronize())
+
+
 def numpy_attention(query, key, value, is_causal):
     """Attention in plain NumPy, the way most people first write it."""
     scores = query @ np.swapaxes(key, -1, -2) / np.float32(math.sqrt(query.shape[-1]))
@@ -48,70 +60,100 @@ def numpy_attention(query, key, value, is_causal):
     return (scores / scores.sum(axis=-1, keepdims=True)) @ value
 
 
-def _torch():
+def _torch(backend="cpu"):
+    """torch, when importable (and built with CUDA when ``backend="cuda"``), else ``None``."""
     try:
         import torch
     except ImportError:
         return None
+    if backend == "cuda" and not torch.cuda.is_available():
+        return None
     return torch
 
 
-def _contenders(query, key, value, is_causal, torch):
-    """The forward implementations to time, by name."""
+def _contenders(query, key, value, is_causal, torch, backend):
+    """The forward implementations to time on ``backend``, by name.
+
+    On ``cuda`` the inputs already live in GPU memory (as torch tensors when
+    torch is importable, which tfmath reads in place); every call ends by
+    synchronising the device.
+    """
+    synchronize = _synchronizer(backend, torch)
 
     def tfmath_method(method):
-        return lambda: scaled_dot_product_attention(
-            query, key, value, is_causal=is_causal, method=method, backend="cpu"
-        )
+        def call():
+            scaled_dot_product_attention(
+                query, key, value, is_causal=is_causal, method=method, backend=backend
+            )
+            synchronize()
 
-    contenders = {
-        "tfmath flash": tfmath_method("flash"),
-        "tfmath naive": tfmath_method("naive"),
-        "numpy": lambda: numpy_attention(query, key, value, is_causal),
-    }
+        return call
+
+    contenders = {"tfmath flash": tfmath_method("flash"), "tfmath naive": tfmath_method("naive")}
+    if backend == "cpu":
+        contenders["numpy"] = lambda: numpy_attention(query, key, value, is_causal)
     if torch is not None:
-        tensors = [torch.from_numpy(a) for a in (query, key, value)]
-        contenders["torch sdpa"] = lambda: torch.nn.functional.scaled_dot_product_attention(
-            *tensors, is_causal=is_causal
-        )
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        tensors = [torch.as_tensor(a) for a in (query, key, value)]
+
+        def torch_call():
+            sdpa(*tensors, is_causal=is_causal)
+            synchronize()
+
+        contenders["torch sdpa"] = torch_call
     return contenders
 
 
-def attention_rows(lengths, heads=8, head_dim=64, repeats=3):
+def _inputs(rng, shape, backend, torch, count):
+    """``count`` float32 standard-normal arrays of ``shape`` placed where ``backend`` runs."""
+    arrays = [rng.standard_normal(shape, dtype=np.float32) for _ in range(count)]
+    if backend != "cuda":
+        return arrays
+    if torch is not None:
+        return [torch.from_numpy(a).cuda() for a in arrays]
+    from tfmath import _cuda
+
+    return [_cuda.to_device(a) for a in arrays]
+
+
+def attention_rows(lengths, heads=8, head_dim=64, repeats=3, backend="cpu"):
     """Forward timings of every contender: rows ``(L, causal, name, seconds, GFLOP/s)``."""
-    torch = _torch()
+    torch = _torch(backend)
     rng = np.random.default_rng(0)
     rows = []
     for n in lengths:
         shape = (1, heads, n, head_dim)
-        query, key, value = (rng.standard_normal(shape, dtype=np.float32) for _ in range(3))
+        query, key, value = _inputs(rng, shape, backend, torch, 3)
         for is_causal in (False, True):
             flops = 4 * n * n * head_dim * heads / (2 if is_causal else 1)
-            for name, call in _contenders(query, key, value, is_causal, torch).items():
+            for name, call in _contenders(query, key, value, is_causal, torch, backend).items():
                 seconds = best_time(call, repeats)
                 rows.append((n, is_causal, name, seconds, flops / seconds / 1e9))
     return rows
 
 
-def training_step_rows(n=2048, heads=8, head_dim=64, repeats=3):
+def training_step_rows(n=2048, heads=8, head_dim=64, repeats=3, backend="cpu"):
     """Forward + backward timings at one length: tfmath flash against torch autograd."""
-    torch = _torch()
+    torch = _torch(backend)
+    synchronize = _synchronizer(backend, torch)
     rng = np.random.default_rng(1)
     shape = (1, heads, n, head_dim)
-    query, key, value, grad = (rng.standard_normal(shape, dtype=np.float32) for _ in range(4))
+    query, key, value, grad = _inputs(rng, shape, backend, torch, 4)
 
     def tfmath_step():
-        scaled_dot_product_attention(query, key, value, method="flash", backend="cpu")
-        attention_grad(query, key, value, grad, backend="cpu")
+        scaled_dot_product_attention(query, key, value, method="flash", backend=backend)
+        attention_grad(query, key, value, grad, backend=backend)
+        synchronize()
 
     rows = [("tfmath flash fwd+bwd", best_time(tfmath_step, repeats))]
     if torch is not None:
-        tensors = [torch.from_numpy(a.copy()).requires_grad_() for a in (query, key, value)]
-        torch_grad = torch.from_numpy(grad)
+        tensors = [torch.as_tensor(a).clone().requires_grad_() for a in (query, key, value)]
+        torch_grad = torch.as_tensor(grad)
 
         def torch_step():
             out = torch.nn.functional.scaled_dot_product_attention(*tensors)
             out.backward(torch_grad)
+            synchronize()
 
         rows.append(("torch sdpa fwd+bwd", best_time(torch_step, repeats)))
     return rows
@@ -147,31 +189,57 @@ def first_call_seconds(cache=True):
     return first, second
 
 
-def print_attention_report(quick=False, out=print):
+def gpu_gemm_roof(torch, size=8192, repeats=5):
+    """Float32 GEMM rate of the GPU through torch (TF32 off), in GFLOP/s, or ``None``."""
+    if torch is None:
+        return None
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    a, b = (torch.randn(size, size, device="cuda", generator=generator) for _ in range(2))
+    allow_tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        seconds = best_time(lambda: (a @ b, torch.cuda.synchronize()), repeats)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = allow_tf32
+    return 2 * size**3 / seconds / 1e9
+
+
+def print_attention_report(quick=False, backend="cpu", out=print):
     """Run the attention benchmark and print its tables (``tfmath bench attention``)."""
     lengths = [512, 1024] if quick else [512, 1024, 2048, 4096]
-    roof = gemm_roof()
-    out(f"float32 GEMM roof (NumPy matmul 2048x2048): {roof:.1f} GFLOP/s")
-    out("B=1, H=8, d=64, float32; FLOPs = 4*L*S*d*H (half when causal); best of 3 runs")
-    rows = attention_rows(lengths)
+    if backend == "cuda":
+        roof = gpu_gemm_roof(_torch(backend))
+        roof_name = "torch matmul 8192x8192 on the GPU, TF32 off"
+    else:
+        roof = gemm_roof()
+        roof_name = "NumPy matmul 2048x2048"
+    if roof is None:
+        out("float32 GEMM roof: not measured (needs torch built with CUDA)")
+    else:
+        out(f"float32 GEMM roof ({roof_name}): {roof:.1f} GFLOP/s")
+    out(f"backend={backend}, B=1, H=8, d=64, float32; FLOPs = 4*L*S*d*H (half when causal); "
+        "best of 3 runs")  # fmt: skip
+    rows = attention_rows(lengths, backend=backend)
     out(f"{'L':>6} {'causal':>6}  {'contender':<14} {'time (ms)':>10} {'GFLOP/s':>8} "
         f"{'% roof':>7} {'flash speed-up':>15}")  # fmt: skip
     flash_times = {(n, c): s for n, c, name, s, _ in rows if name == "tfmath flash"}
     for n, is_causal, name, seconds, rate in rows:
         speedup = seconds / flash_times[(n, is_causal)]
-        out(f"{n:>6} {is_causal!s:>6}  {name:<14} {seconds * 1e3:>10.1f} {rate:>8.1f} "
-            f"{100 * rate / roof:>6.0f}% {speedup:>14.2f}x")  # fmt: skip
+        share = "" if roof is None else f"{100 * rate / roof:.0f}%"
+        out(f"{n:>6} {is_causal!s:>6}  {name:<14} {seconds * 1e3:>10.2f} {rate:>8.1f} "
+            f"{share:>7} {speedup:>14.2f}x")  # fmt: skip
     gains = ", ".join(f"L={n}: {flash_times[(n, False)] / flash_times[(n, True)]:.2f}x"
                       for n in lengths)  # fmt: skip
     out(f"flash causal speed-up over non-causal: {gains}")
-    steps = training_step_rows(1024 if quick else 2048)
+    steps = training_step_rows(1024 if quick else 2048, backend=backend)
     out("forward + backward at L=" + ("1024" if quick else "2048") + ":")
     for name, seconds in steps:
-        out(f"  {name:<22} {seconds * 1e3:>10.1f} ms")
+        out(f"  {name:<22} {seconds * 1e3:>10.2f} ms")
     if len(steps) == 2:
         out(f"  torch time / tfmath time: {steps[1][1] / steps[0][1]:.2f}")
-    cold, _ = first_call_seconds(cache=False)
-    warm, second = first_call_seconds(cache=True)
-    out(f"first call in a fresh process (L=1024, H=8): {cold * 1e3:.0f} ms compiling "
-        f"(cold), {warm * 1e3:.0f} ms from the kernel cache (warm); "
-        f"any later call: {second * 1e3:.0f} ms")  # fmt: skip
+    if backend == "cpu":
+        cold, _ = first_call_seconds(cache=False)
+        warm, second = first_call_seconds(cache=True)
+        out(f"first call in a fresh process (L=1024, H=8): {cold * 1e3:.0f} ms compiling "
+            f"(cold), {warm * 1e3:.0f} ms from the kernel cache (warm); "
+            f"any later call: {second * 1e3:.0f} ms")  # fmt: skip

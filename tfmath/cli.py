@@ -61,6 +61,12 @@ def _parser():
     bench = commands.add_parser("bench", help="time tfmath's kernels against their peers")
     bench.add_argument("topic", choices=("attention",), help="what to benchmark")
     bench.add_argument("--quick", action="store_true", help="shorter sequences only")
+    bench.add_argument(
+        "--backend",
+        default="cpu",
+        choices=("cpu", "cuda"),
+        help="where tfmath and torch run (default cpu; cuda needs a real GPU)",
+    )
     bench.set_defaults(handler=_bench)
     return parser
 
@@ -68,7 +74,14 @@ def _parser():
 def _bench(args):
     from tfmath.bench import print_attention_report
 
-    print_attention_report(quick=args.quick)
+    if args.backend == "cuda":
+        from tfmath import _cuda
+
+        status = _cuda.status()
+        if not status.real_gpu:
+            print(f"tfmath bench: no GPU to benchmark on ({status.reason})", file=sys.stderr)
+            return 2
+    print_attention_report(quick=args.quick, backend=args.backend)
     return 0
 
 
