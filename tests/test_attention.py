@@ -4,6 +4,7 @@ import math
 
 import numpy as np
 import pytest
+from _errors import assert_refused
 from _tolerances import assert_close, attention_tolerance
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -11,6 +12,7 @@ from hypothesis.extra.numpy import mutually_broadcastable_shapes
 
 import tfmath
 from tfmath import _cuda
+from tfmath.errors import DTypeError, ShapeError
 
 DTYPES = [np.float32, np.float64]
 
@@ -345,13 +347,37 @@ def test_device_inputs_stay_on_device_and_auto_picks_cuda():
 
 
 def _check_flash_against_reference(inputs, backend):
-    output = sdpa(**inputs, method="flash", backend=backend)
-    expected = sdpa(**inputs, backend="reference")
+    output, log_sum_exp = sdpa(**inputs, method="flash", return_log_sum_exp=True, backend=backend)
+    expected, expected_log_sum_exp = sdpa(**inputs, return_log_sum_exp=True, backend="reference")
     tolerance = attention_tolerance(
         expected.dtype, inputs["query"].shape[-1], inputs["key"].shape[-2]
     )
-    assert output.dtype == expected.dtype
+    assert output.dtype == log_sum_exp.dtype == expected.dtype
     assert_close(output, expected, tolerance)
+    assert_close(log_sum_exp, expected_log_sum_exp, tolerance)
+
+
+@given(inputs=attention_inputs())
+def test_reference_log_sum_exp_normalises_the_weights(inputs):
+    # exp(B - lse) must rebuild the weights, which the reference forms independently.
+    _, weights = sdpa(**inputs, return_weights=True, backend="reference")
+    _, log_sum_exp = sdpa(**inputs, return_log_sum_exp=True, backend="reference")
+    query, key, mask = inputs["query"], inputs["key"], inputs["attn_mask"]
+    scale = inputs["scale"] if inputs["scale"] is not None else 1 / math.sqrt(query.shape[-1])
+    scores = scale * (query.astype(np.float64) @ np.swapaxes(key, -1, -2))
+    allowed = np.ones(scores.shape[-2:], dtype=bool)
+    if inputs["is_causal"]:
+        allowed = np.tril(allowed)
+    if mask is not None and mask.dtype == np.bool_:
+        allowed = allowed & mask
+    elif mask is not None:
+        allowed = allowed & (mask != -np.inf)
+        scores = scores + np.where(mask == -np.inf, 0, mask)
+    lse = log_sum_exp[..., None]
+    with np.errstate(invalid="ignore", over="ignore"):
+        rebuilt = np.where(allowed & (lse != -np.inf), np.exp(scores - lse), 0.0)
+    tolerance = attention_tolerance(weights.dtype, query.shape[-1], key.shape[-2])
+    assert_close(np.broadcast_to(rebuilt, weights.shape), weights, tolerance)
 
 
 @given(inputs=attention_inputs())
@@ -412,9 +438,10 @@ def test_flash_and_grad_across_tiles(backend, n_query, n_key, dtype, is_causal, 
 def test_flash_is_the_default_without_weights(monkeypatch):
     from tfmath.attention import FLASH_ATTENTION, SCALED_DOT_PRODUCT_ATTENTION, _attention_routine
 
-    assert _attention_routine("auto", False) is FLASH_ATTENTION
-    assert _attention_routine("auto", True) is SCALED_DOT_PRODUCT_ATTENTION
-    assert _attention_routine("naive", False) is SCALED_DOT_PRODUCT_ATTENTION
+    assert _attention_routine("auto", False, False) is FLASH_ATTENTION
+    assert _attention_routine("auto", False, True) is FLASH_ATTENTION
+    assert _attention_routine("auto", True, False) is SCALED_DOT_PRODUCT_ATTENTION
+    assert _attention_routine("naive", False, False) is SCALED_DOT_PRODUCT_ATTENTION
 
 
 @pytest.mark.parametrize(
@@ -448,12 +475,28 @@ def gradient_inputs(draw, max_len=6):
 
 
 def _check_grad_against_reference(inputs, backend):
-    grads = tfmath.attention_grad(**inputs, backend=backend)
     expected = tfmath.attention_grad(**inputs, backend="reference")
+    forward = {k: v for k, v in inputs.items() if k != "grad_output"}
+    output, log_sum_exp = sdpa(**forward, return_log_sum_exp=True, backend=backend)
     n_features, n_key = inputs["query"].shape[-1], inputs["key"].shape[-2]
     tolerance = 4 * attention_tolerance(expected[0].dtype, n_features, n_key)
-    for name, grad, want in zip(("query", "key", "value"), grads, expected, strict=True):
-        assert grad.shape == np.shape(inputs[name]), name
+    for saved in ({}, {"output": output, "log_sum_exp": log_sum_exp}):
+        grads = tfmath.attention_grad(**inputs, **saved, backend=backend)
+        for name, grad, want in zip(("query", "key", "value"), grads, expected, strict=True):
+            assert grad.shape == np.shape(inputs[name]), name
+            assert_close(grad, want, tolerance)
+
+
+@given(inputs=gradient_inputs())
+def test_reference_grad_from_the_saved_forward_is_the_same(inputs):
+    forward = {k: v for k, v in inputs.items() if k != "grad_output"}
+    output, log_sum_exp = sdpa(**forward, return_log_sum_exp=True, backend="reference")
+    saved = tfmath.attention_grad(
+        **inputs, output=output, log_sum_exp=log_sum_exp, backend="reference"
+    )
+    recomputed = tfmath.attention_grad(**inputs, backend="reference")
+    tolerance = 4 * attention_tolerance(output.dtype, inputs["query"].shape[-1], output.shape[-2])
+    for grad, want in zip(saved, recomputed, strict=True):
         assert_close(grad, want, tolerance)
 
 
@@ -527,6 +570,36 @@ def test_attention_grad_is_deterministic_on_cpu():
 def test_attention_grad_refuses_wrong_grad_output_shape():
     with pytest.raises(tfmath.ShapeError, match="grad_output"):
         tfmath.attention_grad(np.ones((3, 2)), np.ones((4, 2)), np.ones((4, 5)), np.ones((3, 4)))
+
+
+@pytest.mark.parametrize(
+    ("saved", "exception", "words"),
+    [
+        ({"output": np.ones((3, 5))}, ValueError, ["output", "log_sum_exp", "both"]),
+        ({"log_sum_exp": np.ones(3)}, ValueError, ["output", "log_sum_exp", "both"]),
+        ({"output": np.ones((3, 4)), "log_sum_exp": np.ones(3)}, ShapeError, ["output", "(3, 5)"]),
+        ({"output": np.ones((3, 5)), "log_sum_exp": np.ones(4)}, ShapeError, ["log_sum_exp", "3"]),
+        ({"output": np.ones((3, 5)), "log_sum_exp": np.ones(3, int)}, DTypeError, ["log_sum_exp"]),
+    ],
+)  # fmt: skip
+def test_attention_grad_refuses_a_bad_saved_forward(saved, exception, words, kernels_must_not_run):
+    q, k, v = np.ones((3, 2)), np.ones((4, 2)), np.ones((4, 5))
+    assert_refused(
+        lambda: tfmath.attention_grad(q, k, v, np.ones((3, 5)), **saved), exception, words
+    )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "exception", "words"),
+    [
+        ({"return_weights": True, "return_log_sum_exp": True}, ValueError, ["return_weights"]),
+        ({"method": "naive", "return_log_sum_exp": True}, ValueError, ["log-sum-exp", "flash"]),
+        ({"return_log_sum_exp": 1}, DTypeError, ["return_log_sum_exp"]),
+    ],
+)
+def test_log_sum_exp_only_from_the_flash_method(kwargs, exception, words, kernels_must_not_run):
+    ones = np.ones((2, 2))
+    assert_refused(lambda: sdpa(ones, ones, ones, **kwargs), exception, words)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

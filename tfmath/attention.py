@@ -49,8 +49,8 @@ FLASH_ATTENTION = register(
     "flash_attention",
     cpu="tfmath.kernels.cpu.flash_attention:scaled_dot_product_attention",
     cuda="tfmath.kernels.cuda.flash_attention:scaled_dot_product_attention",
-    # The math is the same as the naive path's; only the order of work differs.
-    reference="tfmath.reference.attention:scaled_dot_product_attention",
+    # The math is the naive path's plus each row's log-sum-exp; only the order of work differs.
+    reference="tfmath.reference.attention:flash_attention",
 )
 
 ATTENTION_GRAD = register(
@@ -231,6 +231,7 @@ def scaled_dot_product_attention(
     scale=None,
     *,
     return_weights=False,
+    return_log_sum_exp=False,
     method="auto",
     backend="auto",
 ):
@@ -261,6 +262,12 @@ def scaled_dot_product_attention(
         Multiplies :math:`QK^\top`; default :math:`1/\sqrt{E}`.
     return_weights : bool, optional
         Also return the attention weights ``softmax(s Q K^T + M)``.
+    return_log_sum_exp : bool, optional
+        Also return each row's log-sum-exp of its scores,
+        :math:`\log \sum_j e^{s\,q_i \cdot k_j + M_{ij}}` (``-inf`` for a row
+        with nothing to attend): what the flash forward keeps for the
+        backward. Pass it, with the output, to :func:`attention_grad` to spare
+        the backward a second forward pass. Flash method only.
     method : {"auto", "naive", "flash"}, optional
         ``"naive"`` forms each row of weights in full; ``"flash"`` sweeps
         key/value tiles with an online softmax (FlashAttention) and never
@@ -277,6 +284,8 @@ def scaled_dot_product_attention(
         when query, key or value was one.
     weights : numpy.ndarray, shape (..., L, S)
         Only with ``return_weights=True``.
+    log_sum_exp : numpy.ndarray, shape (..., L)
+        Only with ``return_log_sum_exp=True``.
 
     Raises
     ------
@@ -309,20 +318,32 @@ def scaled_dot_product_attention(
     """
     backend = resolve_backend(backend, query, key, value, attn_mask)
     problem = _attention_problem(query, key, value, attn_mask, is_causal, scale, return_weights)
-    routine = _attention_routine(method, problem.return_weights)
+    return_log_sum_exp = boolean_flag("return_log_sum_exp", return_log_sum_exp)
+    routine = _attention_routine(method, problem.return_weights, return_log_sum_exp)
     if backend != "cuda":
         problem = problem.on_host()
-    output, weights = routine.implementation(backend)(problem)
-    return (output, weights) if problem.return_weights else output
+    output, extra = routine.implementation(backend)(problem)
+    if problem.return_weights or return_log_sum_exp:
+        return output, extra
+    return output
 
 
-def _attention_routine(method, return_weights):
+def _attention_routine(method, return_weights, return_log_sum_exp):
     if not isinstance(method, str) or method not in _METHODS:
         raise ValueError(f"method must be one of {_METHODS}, got {method!r}")
+    if return_weights and return_log_sum_exp:
+        raise ValueError(
+            "return_weights and return_log_sum_exp come from different methods "
+            "(naive and flash); ask for one of them"
+        )
     if method == "flash" and return_weights:
         raise ValueError(
             "method='flash' never forms the attention weights, so it cannot return them; "
             "use method='naive' (or 'auto') with return_weights=True"
+        )
+    if method == "naive" and return_log_sum_exp:
+        raise ValueError(
+            "the log-sum-exp is kept by method='flash' (or 'auto'), not by method='naive'"
         )
     if method == "naive" or return_weights:
         return SCALED_DOT_PRODUCT_ATTENTION
@@ -338,6 +359,8 @@ def attention_grad(
     is_causal=False,
     scale=None,
     *,
+    output=None,
+    log_sum_exp=None,
     backend="auto",
 ):
     r"""Gradients of scaled dot-product attention with respect to query, key and value.
@@ -364,6 +387,12 @@ def attention_grad(
         As for :func:`scaled_dot_product_attention`.
     grad_output : array_like, shape (..., L, Ev)
         Gradient of the loss with respect to the attention output.
+    output, log_sum_exp : array_like, optional
+        The forward pass's output, shape (..., L, Ev), and log-sum-exp, shape
+        (..., L), as ``scaled_dot_product_attention(...,
+        return_log_sum_exp=True)`` returns them for the same inputs. Given
+        together, the backward uses them instead of running the forward
+        again, as a training step does.
     backend : {"auto", "cpu", "cuda", "reference"}, optional
         Which implementation runs.
 
@@ -395,14 +424,38 @@ def attention_grad(
             f"grad_output must have the attention output's shape {problem.output_shape()}, "
             f"got {shape_of(grad_output)}"
         )
+    saved = _saved_forward(problem, output, log_sum_exp)
     if backend != "cuda":
         problem = problem.on_host()
         grad_output = _cuda.to_host(grad_output)
-    grads = ATTENTION_GRAD.implementation(backend)(problem, grad_output)
+        saved = saved and tuple(_cuda.to_host(a) for a in saved)
+    grads = ATTENTION_GRAD.implementation(backend)(problem, grad_output, saved)
     return tuple(
         _sum_to_shape(grad, shape_of(operand))
         for grad, operand in zip(grads, (problem.query, problem.key, problem.value), strict=True)
     )
+
+
+def _saved_forward(problem, output, log_sum_exp):
+    """Check the forward's saved ``(output, log_sum_exp)``, or return None if not given."""
+    if output is None and log_sum_exp is None:
+        return None
+    if output is None or log_sum_exp is None:
+        raise ValueError(
+            "output and log_sum_exp come together from the forward pass; pass both or neither"
+        )
+    saved = []
+    for name, array, shape in (
+        ("output", output, problem.output_shape()),
+        ("log_sum_exp", log_sum_exp, (*problem.batch_shape, problem.n_query)),
+    ):
+        array = _cast(name, float_operand(name, array), problem.dtype)
+        if shape_of(array) != shape:
+            raise ShapeError(
+                f"{name} must have shape {shape} for these inputs, got {shape_of(array)}"
+            )
+        saved.append(array)
+    return tuple(saved)
 
 
 def _sum_to_shape(grad, shape):

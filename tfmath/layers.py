@@ -832,7 +832,9 @@ def multi_head_attention_forward(
     key = split_heads(_linear(source, weights["w_k"], weights["b_k"]), layout.n_kv_heads)
     value = split_heads(_linear(source, weights["w_v"], weights["b_v"]), layout.n_kv_heads)
     key, value = (np.repeat(t, layout.group, axis=-3) for t in (key, value))
-    heads = scaled_dot_product_attention(query, key, value, attn_mask, is_causal, backend=backend)
+    heads, log_sum_exp = scaled_dot_product_attention(
+        query, key, value, attn_mask, is_causal, return_log_sum_exp=True, backend=backend
+    )
     concat = merge_heads(heads)
     out = _linear(concat, weights["w_o"], weights["b_o"])
     saved = {
@@ -841,6 +843,8 @@ def multi_head_attention_forward(
         "query": query,
         "key": key,
         "value": value,
+        "heads": heads,
+        "log_sum_exp": log_sum_exp,
         "concat": concat,
         "weights": weights,
         "layout": layout,
@@ -855,11 +859,6 @@ def _host_mask(attn_mask, dtype):
         return None
     mask = np.asarray(_cuda.to_host(attn_mask))
     return mask if mask.dtype == np.bool_ else mask.astype(dtype)
-
-
-def _attention_backward(query, key, value, grad_output, attn_mask, is_causal, scale):
-    """Gradients of the per-head attention, by the FlashAttention-2 backward kernels."""
-    return attention_grad(query, key, value, grad_output, attn_mask, is_causal, scale)
 
 
 def multi_head_attention_backward(grad_out, cache):
@@ -889,7 +888,8 @@ def multi_head_attention_backward(grad_out, cache):
     grad_concat, grad_w_o, grad_b_o = _linear_backward(
         grad_out, saved["concat"], weights["w_o"], has_bias
     )
-    grad_query, grad_key, grad_value = _attention_backward(
+    # The forward's output and log-sum-exp spare the backward a second forward pass.
+    grad_query, grad_key, grad_value = attention_grad(
         saved["query"],
         saved["key"],
         saved["value"],
@@ -897,6 +897,8 @@ def multi_head_attention_backward(grad_out, cache):
         saved["attn_mask"],
         saved["is_causal"],
         1 / math.sqrt(layout.d_head),
+        output=saved["heads"],
+        log_sum_exp=saved["log_sum_exp"],
     )
     grad_key, grad_value = (_sum_groups(g, layout) for g in (grad_key, grad_value))
     source = x if saved["source"] is None else saved["source"]

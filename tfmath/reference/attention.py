@@ -55,6 +55,12 @@ def scaled_dot_product_attention(problem):
 def _attention_weights(problem):
     """``softmax(scale * Q K^T + M)`` with forbidden pairs at ``-inf``, broadcast to
     ``batch_shape + (L, S)``."""
+    return softmax_rows(_masked_scores(problem))
+
+
+def _masked_scores(problem):
+    """``scale * Q K^T + M`` with forbidden pairs at ``-inf``, broadcast to
+    ``batch_shape + (L, S)``."""
     query, key = problem.query, problem.key
     n_query, n_key = problem.n_query, problem.n_key
     scores = problem.scale * (query @ np.swapaxes(key, -1, -2))
@@ -69,10 +75,39 @@ def _attention_weights(problem):
             forbidden = forbidden | (mask == -np.inf)
             scores = scores + mask
     scores = np.where(forbidden, -np.inf, scores)
-    return softmax_rows(np.broadcast_to(scores, problem.weights_shape()))
+    return np.broadcast_to(scores, problem.weights_shape())
 
 
-def attention_grad(problem, grad_output):
+def flash_attention(problem):
+    r"""The attention output and each row's log-sum-exp of its scores.
+
+    .. math::
+
+        \operatorname{lse}_i = \log \sum_{j} e^{B_{ij}}, \qquad
+        W_{ij} = e^{B_{ij} - \operatorname{lse}_i}
+
+    with :math:`B` as in :func:`scaled_dot_product_attention`; a row with
+    nothing to attend has :math:`\operatorname{lse}_i = -\infty`. The
+    log-sum-exp is what a FlashAttention forward keeps for its backward.
+
+    Returns
+    -------
+    output : numpy.ndarray, shape ``batch_shape + (L, Ev)``
+    log_sum_exp : numpy.ndarray, shape ``batch_shape + (L,)``
+    """
+    output, _ = scaled_dot_product_attention(problem)
+    scores = _masked_scores(problem)
+    if problem.n_key == 0:
+        return output, np.full((*problem.batch_shape, problem.n_query), -np.inf, problem.dtype)
+    row_max = scores.max(axis=-1, keepdims=True)
+    shift = np.where(row_max == -np.inf, 0.0, row_max)
+    # Rows of NaN scores give NaN, as they do in the output.
+    with np.errstate(invalid="ignore", divide="ignore"):
+        log_sum_exp = np.log(np.exp(scores - shift).sum(axis=-1)) + shift[..., 0]
+    return output, log_sum_exp.astype(problem.dtype)
+
+
+def attention_grad(problem, grad_output, saved=None):
     r"""Gradients of attention by the chain rule, derived by hand.
 
     With :math:`O = PV`, :math:`P = \operatorname{softmax}(S)` row by row and
@@ -86,11 +121,23 @@ def attention_grad(problem, grad_output):
     * :math:`S` is bilinear in Q and K: :math:`dQ = s\,dS\,K`,
       :math:`dK = s\,dS^\top Q`.
 
+    With ``saved = (output, log_sum_exp)`` from the forward pass, the weights
+    are rebuilt as :math:`P_{ij} = e^{B_{ij} - \operatorname{lse}_i}` and the row
+    sums use the saved output, :math:`\sum_e dO_{ie} O_{ie}`: the identities the
+    FlashAttention-2 backward rests on, here with whole matrices.
+
     Returns the gradients broadcast to ``batch_shape + (rows, features)``.
     """
-    weights = _attention_weights(problem)
     grad_weights = grad_output @ np.swapaxes(problem.value, -1, -2)
-    row_dot = np.sum(weights * grad_weights, axis=-1, keepdims=True)
+    if saved is None:
+        weights = _attention_weights(problem)
+        row_dot = np.sum(weights * grad_weights, axis=-1, keepdims=True)
+    else:
+        output, log_sum_exp = saved
+        lse = log_sum_exp[..., None]
+        with np.errstate(invalid="ignore"):
+            weights = np.where(lse == -np.inf, 0.0, np.exp(_masked_scores(problem) - lse))
+        row_dot = np.sum(grad_output * output, axis=-1, keepdims=True)
     grad_scores = weights * (grad_weights - row_dot)
     batch = problem.batch_shape
     grad_query = problem.scale * grad_scores @ problem.key

@@ -284,18 +284,29 @@ def flash_forward(problem):
 
 
 def scaled_dot_product_attention(problem):
-    """The flash forward as an implementation of ``scaled_dot_product_attention``."""
-    output, _ = flash_forward(problem)
-    return output.reshape(problem.output_shape()), None
-
-
-def attention_grad(problem, grad_output):
-    """Gradients ``(dq, dk, dv)`` for every broadcast batch entry:
-    shapes ``batch_shape + (rows, features)``."""
+    """The flash forward: the output, ``batch_shape + (L, Ev)``, and the log-sum-exp of
+    each row, ``batch_shape + (L,)``."""
     output, log_sum_exp = flash_forward(problem)
+    return (
+        output.reshape(problem.output_shape()),
+        log_sum_exp.reshape((*problem.batch_shape, problem.n_query)),
+    )
+
+
+def attention_grad(problem, grad_output, saved=None):
+    """Gradients ``(dq, dk, dv)`` for every broadcast batch entry:
+    shapes ``batch_shape + (rows, features)``.
+
+    ``saved``, the forward's ``(output, log_sum_exp)``, spares a forward pass.
+    """
     query, key, value, mask, index = problem.kernel_operands()
     dtype = problem.dtype
     n_batch = index.shape[0]
+    if saved is None:
+        output, log_sum_exp = flash_forward(problem)
+    else:
+        output = saved[0].reshape(n_batch, problem.n_query, problem.value_dim)
+        log_sum_exp = saved[1].reshape(n_batch, problem.n_query)
     key_tile = key_tile_size(problem.n_features, problem.value_dim)
     query_tile = query_tile_size(problem.n_query)
     grad_output = np.ascontiguousarray(grad_output, dtype=dtype).reshape(output.shape)

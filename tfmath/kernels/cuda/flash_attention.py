@@ -204,22 +204,31 @@ def _mask_or_empty(mask, dtype):
 
 
 def scaled_dot_product_attention(problem):
-    """Launch the flash forward kernel on a validated ``AttentionProblem``."""
+    """Launch the flash forward kernel on a validated ``AttentionProblem``: returns the
+    output ``batch_shape + (L, Ev)`` and log-sum-exp ``batch_shape + (L,)``."""
     rows = _rows_per_block(problem)
-    out, _ = _launch_forward(problem, problem.kernel_operands(), rows)
+    out, log_sum_exp = _launch_forward(problem, problem.kernel_operands(), rows)
     out = out.reshape(problem.output_shape())
-    return (out if problem.on_device else out.copy_to_host()), None
+    log_sum_exp = log_sum_exp.reshape((*problem.batch_shape, problem.n_query))
+    if problem.on_device:
+        return out, log_sum_exp
+    return out.copy_to_host(), log_sum_exp.copy_to_host()
 
 
-def attention_grad(problem, grad_output):
-    """Launch the flash forward, then the backward kernel; gradients per broadcast batch entry."""
+def attention_grad(problem, grad_output, saved=None):
+    """Launch the backward kernel (after the flash forward, unless ``saved`` holds the
+    forward's ``(output, log_sum_exp)``); gradients per broadcast batch entry."""
     rows = _rows_per_block(problem)
     operands = problem.kernel_operands()
     query, key, value, mask, index = operands
     dtype = problem.dtype
     n_batch = index.shape[0]
-    out, log_sum_exp = _launch_forward(problem, operands, rows)
-    host_out = out.copy_to_host()
+    if saved is None:
+        out, log_sum_exp = _launch_forward(problem, operands, rows)
+    else:
+        out = saved[0]
+        log_sum_exp = _cuda.to_device(saved[1]).reshape((n_batch, problem.n_query))
+    host_out = _cuda.to_host(out).reshape((n_batch, problem.n_query, problem.value_dim))
     grad_output = np.asarray(_cuda.to_host(grad_output)).reshape(host_out.shape)
     delta = np.einsum("bie,bie->bi", grad_output, host_out)
     grad_query = _cuda.to_device(np.zeros((n_batch, problem.n_query, problem.n_features), dtype))
