@@ -171,12 +171,11 @@ def _forward_kernel(
                     accumulator[i] *= rescale[i]
                 _accumulate_skipping_zeros(scores, value_tiles[v, t], accumulator)
         for i in range(min(query_tile, n_query - first_row)):
-            if running_sum[i] == 0:
-                out[b, tile, i] = 0
-                log_sum_exp[b, tile, i] = -np.inf
-            else:
-                out[b, tile, i] = accumulator[i] / running_sum[i]
-                log_sum_exp[b, tile, i] = (running_max[i] + np.log2(running_sum[i])) * LN2
+            total = running_sum[i]
+            for e in range(n_values):
+                out[b, tile, i, e] = 0 if total == 0 else accumulator[i, e] / total
+            lse = (running_max[i] + np.log2(total)) * LN2
+            log_sum_exp[b, tile, i] = -np.inf if total == 0 else lse
 
 
 @cpu_kernel
