@@ -85,9 +85,10 @@ def _mask_tile(scores, mask, m, has_mask, is_causal, first_key, first_row, n_key
 
 
 @cpu_kernel
-def _softmax_tile(scores, running_max, running_sum, rescale):
+def _softmax_tile(scores, running_max, running_sum, rescale, new_max):
     """Online-softmax step over a transposed tile: scores become 2^(s - m'), and
-    ``rescale`` receives each row's factor 2^(m - m') for its old sum and output.
+    ``rescale`` receives each row's factor 2^(m - m') for its old sum and output
+    (``new_max`` is scratch space, one entry per row).
 
     Every loop runs along query rows, the contiguous axis, so each is plain
     elementwise SIMD work rather than a reduction (LLVM will not vectorise a
@@ -95,7 +96,8 @@ def _softmax_tile(scores, running_max, running_sum, rescale):
     shift, the exponential and the row sums share one pass.
     """
     key_tile, query_tile = scores.shape
-    new_max = running_max.copy()
+    for i in range(query_tile):
+        new_max[i] = running_max[i]
     for j in range(key_tile):
         for i in range(query_tile):
             new_max[i] = max(new_max[i], scores[j, i])
@@ -149,6 +151,7 @@ def _forward_kernel(
         running_max = np.full(query_tile, -np.inf, dtype=dtype)
         running_sum = np.zeros(query_tile, dtype=dtype)
         rescale = np.empty(query_tile, dtype=dtype)
+        new_max = np.empty(query_tile, dtype=dtype)
         n_tiles = n_key_tiles
         if is_causal:
             last_row = min(first_row + query_tile, n_query) - 1
@@ -158,7 +161,7 @@ def _forward_kernel(
             _mask_tile(
                 scores, mask, m, has_mask, is_causal, t * key_tile, first_row, n_key, n_query
             )
-            _softmax_tile(scores, running_max, running_sum, rescale)
+            _softmax_tile(scores, running_max, running_sum, rescale, new_max)
             if value_tile_finite[v, t]:
                 np.dot(scores.T, value_tiles[v, t], product)
                 # One pass for the rescale and the sum: an array expression here
