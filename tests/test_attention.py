@@ -394,11 +394,14 @@ def test_flash_cuda_matches_reference(inputs):
 
 @pytest.fixture
 def small_cuda_tiles(monkeypatch):
-    """Two rows per block, so tiny simulator shapes still cross tile boundaries."""
+    """Two rows per block (and two threads per row in the flash forward, so tiles
+    of four keys): tiny simulator shapes still cross tile boundaries."""
     from tfmath.kernels.cuda import attention, flash_attention
 
     monkeypatch.setattr(attention, "MAX_ROWS_PER_BLOCK", 2)
     monkeypatch.setattr(flash_attention, "MAX_ROWS_PER_BLOCK", 2)
+    monkeypatch.setattr(flash_attention, "FORWARD_ROWS_PER_BLOCK", 2)
+    monkeypatch.setattr(flash_attention, "KEY_SPLITS", 2)
 
 
 def _multi_tile_case(dtype, n_query, n_key, seed=13):
