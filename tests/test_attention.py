@@ -394,13 +394,12 @@ def test_flash_cuda_matches_reference(inputs):
 
 @pytest.fixture
 def small_cuda_tiles(monkeypatch):
-    """Two rows per block (and two threads per row in the flash forward, so tiles
-    of four keys): tiny simulator shapes still cross tile boundaries."""
+    """Two rows per block (and two threads per row in the flash kernels, so tiles
+    of four rows): tiny simulator shapes still cross tile boundaries."""
     from tfmath.kernels.cuda import attention, flash_attention
 
     monkeypatch.setattr(attention, "MAX_ROWS_PER_BLOCK", 2)
-    monkeypatch.setattr(flash_attention, "MAX_ROWS_PER_BLOCK", 2)
-    monkeypatch.setattr(flash_attention, "FORWARD_ROWS_PER_BLOCK", 2)
+    monkeypatch.setattr(flash_attention, "ROWS_PER_BLOCK", 2)
     monkeypatch.setattr(flash_attention, "KEY_SPLITS", 2)
 
 
@@ -561,12 +560,15 @@ def test_attention_grad_matches_torch_autograd():
             assert_close(grad, tensor.grad.numpy(), 1e-12)
 
 
-def test_attention_grad_is_deterministic_on_cpu():
+def test_attention_grad_is_deterministic(kernel_backend):
     rng = np.random.default_rng(16)
-    query, key, value = (rng.standard_normal((4, 130, 16)).astype(np.float32) for _ in range(3))
-    grad_output = rng.standard_normal((4, 130, 16)).astype(np.float32)
-    first = tfmath.attention_grad(query, key, value, grad_output, is_causal=True, backend="cpu")
-    again = tfmath.attention_grad(query, key, value, grad_output, is_causal=True, backend="cpu")
+    shape = (4, 130, 16) if kernel_backend == "cpu" else (2, 9, 3)
+    query, key, value, grad_output = (
+        rng.standard_normal(shape).astype(np.float32) for _ in range(4)
+    )
+    args = (query, key, value, grad_output)
+    first = tfmath.attention_grad(*args, is_causal=True, backend=kernel_backend)
+    again = tfmath.attention_grad(*args, is_causal=True, backend=kernel_backend)
     assert all(np.array_equal(a, b) for a, b in zip(first, again, strict=True))
 
 

@@ -404,9 +404,9 @@ def attention_grad(
 
     Notes
     -----
-    On the CPU the result is deterministic: the same inputs and thread count
-    give the same bits. NaN or inf anywhere in the inputs makes the affected
-    gradients NaN.
+    The result is deterministic: the same inputs (and, on the CPU, thread
+    count) give the same bits; no backend sums with atomic additions. NaN or
+    inf anywhere in the inputs makes the affected gradients NaN.
 
     Examples
     --------
