@@ -193,9 +193,14 @@ def _add_into(total, term):
 @cpu_kernel(parallel=True)
 def _backward_kernel(
     query_tiles, query_columns, key_tiles, value_tiles, grad_columns, grad_tiles,
-    log2_sum, delta, mask, index, is_causal, scale, n_query, n_key,
+    probability_shift, delta, mask, index, is_causal, n_query, n_key,
     grad_query, grad_key, grad_value,
 ):  # fmt: skip
+    """Unscaled gradients: the caller multiplies dQ and dK by the scale.
+
+    ``probability_shift`` is each row's log2-sum-exp, or +inf for a row with
+    nothing to attend, so that its probabilities come out 0.
+    """
     n_batch, n_query_tiles, query_tile = (
         grad_tiles.shape[0],
         grad_tiles.shape[1],
@@ -224,21 +229,16 @@ def _backward_kernel(
                     probabilities, mask, m, has_mask, is_causal, t * key_tile, first_row,
                     n_key, n_query,
                 )  # fmt: skip
-                # P = 2^(s - lse); rows with nothing to attend (lse = -inf) get 0.
-                lse = log2_sum[b, tile]
-                for j in range(key_tile):
-                    for i in range(query_tile):
-                        probabilities[j, i] = exp2_nonpositive_scalar(
-                            -np.inf if lse[i] == -np.inf else probabilities[j, i] - lse[i]
-                        )
-                np.dot(probabilities, grad_tiles[b, tile], value_product)
                 np.dot(value_tiles[v, t], grad_columns[b, tile], grad_scores)
-                row_delta = delta[b, tile]
+                # One pass: P = 2^(s - lse), and dS = P (dP - D) without the scale,
+                # which the caller applies once to dQ and dK.
+                shift, row_delta = probability_shift[b, tile], delta[b, tile]
                 for j in range(key_tile):
                     for i in range(query_tile):
-                        grad_scores[j, i] = (
-                            scale * probabilities[j, i] * (grad_scores[j, i] - row_delta[i])
-                        )
+                        p = exp2_nonpositive_scalar(probabilities[j, i] - shift[i])
+                        probabilities[j, i] = p
+                        grad_scores[j, i] = p * (grad_scores[j, i] - row_delta[i])
+                np.dot(probabilities, grad_tiles[b, tile], value_product)
                 np.dot(grad_scores, query_tiles[q, tile], key_product)
                 np.dot(grad_scores.T, key_tiles[k, t], query_product)
                 _add_into(grad_value[b, t], value_product)
@@ -328,8 +328,10 @@ def attention_grad(problem, grad_output, saved=None):
     grad_tiles = _row_tiles(grad_output, query_tile)
     n_query_tiles, n_key_tiles = query_tiles.shape[1], key_tiles.shape[1]
     padded_rows = n_query_tiles * query_tile
-    log2_sum = np.full((n_batch, padded_rows), -np.inf, dtype=dtype)
-    log2_sum[:, : problem.n_query] = log_sum_exp * dtype.type(LOG2E)
+    # Rows with nothing to attend (and padding rows) shift by +inf: probability 0.
+    probability_shift = np.full((n_batch, padded_rows), np.inf, dtype=dtype)
+    log2_sum = log_sum_exp * dtype.type(LOG2E)
+    probability_shift[:, : problem.n_query] = np.where(log2_sum == -np.inf, np.inf, log2_sum)
     padded_delta = np.zeros((n_batch, padded_rows), dtype=dtype)
     padded_delta[:, : problem.n_query] = delta
     grad_query = np.empty((n_batch, n_query_tiles, query_tile, problem.n_features), dtype=dtype)
@@ -340,11 +342,13 @@ def attention_grad(problem, grad_output, saved=None):
         _backward_kernel(
             query_tiles, _column_tiles(_row_tiles(scaled_query, query_tile)), key_tiles,
             _row_tiles(value, key_tile), _column_tiles(grad_tiles), grad_tiles,
-            log2_sum.reshape(n_batch, n_query_tiles, query_tile),
+            probability_shift.reshape(n_batch, n_query_tiles, query_tile),
             padded_delta.reshape(n_batch, n_query_tiles, query_tile),
-            _transposed_mask(mask, dtype), index, problem.is_causal, dtype.type(problem.scale),
+            _transposed_mask(mask, dtype), index, problem.is_causal,
             problem.n_query, problem.n_key, grad_query, grad_key, grad_value,
         )  # fmt: skip
+    grad_query *= dtype.type(problem.scale)
+    grad_key *= dtype.type(problem.scale)
     return (
         _untile(grad_query, problem.batch_shape, problem.n_query),
         _untile(grad_key, problem.batch_shape, problem.n_key),
