@@ -119,8 +119,13 @@ class FlashTrainingStep:
         grad = np.random.default_rng(SEED + 1).standard_normal(query.shape, dtype=np.float32)
 
         def step():
-            tfmath.scaled_dot_product_attention(query, key, value, backend="cpu")
-            return tfmath.attention_grad(query, key, value, grad, backend="cpu")
+            # The backward reuses the forward's output and log-sum-exp, as autograd would.
+            output, log_sum_exp = tfmath.scaled_dot_product_attention(
+                query, key, value, return_log_sum_exp=True, backend="cpu"
+            )
+            return tfmath.attention_grad(
+                query, key, value, grad, output=output, log_sum_exp=log_sum_exp, backend="cpu"
+            )
 
         self.step = step
         self.arrays = (query, key, value, grad)

@@ -52,7 +52,7 @@ def _synchronizer(backend, torch):
 
 def numpy_attention(query, key, value, is_causal):
     """Attention in plain NumPy, the way most people first write it."""
-    scores = query @ np.swapaxes(key, -1, -2) / np.float32(math.sqrt(query.shape[-1]))
+    scores = query @ np.swapaxes(key, -1, -2) / query.dtype.type(math.sqrt(query.shape[-1]))
     if is_causal:
         n_query, n_key = scores.shape[-2:]
         scores = np.where(np.tril(np.ones((n_query, n_key), bool)), scores, -np.inf)

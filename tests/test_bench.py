@@ -1,0 +1,46 @@
+"""tfmath.bench: the benchmark runs end to end (its numbers are never asserted)."""
+
+import numpy as np
+import pytest
+
+import tfmath
+from tfmath import _cuda, bench, cli
+
+
+def test_attention_rows_time_every_contender_on_the_cpu():
+    rows = bench.attention_rows([16], heads=1, head_dim=4, repeats=1)
+    names = {name for _, _, name, _, _ in rows}
+    assert {"tfmath flash", "tfmath naive", "numpy"} <= names
+    assert {causal for _, causal, *_ in rows} == {False, True}
+    assert all(seconds > 0 and np.isfinite(rate) for *_, seconds, rate in rows)
+
+
+def test_training_step_rows_time_tfmath_and_torch_when_present():
+    rows = bench.training_step_rows(n=16, heads=1, head_dim=4, repeats=1)
+    assert rows[0][0] == "tfmath flash fwd+bwd" and rows[0][1] > 0
+    assert len(rows) == (2 if bench._torch() is not None else 1)
+
+
+def test_numpy_attention_is_attention():
+    rng = np.random.default_rng(0)
+    query, key, value = (rng.standard_normal((2, 5, 3)) for _ in range(3))
+    for is_causal in (False, True):
+        expected = tfmath.scaled_dot_product_attention(
+            query, key, value, is_causal=is_causal, backend="reference"
+        )
+        np.testing.assert_allclose(
+            bench.numpy_attention(query, key, value, is_causal), expected, rtol=1e-12
+        )
+
+
+def test_bench_on_cuda_without_a_gpu_says_why(monkeypatch, capsys):
+    monkeypatch.setattr(_cuda, "status", lambda: _cuda.CudaStatus(False, False, "no GPU here"))
+    assert cli.main(["bench", "attention", "--backend", "cuda"]) == 2
+    assert "no GPU here" in capsys.readouterr().err
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not _cuda.status().real_gpu, reason="timings on the simulator mean nothing")
+def test_attention_rows_on_a_gpu():
+    rows = bench.attention_rows([64], heads=1, head_dim=8, repeats=1, backend="cuda")
+    assert all(seconds > 0 for *_, seconds, _ in rows)
