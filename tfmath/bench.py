@@ -132,7 +132,7 @@ def attention_rows(lengths, heads=8, head_dim=64, repeats=3, backend="cpu"):
     return rows
 
 
-def training_step_rows(n=2048, heads=8, head_dim=64, repeats=3, backend="cpu"):
+def training_step_rows(n=2048, heads=8, head_dim=64, repeats=5, backend="cpu"):
     """Forward + backward timings at one length: tfmath flash against torch autograd."""
     torch = _torch(backend)
     synchronize = _synchronizer(backend, torch)
@@ -223,7 +223,7 @@ def print_attention_report(quick=False, backend="cpu", out=print):
     else:
         out(f"float32 GEMM roof ({roof_name}): {roof:.1f} GFLOP/s")
     out(f"backend={backend}, B=1, H=8, d=64, float32; FLOPs = 4*L*S*d*H (half when causal); "
-        "best of 3 runs")  # fmt: skip
+        "forward: best of 3 runs, forward + backward: best of 5")  # fmt: skip
     rows = attention_rows(lengths, backend=backend)
     out(f"{'L':>6} {'causal':>6}  {'contender':<14} {'time (ms)':>10} {'GFLOP/s':>8} "
         f"{'% roof':>7} {'flash speed-up':>15}")  # fmt: skip
