@@ -11,6 +11,8 @@ import os
 import sys
 from dataclasses import dataclass
 
+import numpy as np
+
 
 @functools.cache
 def numba_cuda():
@@ -111,8 +113,6 @@ def to_device(array):
     """
     if is_device_array(array):
         return as_device_array(array)
-    import numpy as np
-
     return numba_cuda().to_device(np.ascontiguousarray(array))
 
 

@@ -428,7 +428,8 @@ def attention_grad(
     if backend != "cuda":
         problem = problem.on_host()
         grad_output = _cuda.to_host(grad_output)
-        saved = saved and tuple(_cuda.to_host(a) for a in saved)
+        if saved is not None:
+            saved = tuple(_cuda.to_host(a) for a in saved)
     grads = ATTENTION_GRAD.implementation(backend)(problem, grad_output, saved)
     return tuple(
         _sum_to_shape(grad, shape_of(operand))

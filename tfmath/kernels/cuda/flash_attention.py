@@ -59,7 +59,6 @@ def _forward_kernel(numba_dtype, n_features, n_values):
         rows_per_block = cuda.blockDim.x
         split, n_splits = cuda.threadIdx.y, cuda.blockDim.y
         tid = split * rows_per_block + cuda.threadIdx.x
-        n_threads = rows_per_block * n_splits
         b, row, visible, block_visible = _query_tile(n_query, n_key, is_causal)
         active = row < n_query
         q, k, v, m = index[b, 0], index[b, 1], index[b, 2], index[b, 3]
@@ -76,11 +75,8 @@ def _forward_kernel(numba_dtype, n_features, n_values):
         zero = numba_dtype(0)
         for start in range(0, block_visible, keys_per_tile):
             tile_keys = min(keys_per_tile, n_key - start)
-            # Coalesced: consecutive threads read consecutive features.
-            for flat in range(tid, tile_keys * n_features, n_threads):
-                key_tile[flat] = key[k, start + flat // n_features, flat % n_features]
-            for flat in range(tid, tile_keys * n_values, n_threads):
-                value_tile[flat] = value[v, start + flat // n_values, flat % n_values]
+            _stage_rows(key_tile, key, k, start, tile_keys, n_features, tid)
+            _stage_rows(value_tile, value, v, start, tile_keys, n_values, tid)
             cuda.syncthreads()
             if active:
                 # The block's key splits take every n_splits-th key of the tile.
