@@ -19,25 +19,16 @@ for the other ways to run asv).
 
 import subprocess
 import sys
-import time
 from typing import ClassVar
 
 import numpy as np
 
 import tfmath
-from tfmath.bench import gemm_roof
+from tfmath.bench import best_time, gemm_roof, optional_torch
 
 HEADS = 8
 HEAD_DIM = 64
 SEED = 0
-
-
-def _torch():
-    try:
-        import torch
-    except ImportError:
-        return None
-    return torch
 
 
 def _qkv(n, heads=HEADS):
@@ -48,15 +39,6 @@ def _qkv(n, heads=HEADS):
 def _flops(n, causal, heads=HEADS):
     """4 L S d H floating-point operations, half of them when causal."""
     return 4 * n * n * HEAD_DIM * heads / (2 if causal else 1)
-
-
-def _best_time(call, repeats=3):
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 class FlashForward:
@@ -82,18 +64,18 @@ class FlashForward:
         self.forward()
 
     def track_gflops(self, n, causal, method):
-        return _flops(n, causal) / _best_time(self.forward) / 1e9
+        return _flops(n, causal) / best_time(self.forward, 3) / 1e9
 
     track_gflops.unit = "GFLOP/s"
 
     def track_fraction_of_gemm_roof(self, n, causal, method):
-        rate = _flops(n, causal) / _best_time(self.forward) / 1e9
+        rate = _flops(n, causal) / best_time(self.forward, 3) / 1e9
         return rate / gemm_roof()
 
     track_fraction_of_gemm_roof.unit = "fraction"
 
     def track_torch_time_over_tfmath_time(self, n, causal, method):
-        torch = _torch()
+        torch = optional_torch()
         if torch is None:
             raise NotImplementedError("PyTorch is not installed")
         tensors = [torch.from_numpy(a) for a in self.tensors]
@@ -101,8 +83,7 @@ class FlashForward:
         def torch_forward():
             return torch.nn.functional.scaled_dot_product_attention(*tensors, is_causal=causal)
 
-        torch_forward()
-        return _best_time(torch_forward) / _best_time(self.forward)
+        return best_time(torch_forward, 3) / best_time(self.forward, 3)
 
     track_torch_time_over_tfmath_time.unit = "ratio"
 
@@ -135,7 +116,7 @@ class FlashTrainingStep:
         self.step()
 
     def track_torch_time_over_tfmath_time(self, n):
-        torch = _torch()
+        torch = optional_torch()
         if torch is None:
             raise NotImplementedError("PyTorch is not installed")
         query, key, value, grad = self.arrays
@@ -145,8 +126,7 @@ class FlashTrainingStep:
         def torch_step():
             torch.nn.functional.scaled_dot_product_attention(*tensors).backward(torch_grad)
 
-        torch_step()
-        return _best_time(torch_step) / _best_time(self.step)
+        return best_time(torch_step, 3) / best_time(self.step, 3)
 
     track_torch_time_over_tfmath_time.unit = "ratio"
 

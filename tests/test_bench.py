@@ -7,6 +7,11 @@ import tfmath
 from tfmath import _cuda, bench, cli
 
 
+@pytest.fixture(autouse=True)
+def no_settling(monkeypatch):
+    monkeypatch.setattr(bench, "SETTLE_SECONDS", 0)
+
+
 def test_attention_rows_time_every_contender_on_the_cpu():
     rows = bench.attention_rows([16], heads=1, head_dim=4, repeats=1)
     names = {name for _, _, name, _, _ in rows}
@@ -18,7 +23,7 @@ def test_attention_rows_time_every_contender_on_the_cpu():
 def test_training_step_rows_time_tfmath_and_torch_when_present():
     rows = bench.training_step_rows(n=16, heads=1, head_dim=4, repeats=1)
     assert rows[0][0] == "tfmath flash fwd+bwd" and rows[0][1] > 0
-    assert len(rows) == (2 if bench._torch() is not None else 1)
+    assert len(rows) == (2 if bench.optional_torch() is not None else 1)
 
 
 def test_numpy_attention_is_attention():

@@ -33,8 +33,19 @@ def _timed(call):
     return time.perf_counter() - start
 
 
+#: Seconds to wait before timing a contender (see :func:`best_time`).
+SETTLE_SECONDS = 0.3
+
+
 def best_time(call, repeats):
-    """Best wall time of ``repeats`` calls after one warm-up call."""
+    """Best wall time of ``repeats`` calls after a pause and one warm-up call.
+
+    Worker threads of the previous contender's library (OpenBLAS, PyTorch's
+    OpenMP pool) keep spinning for a while after its last call and would take
+    the cores from the next one: at L = 512 that tripled a 2.6 ms timing. The
+    pause lets them go to sleep first.
+    """
+    time.sleep(SETTLE_SECONDS)
     call()
     return min(_timed(call) for _ in range(repeats))
 
@@ -61,7 +72,7 @@ def numpy_attention(query, key, value, is_causal):
     return (scores / scores.sum(axis=-1, keepdims=True)) @ value
 
 
-def _torch(backend="cpu"):
+def optional_torch(backend="cpu"):
     """torch, when importable (and built with CUDA when ``backend="cuda"``), else ``None``."""
     try:
         import torch
@@ -119,7 +130,7 @@ def _inputs(rng, shape, backend, torch, count):
 
 def attention_rows(lengths, heads=8, head_dim=64, repeats=3, backend="cpu"):
     """Forward timings of every contender: rows ``(L, causal, name, seconds, GFLOP/s)``."""
-    torch = _torch(backend)
+    torch = optional_torch(backend)
     rng = np.random.default_rng(0)
     rows = []
     for n in lengths:
@@ -135,7 +146,7 @@ def attention_rows(lengths, heads=8, head_dim=64, repeats=3, backend="cpu"):
 
 def training_step_rows(n=2048, heads=8, head_dim=64, repeats=5, backend="cpu"):
     """Forward + backward timings at one length: tfmath flash against torch autograd."""
-    torch = _torch(backend)
+    torch = optional_torch(backend)
     synchronize = _synchronizer(backend, torch)
     rng = np.random.default_rng(1)
     shape = (1, heads, n, head_dim)
@@ -214,7 +225,7 @@ def print_attention_report(quick=False, backend="cpu", out=print):
     """Run the attention benchmark and print its tables (``tfmath bench attention``)."""
     lengths = [512, 1024] if quick else [512, 1024, 2048, 4096]
     if backend == "cuda":
-        roof = gpu_gemm_roof(_torch(backend))
+        roof = gpu_gemm_roof(optional_torch(backend))
         roof_name = "torch matmul 8192x8192 on the GPU, TF32 off"
     else:
         roof = gemm_roof()
