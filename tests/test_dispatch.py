@@ -79,3 +79,37 @@ def test_strided_host_views_reach_the_device_whole():
     device = _cuda.to_device(host)
     assert device.is_c_contiguous()
     np.testing.assert_array_equal(device.copy_to_host(), host)
+
+
+def test_kernel_cache_stamp_covers_every_kernel_file(tmp_path):
+    # Kernels call kernels in other files, so any kernel file's change must
+    # invalidate every cached kernel, not just the functions in that file.
+    import shutil
+
+    from tfmath import _config
+
+    folder = tmp_path / "kernels"
+    shutil.copytree(_config.KERNELS_FOLDER, folder, ignore=shutil.ignore_patterns("__pycache__"))
+    before = _config.kernel_sources_digest(folder)
+    assert _config.kernel_sources_digest(folder) == before
+    helper = folder / "cpu" / "exp2.py"
+    helper.write_text(helper.read_text() + "\n# edited\n")
+    assert _config.kernel_sources_digest(folder) != before
+
+
+def test_cached_kernels_are_stamped_with_all_kernel_sources(tmp_path, monkeypatch):
+    from tfmath import _config
+    from tfmath.kernels.cpu import exp2
+
+    implementation = getattr(exp2.exp2_array._cache, "_impl", None)
+    if implementation is None:
+        pytest.skip("the kernel cache is disabled (TFMATH_CACHE=0)")
+    assert implementation.locator.get_source_stamp() == _config.kernel_sources_digest()
+    module = tmp_path / "user_module.py"
+    module.write_text(
+        "import numba\n\n@numba.njit(cache=True)\ndef add_one(x):\n    return x + 1\n"
+    )
+    monkeypatch.syspath_prepend(tmp_path)
+    import user_module
+
+    assert not getattr(type(user_module.add_one._cache._impl.locator), "_tfmath", False)

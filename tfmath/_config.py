@@ -7,13 +7,17 @@ Environment variables read once, at the first kernel compilation:
 
 ``TFMATH_CACHE``
     ``0`` disables Numba's on-disk cache of compiled CPU kernels (default ``1``).
+    A cached kernel is reused only while every file under ``tfmath/kernels``
+    (and this module) is unchanged.
 ``TFMATH_THREADING_LAYER``
     Numba threading layer for the parallel CPU kernels: ``default`` (Numba's own
     choice among tbb, omp and workqueue), ``tbb``, ``omp`` or ``workqueue``.
 """
 
 import functools
+import hashlib
 import os
+from pathlib import Path
 
 #: LLVM fast-math flags for CPU kernels. ``nnan`` and ``ninf`` are left out on
 #: purpose: masks are written as ``-inf`` and NaN inputs must propagate, and
@@ -45,7 +49,66 @@ def _configure_numba():
     layer = requested_threading_layer()
     if layer != "default":
         numba.config.THREADING_LAYER = layer
+    _stamp_kernel_caches_with_all_kernel_sources()
     return numba
+
+
+#: Every function Numba compiles for tfmath lives under this folder.
+KERNELS_FOLDER = Path(__file__).parent / "kernels"
+
+
+def kernel_sources_digest(folder=KERNELS_FOLDER):
+    """SHA-256 of every ``.py`` file under ``folder`` and of this module, in a fixed order."""
+    digest = hashlib.sha256()
+    for path in [*sorted(folder.rglob("*.py")), Path(__file__)]:
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def _stamp_kernel_caches_with_all_kernel_sources():
+    """Make Numba's on-disk cache of a tfmath kernel depend on every kernel file.
+
+    Numba stamps a cached function with its own source file only, but tfmath's
+    kernels call kernels in other files (the exponential, the tile helpers):
+    after an edit of one of those, callers would load stale machine code from
+    the cache. For functions defined under ``tfmath/kernels``, each of Numba's
+    own cache locators is given a stamp that covers all of them (and this
+    module's compiler options); other functions are left to Numba. This uses
+    Numba's internal list of locator classes; if that ever moves, caching
+    falls back to Numba's default stamps.
+    """
+    from numba.core import caching
+
+    # Named CacheImpl since Numba 0.62 and _CacheImpl before.
+    implementation = getattr(caching, "CacheImpl", getattr(caching, "_CacheImpl", None))
+    if implementation is None or not hasattr(implementation, "_locator_classes"):
+        return
+    defaults = [c for c in implementation._locator_classes if not getattr(c, "_tfmath", False)]
+    stamped = [_kernel_stamped(locator) for locator in defaults]
+    implementation._locator_classes = [*stamped, *defaults]
+
+
+def _kernel_stamped(locator):
+    class KernelSourcesLocator(locator):
+        _tfmath = True
+
+        @classmethod
+        def from_function(cls, py_func, py_file):
+            if not Path(py_file).resolve().is_relative_to(KERNELS_FOLDER.resolve()):
+                return None
+            return super().from_function(py_func, py_file)
+
+        def get_source_stamp(self):
+            return _cached_kernel_sources_digest()
+
+    KernelSourcesLocator.__name__ = KernelSourcesLocator.__qualname__ = f"Kernel{locator.__name__}"
+    return KernelSourcesLocator
+
+
+@functools.cache
+def _cached_kernel_sources_digest():
+    return kernel_sources_digest()
 
 
 def cpu_kernel(function=None, *, parallel=False):
