@@ -9,21 +9,20 @@ measured in the same run, so machines and days stay comparable:
   and PyTorch's time over tfmath's when PyTorch is importable (n/a otherwise).
 * ``FlashTrainingStep``: forward plus backward, against PyTorch's autograd.
 * ``FlashLongSequence``: one head of L = S = 32768: the process's peak memory
-  (``peakmem_``) and, measured in a fresh subprocess, the memory the call adds
-  beyond its inputs and output (``track_extra_memory``), against the 4 GiB
-  that the L x L float32 scores alone would need.
+  (``peakmem_``) and the resident memory the call adds at its peak
+  (``track_extra_memory``, :func:`tfmath.analysis.complexity.measure_peak_bytes`),
+  against the 4 GiB that the L x L float32 scores alone would need.
 
 Run with ``asv run -E existing --quick --bench Flash`` (see bench_attention.py
 for the other ways to run asv).
 """
 
-import subprocess
-import sys
 from typing import ClassVar
 
 import numpy as np
 
 import tfmath
+from tfmath.analysis.complexity import measure_peak_bytes
 from tfmath.bench import best_time, gemm_roof, optional_torch
 
 HEADS = 8
@@ -131,24 +130,6 @@ class FlashTrainingStep:
     track_torch_time_over_tfmath_time.unit = "ratio"
 
 
-_EXTRA_MEMORY = """
-import resource, sys
-import numpy as np
-import tfmath
-n = int(sys.argv[1])
-rng = np.random.default_rng(0)
-small = [rng.standard_normal((1, 256, 64), dtype=np.float32) for _ in range(3)]
-tfmath.scaled_dot_product_attention(*small, backend="cpu")  # load the kernels first
-query, key, value = (rng.standard_normal((1, n, 64), dtype=np.float32) for _ in range(3))
-output = np.empty_like(query)  # the output's pages, touched before the baseline
-output[...] = 0
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-output = tfmath.scaled_dot_product_attention(query, key, value, backend="cpu")
-after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-print((after - before) / 1024)
-"""
-
-
 class FlashLongSequence:
     """One head of 32768 tokens: the naive path would need 4 GiB for the scores alone."""
 
@@ -168,10 +149,12 @@ class FlashLongSequence:
         tfmath.scaled_dot_product_attention(*self.arrays, backend="cpu")
 
     def track_extra_memory(self):
-        result = subprocess.run(
-            [sys.executable, "-c", _EXTRA_MEMORY, str(self.n)],
-            capture_output=True, text=True, check=True,
-        )  # fmt: skip
-        return float(result.stdout)
+        """Resident memory the call adds at its peak, its 8 MiB output included."""
+        return (
+            measure_peak_bytes(
+                lambda: tfmath.scaled_dot_product_attention(*self.arrays, backend="cpu")
+            )
+            / 2**20
+        )
 
     track_extra_memory.unit = "MiB"
