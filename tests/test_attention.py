@@ -621,3 +621,18 @@ def test_vectorised_exp2_is_within_a_few_ulp(dtype):
     special = np.array([-np.inf, np.nan, -2000.0], dtype=dtype)
     result = exp2_array(special)
     assert result[0] == 0 and np.isnan(result[1]) and result[2] == 0
+
+
+def test_prefer_wide_vectors_marks_the_compiled_function():
+    import numba
+
+    from tfmath.kernels.cpu.vector_width import PREFERRED_VECTOR_BITS, prefer_wide_vectors
+
+    @numba.njit
+    def doubled(x):
+        prefer_wide_vectors()
+        return 2 * x
+
+    assert doubled(3.0) == 6.0
+    (llvm_ir,) = doubled.inspect_llvm().values()
+    assert f'"prefer-vector-width"="{PREFERRED_VECTOR_BITS}"' in llvm_ir

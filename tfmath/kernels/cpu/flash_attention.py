@@ -43,6 +43,7 @@ import numpy as np
 from tfmath._config import cpu_kernel, serial_blas
 from tfmath.kernels.cpu.attention import LOG2E, balanced_tile
 from tfmath.kernels.cpu.exp2 import exp2_nonpositive_scalar
+from tfmath.kernels.cpu.vector_width import prefer_wide_vectors
 
 #: Query rows per task (fewer for shorter sequences, down to 8).
 QUERY_TILE = 64
@@ -95,6 +96,7 @@ def _softmax_tile(scores, running_max, running_sum, rescale, new_max):
     max reduction without the no-NaN flag this project leaves off), and the
     shift, the exponential and the row sums share one pass.
     """
+    prefer_wide_vectors()
     key_tile, query_tile = scores.shape
     for i in range(query_tile):
         new_max[i] = running_max[i]
@@ -141,6 +143,7 @@ def _forward_kernel(
     has_mask = mask.shape[1] != 0
     dtype = out.dtype
     for task in numba.prange(n_batch * n_query_tiles):
+        prefer_wide_vectors()
         b = task // n_query_tiles
         tile = balanced_tile(task % n_query_tiles, n_query_tiles)
         first_row = tile * query_tile
@@ -185,6 +188,7 @@ def _forward_kernel(
 def _add_into(total, term):
     """``total += term`` for 2-D tiles, as a plain loop: Numba's in-place array
     expression on a slice of a 4-D array cost a third of the whole backward."""
+    prefer_wide_vectors()
     for j in range(total.shape[0]):
         for e in range(total.shape[1]):
             total[j, e] += term[j, e]
@@ -211,6 +215,7 @@ def _backward_kernel(
     has_mask = mask.shape[1] != 0
     dtype = grad_query.dtype
     for b in numba.prange(n_batch):
+        prefer_wide_vectors()
         q, k, v, m = index[b, 0], index[b, 1], index[b, 2], index[b, 3]
         probabilities = np.empty((key_tile, query_tile), dtype=dtype)
         grad_scores = np.empty((key_tile, query_tile), dtype=dtype)
