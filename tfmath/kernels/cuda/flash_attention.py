@@ -268,10 +268,9 @@ def _key_gradient_kernel(numba_dtype, n_features, n_values):
         split = cuda.threadIdx.y
         tid = split * cols_per_block + cuda.threadIdx.x
         n_threads = cols_per_block * n_splits
-        tiles_per_batch = (n_key + cols_per_block - 1) // cols_per_block
-        b = cuda.blockIdx.x // tiles_per_batch
-        first_col = (cuda.blockIdx.x % tiles_per_batch) * cols_per_block
-        col = first_col + cuda.threadIdx.x
+        # The blocks tile the keys as the forward's tile the queries.
+        b, col, _, _ = _query_tile(n_key, n_query, False)
+        first_col = col - cuda.threadIdx.x
         active = col < n_key
         q, k, v, m = index[b, 0], index[b, 1], index[b, 2], index[b, 3]
         has_mask = mask.shape[1] != 0
