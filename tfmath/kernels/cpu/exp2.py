@@ -72,8 +72,8 @@ def _exp2_float32(x):
     clamped = x if x > np.float32(-127.0) else np.float32(-127.0)
     exponent = np.floor(clamped + np.float32(0.5))
     fraction = clamped - exponent
-    power = np.float32(0.0)
-    for coefficient in _FLOAT32_COEFFICIENTS:
+    power = _FLOAT32_COEFFICIENTS[0]
+    for coefficient in _FLOAT32_COEFFICIENTS[1:]:
         power = power * fraction + coefficient
     # The biased exponent shifted into place, formed in float arithmetic (exact
     # for these integers) so the conversion is a single 32-bit one.
@@ -87,8 +87,8 @@ def _exp2_float64(x):
     clamped = x if x > -1023.0 else -1023.0
     exponent = np.floor(clamped + 0.5)
     fraction = clamped - exponent
-    power = 0.0
-    for coefficient in _FLOAT64_COEFFICIENTS:
+    power = _FLOAT64_COEFFICIENTS[0]
+    for coefficient in _FLOAT64_COEFFICIENTS[1:]:
         power = power * fraction + coefficient
     result = power * _bits_as_float(np.int64((exponent + 1023.0) * 2.0**52))
     return x if x != x else result

@@ -11,9 +11,9 @@ a running normaliser :math:`\ell` and an unnormalised output :math:`O`:
     \ell' = \ell\, 2^{m - m'} + \sum_j 2^{s_j - m'}, \quad
     O' = O\, 2^{m - m'} + P V, \quad P_{j} = 2^{s_j - m'}
 
-The scores are kept in base 2 (the query tile is pre-multiplied by
-``scale * log2(e)``) so the exponential is :func:`exp2_nonpositive_scalar`, which LLVM
-vectorises. Only a ``QUERY_TILE x key_tile`` block of scores ever exists, so
+The scores are kept in base 2 (the product that forms them is scaled by
+``scale * log2(e)``) so the exponential is :func:`exp2_nonpositive_scalar`,
+which LLVM vectorises. Only a ``QUERY_TILE x key_tile`` block of scores ever exists, so
 the extra memory per task is :math:`O((\text{tile} + d)\,\text{tile})`,
 independent of :math:`L S`. The log-sum-exp of each row is kept for the
 backward pass.
@@ -27,7 +27,9 @@ log-sum-exp, each key tile recomputes :math:`P`, and with
     dV = P^\top dO, \quad dP = dO\, V^\top, \quad dS = P \circ (dP - D), \quad
     dQ = s\, dS\, K, \quad dK = s\, dS^\top Q
 
-The tile products go to BLAS through ``np.dot``, with BLAS held to the
+The tile products go to BLAS through :func:`tfmath.kernels.cpu.blas.gemm`,
+whose :math:`\alpha` applies the scale and whose :math:`\beta = 1` adds
+products straight into the output and the gradients, with BLAS held to the
 calling thread (:func:`tfmath._config.serial_blas`): the parallel loop already
 occupies every core, and BLAS threads started inside it would oversubscribe
 them (and, under Numba's OpenMP layer, make OpenBLAS print a warning per
@@ -42,6 +44,7 @@ import numpy as np
 
 from tfmath._config import cpu_kernel, serial_blas
 from tfmath.kernels.cpu.attention import LOG2E, balanced_tile
+from tfmath.kernels.cpu.blas import gemm
 from tfmath.kernels.cpu.exp2 import exp2_nonpositive_scalar
 from tfmath.kernels.cpu.vector_width import prefer_wide_vectors
 
@@ -100,9 +103,13 @@ def _softmax_tile(scores, running_max, running_sum, rescale, new_max):
     key_tile, query_tile = scores.shape
     for i in range(query_tile):
         new_max[i] = running_max[i]
-    for j in range(key_tile):
+    # Four keys per step: each step updates the running maximum and sum through
+    # memory, and one update per four keys shortens that dependency chain.
+    for j in range(0, key_tile, 4):
         for i in range(query_tile):
-            new_max[i] = max(new_max[i], scores[j, i])
+            first_pair = max(scores[j, i], scores[j + 1, i])
+            second_pair = max(scores[j + 2, i], scores[j + 3, i])
+            new_max[i] = max(new_max[i], max(first_pair, second_pair))
     for i in range(query_tile):
         # A row with nothing attended so far keeps shift 0: its -inf scores give
         # weight 0 and any NaN score stays NaN.
@@ -113,11 +120,14 @@ def _softmax_tile(scores, running_max, running_sum, rescale, new_max):
         running_sum[i] *= rescale[i]
         running_max[i] = new_max[i]
         new_max[i] = shift
-    for j in range(key_tile):
+    for j in range(0, key_tile, 4):
         for i in range(query_tile):
-            weight = exp2_nonpositive_scalar(scores[j, i] - new_max[i])
-            scores[j, i] = weight
-            running_sum[i] += weight
+            w0 = exp2_nonpositive_scalar(scores[j, i] - new_max[i])
+            w1 = exp2_nonpositive_scalar(scores[j + 1, i] - new_max[i])
+            w2 = exp2_nonpositive_scalar(scores[j + 2, i] - new_max[i])
+            w3 = exp2_nonpositive_scalar(scores[j + 3, i] - new_max[i])
+            scores[j, i], scores[j + 1, i], scores[j + 2, i], scores[j + 3, i] = w0, w1, w2, w3
+            running_sum[i] += (w0 + w1) + (w2 + w3)
 
 
 @cpu_kernel
@@ -135,13 +145,15 @@ def _accumulate_skipping_zeros(weights_t, values, accumulator):
 @cpu_kernel(parallel=True)
 def _forward_kernel(
     query_columns, key_tiles, value_tiles, value_tile_finite, mask, index,
-    is_causal, n_query, n_key, out, log_sum_exp,
+    is_causal, n_query, n_key, scale, out, log_sum_exp,
 ):  # fmt: skip
     n_batch, n_query_tiles, query_tile = out.shape[0], out.shape[1], out.shape[2]
     n_key_tiles, key_tile = key_tiles.shape[1], key_tiles.shape[2]
     n_values = value_tiles.shape[3]
     has_mask = mask.shape[1] != 0
     dtype = out.dtype
+    # Scores in base 2, so that the exponential is 2^x.
+    score_scale = scale * LOG2E
     for task in numba.prange(n_batch * n_query_tiles):
         prefer_wide_vectors()
         b = task // n_query_tiles
@@ -149,7 +161,6 @@ def _forward_kernel(
         first_row = tile * query_tile
         q, k, v, m = index[b, 0], index[b, 1], index[b, 2], index[b, 3]
         scores = np.empty((key_tile, query_tile), dtype=dtype)
-        product = np.empty((query_tile, n_values), dtype=dtype)
         accumulator = np.zeros((query_tile, n_values), dtype=dtype)
         running_max = np.full(query_tile, -np.inf, dtype=dtype)
         running_sum = np.zeros(query_tile, dtype=dtype)
@@ -160,21 +171,18 @@ def _forward_kernel(
             last_row = min(first_row + query_tile, n_query) - 1
             n_tiles = min(n_key_tiles, last_row // key_tile + 1)
         for t in range(n_tiles):
-            np.dot(key_tiles[k, t], query_columns[q, tile], scores)
+            gemm(score_scale, key_tiles[k, t], query_columns[q, tile], 0, scores)
             _mask_tile(
                 scores, mask, m, has_mask, is_causal, t * key_tile, first_row, n_key, n_query
             )
             _softmax_tile(scores, running_max, running_sum, rescale, new_max)
+            # A loop, not an array expression, which cost a sixth of the kernel.
+            for i in range(query_tile):
+                for e in range(n_values):
+                    accumulator[i, e] *= rescale[i]
             if value_tile_finite[v, t]:
-                np.dot(scores.T, value_tiles[v, t], product)
-                # One pass for the rescale and the sum: an array expression here
-                # cost a sixth of the kernel.
-                for i in range(query_tile):
-                    for e in range(n_values):
-                        accumulator[i, e] = accumulator[i, e] * rescale[i] + product[i, e]
+                gemm(1, scores, value_tiles[v, t], 1, accumulator, True)
             else:
-                for i in range(query_tile):
-                    accumulator[i] *= rescale[i]
                 _accumulate_skipping_zeros(scores, value_tiles[v, t], accumulator)
         for i in range(min(query_tile, n_query - first_row)):
             total = running_sum[i]
@@ -184,23 +192,14 @@ def _forward_kernel(
             log_sum_exp[b, tile, i] = -np.inf if total == 0 else lse
 
 
-@cpu_kernel
-def _add_into(total, term):
-    """``total += term`` for 2-D tiles, as a plain loop: Numba's in-place array
-    expression on a slice of a 4-D array cost a third of the whole backward."""
-    prefer_wide_vectors()
-    for j in range(total.shape[0]):
-        for e in range(total.shape[1]):
-            total[j, e] += term[j, e]
-
-
 @cpu_kernel(parallel=True)
 def _backward_kernel(
     query_tiles, query_columns, key_tiles, value_tiles, grad_columns, grad_tiles,
-    probability_shift, delta, mask, index, is_causal, n_query, n_key,
+    probability_shift, delta, mask, index, is_causal, n_query, n_key, scale,
     grad_query, grad_key, grad_value,
 ):  # fmt: skip
-    """Unscaled gradients: the caller multiplies dQ and dK by the scale.
+    """``query_columns`` is unscaled; the kernel applies ``scale`` (in base 2 for
+    the scores) inside the tile products.
 
     ``probability_shift`` is each row's log2-sum-exp, or +inf for a row with
     nothing to attend, so that its probabilities come out 0.
@@ -211,17 +210,14 @@ def _backward_kernel(
         grad_tiles.shape[2],
     )
     n_key_tiles, key_tile = key_tiles.shape[1], key_tiles.shape[2]
-    n_features, n_values = key_tiles.shape[3], value_tiles.shape[3]
     has_mask = mask.shape[1] != 0
     dtype = grad_query.dtype
+    score_scale = scale * LOG2E
     for b in numba.prange(n_batch):
         prefer_wide_vectors()
         q, k, v, m = index[b, 0], index[b, 1], index[b, 2], index[b, 3]
         probabilities = np.empty((key_tile, query_tile), dtype=dtype)
         grad_scores = np.empty((key_tile, query_tile), dtype=dtype)
-        query_product = np.empty((query_tile, n_features), dtype=dtype)
-        key_product = np.empty((key_tile, n_features), dtype=dtype)
-        value_product = np.empty((key_tile, n_values), dtype=dtype)
         grad_query[b] = 0
         for t in range(n_key_tiles):
             grad_key[b, t] = 0
@@ -229,26 +225,24 @@ def _backward_kernel(
             first_tile = (t * key_tile) // query_tile if is_causal else 0
             for tile in range(first_tile, n_query_tiles):
                 first_row = tile * query_tile
-                np.dot(key_tiles[k, t], query_columns[q, tile], probabilities)
+                gemm(score_scale, key_tiles[k, t], query_columns[q, tile], 0, probabilities)
                 _mask_tile(
                     probabilities, mask, m, has_mask, is_causal, t * key_tile, first_row,
                     n_key, n_query,
                 )  # fmt: skip
                 np.dot(value_tiles[v, t], grad_columns[b, tile], grad_scores)
                 # One pass: P = 2^(s - lse), and dS = P (dP - D) without the scale,
-                # which the caller applies once to dQ and dK.
+                # which the products into dQ and dK apply.
                 shift, row_delta = probability_shift[b, tile], delta[b, tile]
                 for j in range(key_tile):
                     for i in range(query_tile):
                         p = exp2_nonpositive_scalar(probabilities[j, i] - shift[i])
                         probabilities[j, i] = p
                         grad_scores[j, i] = p * (grad_scores[j, i] - row_delta[i])
-                np.dot(probabilities, grad_tiles[b, tile], value_product)
-                np.dot(grad_scores, query_tiles[q, tile], key_product)
-                np.dot(grad_scores.T, key_tiles[k, t], query_product)
-                _add_into(grad_value[b, t], value_product)
-                _add_into(grad_key[b, t], key_product)
-                _add_into(grad_query[b, tile], query_product)
+                # beta = 1: the products add straight into the gradients.
+                gemm(1, probabilities, grad_tiles[b, tile], 1, grad_value[b, t])
+                gemm(scale, grad_scores, query_tiles[q, tile], 1, grad_key[b, t])
+                gemm(scale, grad_scores, key_tiles[k, t], 1, grad_query[b, tile], True)
 
 
 def _row_tiles(array, tile):
@@ -284,8 +278,7 @@ def flash_forward(problem):
     dtype = problem.dtype
     key_tile = key_tile_size(problem.n_features, problem.value_dim)
     query_tile = query_tile_size(problem.n_query)
-    scaled_query = query * dtype.type(problem.scale * LOG2E)
-    query_columns = _column_tiles(_row_tiles(scaled_query, query_tile))
+    query_columns = _column_tiles(_row_tiles(query, query_tile))
     value_tiles = _row_tiles(value, key_tile)
     # One pass, no boolean copy: a non-finite value makes its tile's sum
     # non-finite. (A finite tile whose sum overflows only takes the slower,
@@ -298,7 +291,7 @@ def flash_forward(problem):
         _forward_kernel(
             query_columns, _row_tiles(key, key_tile), value_tiles, value_tile_finite,
             _transposed_mask(mask, dtype), index, problem.is_causal, problem.n_query,
-            problem.n_key, out, log_sum_exp,
+            problem.n_key, problem.scale, out, log_sum_exp,
         )  # fmt: skip
     n_query = problem.n_query
     padded_rows = n_query_tiles * query_tile
@@ -348,18 +341,15 @@ def attention_grad(problem, grad_output, saved=None):
     grad_query = np.empty((n_batch, n_query_tiles, query_tile, problem.n_features), dtype=dtype)
     grad_key = np.empty((n_batch, n_key_tiles, key_tile, problem.n_features), dtype=dtype)
     grad_value = np.empty((n_batch, n_key_tiles, key_tile, problem.value_dim), dtype=dtype)
-    scaled_query = query * dtype.type(problem.scale * LOG2E)
     with serial_blas():
         _backward_kernel(
-            query_tiles, _column_tiles(_row_tiles(scaled_query, query_tile)), key_tiles,
+            query_tiles, _column_tiles(query_tiles), key_tiles,
             _row_tiles(value, key_tile), _column_tiles(grad_tiles), grad_tiles,
             probability_shift.reshape(n_batch, n_query_tiles, query_tile),
             padded_delta.reshape(n_batch, n_query_tiles, query_tile),
             _transposed_mask(mask, dtype), index, problem.is_causal,
-            problem.n_query, problem.n_key, grad_query, grad_key, grad_value,
+            problem.n_query, problem.n_key, problem.scale, grad_query, grad_key, grad_value,
         )  # fmt: skip
-    grad_query *= dtype.type(problem.scale)
-    grad_key *= dtype.type(problem.scale)
     return (
         _untile(grad_query, problem.batch_shape, problem.n_query),
         _untile(grad_key, problem.batch_shape, problem.n_key),
