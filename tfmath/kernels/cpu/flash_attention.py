@@ -53,6 +53,8 @@ QUERY_TILE = 64
 #: Largest tile product (M*N*K): keeps a tile's operands within a core's L2 cache.
 TILE_PRODUCT_LIMIT = 65536 * 8
 LN2 = 0.6931471805599453
+#: Key tiles the backward pass holds while it sweeps the query tiles once.
+KEY_TILES_PER_SWEEP = 4
 
 
 def query_tile_size(n_query):
@@ -142,9 +144,19 @@ def _accumulate_skipping_zeros(weights_t, values, accumulator):
                     accumulator[i, e] += w * values[j, e]
 
 
+@cpu_kernel
+def _transpose_into(rows, columns):
+    """``columns[e, i] = rows[i, e]``: the score products contract over features,
+    and BLAS's small-matrix kernels are fastest with the query tile stored by
+    feature (``rows @ columns`` rather than ``rows @ other_rows.T``)."""
+    for i in range(rows.shape[0]):
+        for e in range(rows.shape[1]):
+            columns[e, i] = rows[i, e]
+
+
 @cpu_kernel(parallel=True)
 def _forward_kernel(
-    query_columns, key_tiles, value_tiles, value_tile_finite, mask, index,
+    query_tiles, key_tiles, value_tiles, value_tile_finite, mask, index,
     is_causal, n_query, n_key, scale, out, log_sum_exp,
 ):  # fmt: skip
     n_batch, n_query_tiles, query_tile = out.shape[0], out.shape[1], out.shape[2]
@@ -161,6 +173,8 @@ def _forward_kernel(
         first_row = tile * query_tile
         q, k, v, m = index[b, 0], index[b, 1], index[b, 2], index[b, 3]
         scores = np.empty((key_tile, query_tile), dtype=dtype)
+        query_columns = np.empty((query_tiles.shape[3], query_tile), dtype=dtype)
+        _transpose_into(query_tiles[q, tile], query_columns)
         accumulator = np.zeros((query_tile, n_values), dtype=dtype)
         running_max = np.full(query_tile, -np.inf, dtype=dtype)
         running_sum = np.zeros(query_tile, dtype=dtype)
@@ -171,7 +185,7 @@ def _forward_kernel(
             last_row = min(first_row + query_tile, n_query) - 1
             n_tiles = min(n_key_tiles, last_row // key_tile + 1)
         for t in range(n_tiles):
-            gemm(score_scale, key_tiles[k, t], query_columns[q, tile], 0, scores)
+            gemm(score_scale, key_tiles[k, t], query_columns, 0, scores)
             _mask_tile(
                 scores, mask, m, has_mask, is_causal, t * key_tile, first_row, n_key, n_query
             )
@@ -192,14 +206,27 @@ def _forward_kernel(
             log_sum_exp[b, tile, i] = -np.inf if total == 0 else lse
 
 
+@cpu_kernel
+def _probabilities_and_score_gradients(scores, grad_probabilities, shift, delta):
+    """One pass over a transposed tile: scores become P = 2^(s - lse) and
+    dP becomes dS = P (dP - D), without the scale, which the products into dQ
+    and dK apply."""
+    prefer_wide_vectors()
+    for j in range(scores.shape[0]):
+        for i in range(scores.shape[1]):
+            p = exp2_nonpositive_scalar(scores[j, i] - shift[i])
+            scores[j, i] = p
+            grad_probabilities[j, i] = p * (grad_probabilities[j, i] - delta[i])
+
+
 @cpu_kernel(parallel=True)
 def _backward_kernel(
-    query_tiles, query_columns, key_tiles, value_tiles, grad_columns, grad_tiles,
+    query_tiles, key_tiles, value_tiles, grad_tiles,
     probability_shift, delta, mask, index, is_causal, n_query, n_key, scale,
     grad_query, grad_key, grad_value,
 ):  # fmt: skip
-    """``query_columns`` is unscaled; the kernel applies ``scale`` (in base 2 for
-    the scores) inside the tile products.
+    """The kernel applies ``scale`` (in base 2 for the scores) inside the tile
+    products.
 
     ``probability_shift`` is each row's log2-sum-exp, or +inf for a row with
     nothing to attend, so that its probabilities come out 0.
@@ -210,6 +237,7 @@ def _backward_kernel(
         grad_tiles.shape[2],
     )
     n_key_tiles, key_tile = key_tiles.shape[1], key_tiles.shape[2]
+    n_features, n_values = key_tiles.shape[3], value_tiles.shape[3]
     has_mask = mask.shape[1] != 0
     dtype = grad_query.dtype
     score_scale = scale * LOG2E
@@ -218,31 +246,36 @@ def _backward_kernel(
         q, k, v, m = index[b, 0], index[b, 1], index[b, 2], index[b, 3]
         probabilities = np.empty((key_tile, query_tile), dtype=dtype)
         grad_scores = np.empty((key_tile, query_tile), dtype=dtype)
+        query_columns = np.empty((n_query_tiles, n_features, query_tile), dtype=dtype)
+        grad_columns = np.empty((n_query_tiles, n_values, query_tile), dtype=dtype)
+        for tile in range(n_query_tiles):
+            _transpose_into(query_tiles[q, tile], query_columns[tile])
+            _transpose_into(grad_tiles[b, tile], grad_columns[tile])
         grad_query[b] = 0
-        for t in range(n_key_tiles):
-            grad_key[b, t] = 0
-            grad_value[b, t] = 0
-            first_tile = (t * key_tile) // query_tile if is_causal else 0
-            for tile in range(first_tile, n_query_tiles):
-                first_row = tile * query_tile
-                gemm(score_scale, key_tiles[k, t], query_columns[q, tile], 0, probabilities)
-                _mask_tile(
-                    probabilities, mask, m, has_mask, is_causal, t * key_tile, first_row,
-                    n_key, n_query,
-                )  # fmt: skip
-                np.dot(value_tiles[v, t], grad_columns[b, tile], grad_scores)
-                # One pass: P = 2^(s - lse), and dS = P (dP - D) without the scale,
-                # which the products into dQ and dK apply.
-                shift, row_delta = probability_shift[b, tile], delta[b, tile]
-                for j in range(key_tile):
-                    for i in range(query_tile):
-                        p = exp2_nonpositive_scalar(probabilities[j, i] - shift[i])
-                        probabilities[j, i] = p
-                        grad_scores[j, i] = p * (grad_scores[j, i] - row_delta[i])
-                # beta = 1: the products add straight into the gradients.
-                gemm(1, probabilities, grad_tiles[b, tile], 1, grad_value[b, t])
-                gemm(scale, grad_scores, query_tiles[q, tile], 1, grad_key[b, t])
-                gemm(scale, grad_scores, key_tiles[k, t], 1, grad_query[b, tile], True)
+        for sweep_start in range(0, n_key_tiles, KEY_TILES_PER_SWEEP):
+            sweep_end = min(sweep_start + KEY_TILES_PER_SWEEP, n_key_tiles)
+            for t in range(sweep_start, sweep_end):
+                grad_key[b, t] = 0
+                grad_value[b, t] = 0
+            for tile in range(n_query_tiles):
+                last_row = (tile + 1) * query_tile - 1
+                for t in range(sweep_start, sweep_end):
+                    if is_causal and last_row < t * key_tile:
+                        continue  # the whole tile lies above the diagonal
+                    first_row = tile * query_tile
+                    gemm(score_scale, key_tiles[k, t], query_columns[tile], 0, probabilities)
+                    _mask_tile(
+                        probabilities, mask, m, has_mask, is_causal, t * key_tile, first_row,
+                        n_key, n_query,
+                    )  # fmt: skip
+                    np.dot(value_tiles[v, t], grad_columns[tile], grad_scores)
+                    _probabilities_and_score_gradients(
+                        probabilities, grad_scores, probability_shift[b, tile], delta[b, tile]
+                    )
+                    # beta = 1: the products add straight into the gradients.
+                    gemm(1, probabilities, grad_tiles[b, tile], 1, grad_value[b, t])
+                    gemm(scale, grad_scores, query_tiles[q, tile], 1, grad_key[b, t])
+                    gemm(scale, grad_scores, key_tiles[k, t], 1, grad_query[b, tile], True)
 
 
 def _row_tiles(array, tile):
@@ -256,11 +289,6 @@ def _row_tiles(array, tile):
     padded = np.zeros((batch, n_tiles * tile, features), dtype=array.dtype)
     padded[:, :rows] = array
     return padded.reshape(batch, n_tiles, tile, features)
-
-
-def _column_tiles(row_tiles):
-    """Row tiles transposed to ``(batch, n_tiles, features, tile)``."""
-    return np.ascontiguousarray(row_tiles.transpose(0, 1, 3, 2))
 
 
 def _transposed_mask(mask, dtype):
@@ -278,18 +306,18 @@ def flash_forward(problem):
     dtype = problem.dtype
     key_tile = key_tile_size(problem.n_features, problem.value_dim)
     query_tile = query_tile_size(problem.n_query)
-    query_columns = _column_tiles(_row_tiles(query, query_tile))
+    query_tiles = _row_tiles(query, query_tile)
     value_tiles = _row_tiles(value, key_tile)
     # One pass, no boolean copy: a non-finite value makes its tile's sum
     # non-finite. (A finite tile whose sum overflows only takes the slower,
     # equally exact path.)
     value_tile_finite = np.isfinite(value_tiles.sum(axis=(2, 3)))
-    n_batch, n_query_tiles = index.shape[0], query_columns.shape[1]
+    n_batch, n_query_tiles = index.shape[0], query_tiles.shape[1]
     out = np.empty((n_batch, n_query_tiles, query_tile, problem.value_dim), dtype=dtype)
     log_sum_exp = np.empty((n_batch, n_query_tiles, query_tile), dtype=dtype)
     with serial_blas():
         _forward_kernel(
-            query_columns, _row_tiles(key, key_tile), value_tiles, value_tile_finite,
+            query_tiles, _row_tiles(key, key_tile), value_tiles, value_tile_finite,
             _transposed_mask(mask, dtype), index, problem.is_causal, problem.n_query,
             problem.n_key, problem.scale, out, log_sum_exp,
         )  # fmt: skip
@@ -343,8 +371,7 @@ def attention_grad(problem, grad_output, saved=None):
     grad_value = np.empty((n_batch, n_key_tiles, key_tile, problem.value_dim), dtype=dtype)
     with serial_blas():
         _backward_kernel(
-            query_tiles, _column_tiles(query_tiles), key_tiles,
-            _row_tiles(value, key_tile), _column_tiles(grad_tiles), grad_tiles,
+            query_tiles, key_tiles, _row_tiles(value, key_tile), grad_tiles,
             probability_shift.reshape(n_batch, n_query_tiles, query_tile),
             padded_delta.reshape(n_batch, n_query_tiles, query_tile),
             _transposed_mask(mask, dtype), index, problem.is_causal,
