@@ -417,6 +417,7 @@ def _multi_tile_case(dtype, n_query, n_key, seed=13):
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize(("backend", "n_query", "n_key"), [
     ("cpu", 150, 200), ("cpu", 200, 70), ("cpu", 128, 256),  # padded tiles, whole tiles
+    ("cpu", 70, 600),  # five key tiles: the backward's sweeps of four, and a partial one
     pytest.param("cuda", 5, 7, marks=pytest.mark.cuda),
 ])  # fmt: skip
 def test_flash_and_grad_across_tiles(backend, n_query, n_key, dtype, is_causal, small_cuda_tiles):
