@@ -30,6 +30,7 @@ exactly 0, so that ``2**-inf`` is 0; NaN stays NaN.
 import math
 
 import numpy as np
+from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic, overload
 
@@ -54,44 +55,56 @@ _FLOAT64_COEFFICIENTS = _taylor_coefficients(12, np.float64)
 
 
 @intrinsic
-def _bits_as_float(typingctx, bits):
-    """Reinterpret an int32 (int64) as the float32 (float64) with the same bits."""
-    float_type = {types.int32: types.float32, types.int64: types.float64}[bits]
+def _power_of_two(typingctx, shifted_exponent):
+    """``2**k`` from ``shifted_exponent = k + bias + 2**mantissa_bits`` (float32 or
+    float64, ``k`` an integer with ``-bias <= k <= 0``).
+
+    Adding ``2**mantissa_bits`` leaves ``k + bias`` in the low bits of the
+    float's significand, so shifting its bits left by the significand's width
+    moves ``k + bias`` into the exponent field and the leading exponent bits
+    out of the word: ``2**k``, by bit arithmetic alone. A float-to-integer
+    conversion would do the same with one more instruction, and would make a
+    NaN undefined behaviour; these bit operations pass NaN's bits through, and
+    the caller's result is NaN anyway.
+    """
+    if shifted_exponent not in (types.float32, types.float64):
+        return None
 
     def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], context.get_value_type(float_type))
+        float_type = context.get_value_type(shifted_exponent)
+        width = 32 if shifted_exponent == types.float32 else 64
+        integer_type = ir.IntType(width)
+        bits = builder.bitcast(args[0], integer_type)
+        significand_width = 23 if width == 32 else 52
+        moved = builder.shl(bits, ir.Constant(integer_type, significand_width))
+        return builder.bitcast(moved, float_type)
 
-    return float_type(bits), codegen
+    return shifted_exponent(shifted_exponent), codegen
 
 
 @cpu_kernel
 def _exp2_float32(x):
-    # A select, not max(), so NaN (restored at the end) never reaches the int
-    # conversion. Below -127 everything becomes -127, whose exponent k = -127
-    # has biased exponent 0: 2**k is then +0.0 and so is the result.
-    clamped = x if x > np.float32(-127.0) else np.float32(-127.0)
-    exponent = np.floor(clamped + np.float32(0.5))
+    # Below -127 everything becomes -127, whose exponent k = -127 has biased
+    # exponent 0: 2**k is then +0.0 and so is the result. Written so that a NaN
+    # fails the test and passes through: every later step keeps it NaN.
+    clamped = np.float32(-127.0) if x < np.float32(-127.0) else x
+    exponent = np.rint(clamped)
     fraction = clamped - exponent
     power = _FLOAT32_COEFFICIENTS[0]
     for coefficient in _FLOAT32_COEFFICIENTS[1:]:
         power = power * fraction + coefficient
-    # The biased exponent shifted into place, formed in float arithmetic (exact
-    # for these integers) so the conversion is a single 32-bit one.
-    bits = np.int32((exponent + np.float32(127.0)) * np.float32(2.0**23))
-    result = power * _bits_as_float(bits)
-    return x if x != x else result
+    return power * _power_of_two(exponent + np.float32(127.0 + 2.0**23))
 
 
 @cpu_kernel
 def _exp2_float64(x):
-    clamped = x if x > -1023.0 else -1023.0
-    exponent = np.floor(clamped + 0.5)
+    clamped = -1023.0 if x < -1023.0 else x
+    exponent = np.rint(clamped)
     fraction = clamped - exponent
     power = _FLOAT64_COEFFICIENTS[0]
     for coefficient in _FLOAT64_COEFFICIENTS[1:]:
         power = power * fraction + coefficient
-    result = power * _bits_as_float(np.int64((exponent + 1023.0) * 2.0**52))
-    return x if x != x else result
+    return power * _power_of_two(exponent + (1023.0 + 2.0**52))
 
 
 def exp2_nonpositive_scalar(x):
