@@ -12,6 +12,22 @@ def no_settling(monkeypatch):
     monkeypatch.setattr(bench, "SETTLE_SECONDS", 0)
 
 
+def test_interleaved_best_times_take_the_contenders_in_turn(monkeypatch):
+    order = []
+    durations = iter([5.0, 4.0, 9.0, 8.0, 3.0, 6.0, 7.0, 1.0])
+
+    def fake_timed(call):
+        call()
+        return next(durations)
+
+    monkeypatch.setattr(bench, "_timed", fake_timed)
+    calls = {"a": lambda: order.append("a"), "b": lambda: order.append("b")}
+    best = bench.interleaved_best_times(calls, repeats=2, rounds=2)
+    # One untimed warm-up per contender in the first round only.
+    assert order == ["a"] * 3 + ["b"] * 3 + ["a"] * 2 + ["b"] * 2
+    assert best == {"a": 3.0, "b": 1.0}
+
+
 def test_attention_rows_time_every_contender_on_the_cpu():
     rows = bench.attention_rows([16], heads=1, head_dim=4, repeats=1)
     names = {name for _, _, name, _, _ in rows}

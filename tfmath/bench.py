@@ -50,6 +50,31 @@ def best_time(call, repeats):
     return min(_timed(call) for _ in range(repeats))
 
 
+#: Rounds of :func:`interleaved_best_times`.
+ROUNDS = 3
+
+
+def interleaved_best_times(calls, repeats, rounds=ROUNDS):
+    """Best wall time of each call in ``calls`` (a mapping of names to calls), from
+    ``rounds`` rounds that time every contender in turn, ``repeats`` calls each.
+
+    Other work on a shared machine comes and goes over seconds. Timed one after
+    the other, one contender can catch a busy spell the other misses: on the
+    development machine, PyTorch's forward + backward ranged from 105 to 122 ms
+    across runs of the benchmark. Rounds in turn give each contender samples
+    from the same stretch of time. Each contender gets one untimed warm-up call
+    in the first round, and every timing follows the pause of :func:`best_time`.
+    """
+    best = dict.fromkeys(calls, math.inf)
+    for round_index in range(rounds):
+        for name, call in calls.items():
+            time.sleep(SETTLE_SECONDS)
+            if round_index == 0:
+                call()
+            best[name] = min(best[name], *(_timed(call) for _ in range(repeats)))
+    return best
+
+
 def _synchronizer(backend, torch):
     """A call that waits for queued GPU work, so a timing covers the kernels, not their launch."""
     if backend != "cuda":
@@ -128,8 +153,9 @@ def _inputs(rng, shape, backend, torch, count):
     return [_cuda.to_device(a) for a in arrays]
 
 
-def attention_rows(lengths, heads=8, head_dim=64, repeats=3, backend="cpu"):
-    """Forward timings of every contender: rows ``(L, causal, name, seconds, GFLOP/s)``."""
+def attention_rows(lengths, heads=8, head_dim=64, repeats=2, backend="cpu", rounds=ROUNDS):
+    """Forward timings of every contender: rows ``(L, causal, name, seconds, GFLOP/s)``,
+    each the best of ``rounds * repeats`` calls (:func:`interleaved_best_times`)."""
     torch = optional_torch(backend)
     rng = np.random.default_rng(0)
     rows = []
@@ -138,14 +164,15 @@ def attention_rows(lengths, heads=8, head_dim=64, repeats=3, backend="cpu"):
         query, key, value = _inputs(rng, shape, backend, torch, 3)
         for is_causal in (False, True):
             flops = 4 * n * n * head_dim * heads / (2 if is_causal else 1)
-            for name, call in _contenders(query, key, value, is_causal, torch, backend).items():
-                seconds = best_time(call, repeats)
-                rows.append((n, is_causal, name, seconds, flops / seconds / 1e9))
+            contenders = _contenders(query, key, value, is_causal, torch, backend)
+            times = interleaved_best_times(contenders, repeats, rounds)
+            rows.extend((n, is_causal, name, s, flops / s / 1e9) for name, s in times.items())
     return rows
 
 
-def training_step_rows(n=2048, heads=8, head_dim=64, repeats=5, backend="cpu"):
-    """Forward + backward timings at one length: tfmath flash against torch autograd."""
+def training_step_rows(n=2048, heads=8, head_dim=64, repeats=3, backend="cpu", rounds=ROUNDS):
+    """Forward + backward timings at one length, tfmath flash against torch autograd,
+    as ``(name, seconds)`` rows (:func:`interleaved_best_times`)."""
     torch = optional_torch(backend)
     synchronize = _synchronizer(backend, torch)
     rng = np.random.default_rng(1)
@@ -162,7 +189,7 @@ def training_step_rows(n=2048, heads=8, head_dim=64, repeats=5, backend="cpu"):
         )
         synchronize()
 
-    rows = [("tfmath flash fwd+bwd", best_time(tfmath_step, repeats))]
+    steps = {"tfmath flash fwd+bwd": tfmath_step}
     if torch is not None:
         tensors = [torch.as_tensor(a).clone().requires_grad_() for a in (query, key, value)]
         torch_grad = torch.as_tensor(grad)
@@ -172,8 +199,8 @@ def training_step_rows(n=2048, heads=8, head_dim=64, repeats=5, backend="cpu"):
             out.backward(torch_grad)
             synchronize()
 
-        rows.append(("torch sdpa fwd+bwd", best_time(torch_step, repeats)))
-    return rows
+        steps["torch sdpa fwd+bwd"] = torch_step
+    return list(interleaved_best_times(steps, repeats, rounds).items())
 
 
 _FIRST_CALL = """
@@ -235,7 +262,8 @@ def print_attention_report(quick=False, backend="cpu", out=print):
     else:
         out(f"float32 GEMM roof ({roof_name}): {roof:.1f} GFLOP/s")
     out(f"backend={backend}, B=1, H=8, d=64, float32; FLOPs = 4*L*S*d*H (half when causal); "
-        "forward: best of 3 runs, forward + backward: best of 5")  # fmt: skip
+        f"best of {ROUNDS} rounds that take the contenders in turn, 2 forward calls or "
+        "3 forward + backward steps each")  # fmt: skip
     with warnings.catch_warnings():
         # Numba flags grids smaller than the GPU for the short sequences; for a
         # benchmark that sweeps lengths on purpose, that is expected, not news.
