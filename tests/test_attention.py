@@ -438,6 +438,33 @@ def test_flash_and_grad_across_tiles(backend, n_query, n_key, dtype, is_causal, 
             assert_close(grad, expected_grad, 4 * tolerance)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_flash_cpu_when_later_key_tiles_score_far_higher(dtype, is_causal):
+    """After its first key tile the CPU forward measures scores against the running
+    maximum in one pass and refuses tiles that exceed it by too much: here one key
+    scores about 2**30 times higher than the first tile, and a whole tile about
+    2**9 times, which add up past the 2**16 cap."""
+    rng = np.random.default_rng(5)
+    n_key = 400  # key tiles of 128 at E = 8
+    query = rng.uniform(0.5, 1.0, (2, n_key, 8)).astype(dtype)
+    key = rng.uniform(-0.1, 0.1, (2, n_key, 8)).astype(dtype)
+    key[:, 130:250] = 3.0
+    key[:, 300] = 10.0
+    value = rng.standard_normal((2, n_key, 5)).astype(dtype)
+    tolerance = attention_tolerance(dtype, 8, n_key)
+    expected, expected_lse = (
+        np.asarray(a)
+        for a in sdpa(query, key, value, is_causal=is_causal, backend="reference",
+                      return_log_sum_exp=True)
+    )  # fmt: skip
+    output, log_sum_exp = sdpa(
+        query, key, value, is_causal=is_causal, backend="cpu", return_log_sum_exp=True
+    )
+    assert_close(output, expected, tolerance)
+    assert_close(log_sum_exp, expected_lse, tolerance)
+
+
 def test_flash_is_the_default_without_weights(monkeypatch):
     from tfmath.attention import FLASH_ATTENTION, SCALED_DOT_PRODUCT_ATTENTION, _attention_routine
 
@@ -613,7 +640,10 @@ def test_vectorised_exp2_is_within_a_few_ulp(dtype):
     from tfmath.kernels.cpu.exp2 import exp2_array
 
     rng = np.random.default_rng(17)
-    x = np.concatenate([-rng.random(100_000) * 120, -rng.random(1000) * 1e-3, [0.0]]).astype(dtype)
+    # Softmax's arguments are <= 0, and up to 16 in the flash forward's single pass.
+    x = np.concatenate(
+        [-rng.random(100_000) * 120, -rng.random(1000) * 1e-3, rng.random(1000) * 100, [0.0]]
+    ).astype(dtype)
     exact = np.exp2(x.astype(np.longdouble))
     relative = np.abs(exp2_array(x) - exact) / exact
     # Truncation error is below eps/10 (module docstring); the rest is rounding of

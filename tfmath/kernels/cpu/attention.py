@@ -10,7 +10,7 @@ import numba
 import numpy as np
 
 from tfmath._config import cpu_kernel
-from tfmath.kernels.cpu.exp2 import exp2_nonpositive
+from tfmath.kernels.cpu.exp2 import exp2_in_place
 
 #: Query rows per parallel task: enough to amortise the task's scratch
 #: allocation, few enough that a single head of a short sequence still splits.
@@ -48,7 +48,7 @@ def _softmax_inplace(row):
         return
     for j in range(row.shape[0]):
         row[j] = (row[j] - row_max) * LOG2E
-    exp2_nonpositive(row)
+    exp2_in_place(row)
     inverse = 1 / np.sum(row)
     for j in range(row.shape[0]):
         row[j] *= inverse

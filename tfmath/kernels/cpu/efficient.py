@@ -41,7 +41,7 @@ import numpy as np
 
 from tfmath._config import cpu_kernel, serial_blas
 from tfmath.efficient import BLOCK, LOCAL, STRIDED
-from tfmath.kernels.cpu.exp2 import exp2_nonpositive
+from tfmath.kernels.cpu.exp2 import exp2_in_place
 
 #: Bounds on the rows per linear-attention chunk (:func:`chunk_size`).
 MIN_CHUNK, MAX_CHUNK = 8, 64
@@ -105,7 +105,7 @@ def _attend_run(
     """Fold keys ``start:stop:step`` into a row's online softmax; returns ``(max, total)``.
 
     Scores are kept in base 2 (``scale_log2 = scale * log2(e)``) for the
-    vectorised :func:`exp2_nonpositive`. Keys at weight exactly 0 are not
+    vectorised :func:`exp2_in_place`. Keys at weight exactly 0 are not
     read, so inf or NaN stored there cannot leak in through ``0 * nan``.
     """
     zero = scores.dtype.type(0)
@@ -126,7 +126,7 @@ def _attend_run(
         shift = zero if new_max == -np.inf else new_max
         for t in range(count):
             scores[t] -= shift
-        exp2_nonpositive(scores[:count])
+        exp2_in_place(scores[:count])
         if running_max != -np.inf and running_max != new_max:
             factor = np.exp2(running_max - new_max)
             total *= factor

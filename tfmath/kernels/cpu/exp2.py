@@ -1,11 +1,11 @@
-r"""A base-2 exponential that LLVM vectorises, for arrays of non-positive numbers.
+r"""A base-2 exponential that LLVM vectorises, for the arguments softmax needs.
 
 pip's llvmlite has no SVML, so ``np.exp`` in a kernel is a scalar libm call per
 element, and in attention that call costs more than the matrix products.
-This version splits :math:`2^x = 2^k \cdot 2^f` with :math:`k = \lfloor x + 1/2
-\rfloor` and :math:`|f| \le 1/2`, evaluates :math:`2^f` by a polynomial, and
-builds :math:`2^k` from its IEEE-754 exponent bits (an integer reinterpreted
-as a float, by a one-instruction intrinsic). Every step is branch-free scalar
+This version splits :math:`2^x = 2^k \cdot 2^f` with :math:`k` the integer
+nearest :math:`x` and :math:`|f| \le 1/2`, evaluates :math:`2^f` by a
+polynomial, and builds :math:`2^k` from its IEEE-754 exponent bits (by
+shifting the bits of a float, see :func:`_power_of_two`). Every step is branch-free scalar
 arithmetic, which LLVM inlines into the caller's loop and turns, exponential
 included, into SIMD code. In attention this exponential is a quarter of the
 forward pass, so every instruction counts: inputs are clamped at the bottom
@@ -21,10 +21,12 @@ whose truncation error is below :math:`(\ln 2 / 2)^{13} / 13! \approx 2
 \times 10^{-16}`. With rounding, results are within a few ulp of the exact
 value (the tests check it against ``np.exp2`` in extended precision).
 
-Domain: ``x <= 0``, ``-inf`` and NaN, which is what attention needs
-(``s - max(s)``). Results for ``x < -126.5`` in float32 (``x < -1022.5`` in
-float64), far below anything a softmax weight can resolve, are flushed to
-exactly 0, so that ``2**-inf`` is 0; NaN stays NaN.
+Domain: ``x <= 127`` in float32 (``x <= 1023`` in float64), ``-inf`` and NaN.
+Softmax needs ``x <= 0`` (``s - max(s)``), and up to 16 in the flash kernel's
+single-pass step, which measures scores against an earlier maximum. Results
+for ``x < -126.5`` in float32 (``x < -1022.5`` in float64), far below anything
+a softmax weight can resolve, are flushed to exactly 0, so that ``2**-inf`` is
+0; NaN stays NaN.
 """
 
 import math
@@ -107,27 +109,28 @@ def _exp2_float64(x):
     return power * _power_of_two(exponent + (1023.0 + 2.0**52))
 
 
-def exp2_nonpositive_scalar(x):
-    """``2**x`` of one float32 or float64 number ``x <= 0`` (callable from kernels only)."""
+def exp2_scalar(x):
+    """``2**x`` of one float32 or float64 number in the module's domain (callable from
+    kernels only)."""
     raise NotImplementedError("only callable from Numba-compiled code")
 
 
-@overload(exp2_nonpositive_scalar)
-def _exp2_nonpositive_scalar_overload(x):
+@overload(exp2_scalar)
+def _exp2_scalar_overload(x):
     kernel = _exp2_float32 if x == types.float32 else _exp2_float64
     return lambda x: kernel(x)
 
 
 @cpu_kernel
-def exp2_nonpositive(x):
+def exp2_in_place(x):
     """Replace the 1-D array ``x`` by ``2**x`` in place."""
     for j in range(x.shape[0]):
-        x[j] = exp2_nonpositive_scalar(x[j])
+        x[j] = exp2_scalar(x[j])
 
 
 @cpu_kernel
 def exp2_array(x):
     """``2**x`` of a 1-D array of non-positive numbers (for tests and benchmarks)."""
     out = x.copy()
-    exp2_nonpositive(out)
+    exp2_in_place(out)
     return out

