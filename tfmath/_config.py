@@ -143,10 +143,11 @@ def _blas_controller():
 def serial_blas():
     """A context in which BLAS runs on the calling thread only.
 
-    Parallel kernels that multiply tiles with ``np.dot`` already keep every
-    core busy; if BLAS started its own threads inside them, the cores would be
-    oversubscribed many times over, and OpenBLAS would print a warning per call
-    under Numba's OpenMP threading layer.
+    Parallel kernels that multiply tiles with BLAS (``np.dot``, or
+    :func:`tfmath.kernels.cpu.blas.gemm`) already keep every core busy; if
+    BLAS started its own threads inside them, the cores would be oversubscribed
+    many times over, and OpenBLAS would print a warning per call under Numba's
+    OpenMP threading layer.
     """
     return _blas_controller().limit(limits=1, user_api="blas")
 

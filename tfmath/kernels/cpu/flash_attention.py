@@ -377,7 +377,7 @@ def _backward_kernel(
                         probabilities, mask, m, has_mask, is_causal, t * key_tile, first_row,
                         n_key, n_query,
                     )  # fmt: skip
-                    np.dot(value_tiles[v, t], grad_columns[tile], grad_scores)
+                    gemm(1, value_tiles[v, t], grad_columns[tile], 0, grad_scores)
                     _probabilities_and_score_gradients(
                         probabilities, grad_scores, probability_shift[b, tile], delta[b, tile]
                     )
