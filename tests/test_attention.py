@@ -465,6 +465,40 @@ def test_flash_cpu_when_later_key_tiles_score_far_higher(dtype, is_causal):
     assert_close(log_sum_exp, expected_lse, tolerance)
 
 
+@pytest.mark.parametrize("n_parts", [1, 2, 3])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_cpu_backward_split_over_key_parts(n_parts, is_causal, monkeypatch):
+    """With fewer batch entries than threads the CPU backward splits each entry's
+    keys into parts that run in parallel and add their dQ shares in a fixed
+    order: any number of parts gives the reference's gradients, and the same
+    number gives the same bits."""
+    from tfmath.kernels.cpu import flash_attention
+
+    monkeypatch.setattr(flash_attention, "backward_parts", lambda n_batch, n_key_tiles: n_parts)
+    rng = np.random.default_rng(21)
+    # 11 key tiles of 128: 3 sweeps of 4, each with queries below the diagonal.
+    query, key, value, grad_output = rng.standard_normal((4, 1, 1300, 8))
+    args = (query, key, value, grad_output)
+    grads = tfmath.attention_grad(*args, is_causal=is_causal, backend="cpu")
+    expected = tfmath.attention_grad(*args, is_causal=is_causal, backend="reference")
+    tolerance = 4 * attention_tolerance(np.float64, 8, 1300)
+    for grad, expected_grad in zip(grads, expected, strict=True):
+        assert_close(grad, expected_grad, tolerance)
+    again = tfmath.attention_grad(*args, is_causal=is_causal, backend="cpu")
+    assert all(np.array_equal(a, b) for a, b in zip(grads, again, strict=True))
+
+
+def test_cpu_backward_parts_keep_every_thread_busy():
+    import numba
+
+    from tfmath.kernels.cpu.flash_attention import backward_parts
+
+    threads = numba.get_num_threads()
+    assert backward_parts(n_batch=threads, n_key_tiles=100) == 1
+    assert backward_parts(n_batch=1, n_key_tiles=100) == min(threads, 25)
+    assert backward_parts(n_batch=1, n_key_tiles=1) == 1
+
+
 def test_flash_is_the_default_without_weights(monkeypatch):
     from tfmath.attention import FLASH_ATTENTION, SCALED_DOT_PRODUCT_ATTENTION, _attention_routine
 

@@ -332,13 +332,17 @@ def _probabilities_and_score_gradients(scores, grad_probabilities, shift, delta)
 def _backward_kernel(
     query_tiles, key_tiles, value_tiles, grad_tiles,
     probability_shift, delta, mask, index, is_causal, n_query, n_key, scale,
-    grad_query, grad_key, grad_value,
+    grad_query_parts, grad_key, grad_value,
 ):  # fmt: skip
-    """The kernel applies ``scale`` (in base 2 for the scores) inside the tile
-    products.
+    """One task per (batch entry, part of its key sweeps); part ``c`` of
+    ``n_parts = grad_query_parts.shape[0]`` takes sweeps ``c, c + n_parts, ...``
+    (taken in turn, so causal parts get equal work), writes the dK and dV of
+    its keys, and adds its share of dQ into ``grad_query_parts[c]``; the parts
+    are then summed in a fixed order into ``grad_query_parts[0]``.
 
-    ``probability_shift`` is each row's log2-sum-exp, or +inf for a row with
-    nothing to attend, so that its probabilities come out 0.
+    The kernel applies ``scale`` (in base 2 for the scores) inside the tile
+    products. ``probability_shift`` is each row's log2-sum-exp, or +inf for a
+    row with nothing to attend, so that its probabilities come out 0.
     """
     n_batch, n_query_tiles, query_tile = (
         grad_tiles.shape[0],
@@ -348,10 +352,14 @@ def _backward_kernel(
     n_key_tiles, key_tile = key_tiles.shape[1], key_tiles.shape[2]
     n_features, n_values = key_tiles.shape[3], value_tiles.shape[3]
     has_mask = mask.shape[1] != 0
-    dtype = grad_query.dtype
+    dtype = grad_key.dtype
     score_scale = scale * LOG2E
-    for b in numba.prange(n_batch):
+    n_parts = grad_query_parts.shape[0]
+    n_sweeps = -(-n_key_tiles // KEY_TILES_PER_SWEEP)
+    for task in numba.prange(n_batch * n_parts):
         prefer_wide_vectors()
+        b, part = task // n_parts, task % n_parts
+        grad_query = grad_query_parts[part]
         q, k, v, m = index[b, 0], index[b, 1], index[b, 2], index[b, 3]
         probabilities = np.empty((key_tile, query_tile), dtype=dtype)
         grad_scores = np.empty((key_tile, query_tile), dtype=dtype)
@@ -361,7 +369,8 @@ def _backward_kernel(
             _transpose_into(query_tiles[q, tile], query_columns[tile])
             _transpose_into(grad_tiles[b, tile], grad_columns[tile])
         grad_query[b] = 0
-        for sweep_start in range(0, n_key_tiles, KEY_TILES_PER_SWEEP):
+        for sweep in range(part, n_sweeps, n_parts):
+            sweep_start = sweep * KEY_TILES_PER_SWEEP
             sweep_end = min(sweep_start + KEY_TILES_PER_SWEEP, n_key_tiles)
             for t in range(sweep_start, sweep_end):
                 grad_key[b, t] = 0
@@ -385,6 +394,28 @@ def _backward_kernel(
                     gemm(1, probabilities, grad_tiles[b, tile], 1, grad_value[b, t])
                     gemm(scale, grad_scores, query_tiles[q, tile], 1, grad_key[b, t])
                     gemm(scale, grad_scores, key_tiles[k, t], 1, grad_query[b, tile], True)
+    for task in numba.prange(n_batch * n_query_tiles):
+        b, tile = task // n_query_tiles, task % n_query_tiles
+        total = grad_query_parts[0, b, tile]
+        for part in range(1, n_parts):
+            _add_into(total, grad_query_parts[part, b, tile])
+
+
+@cpu_kernel
+def _add_into(total, term):
+    """``total += term`` for 2-D tiles."""
+    prefer_wide_vectors()
+    for i in range(total.shape[0]):
+        for e in range(total.shape[1]):
+            total[i, e] += term[i, e]
+
+
+def backward_parts(n_batch, n_key_tiles):
+    """How many parts the backward splits each batch entry's keys into: enough
+    for every thread to have a task when there are fewer batch entries than
+    threads, and one (no partial dQ to add up) otherwise."""
+    n_sweeps = -(-n_key_tiles // KEY_TILES_PER_SWEEP)
+    return max(1, min(n_sweeps, -(-numba.get_num_threads() // max(n_batch, 1))))
 
 
 def _row_tiles(array, tile):
@@ -474,7 +505,10 @@ def attention_grad(problem, grad_output, saved=None):
     probability_shift[:, : problem.n_query] = np.where(log2_sum == -np.inf, np.inf, log2_sum)
     padded_delta = np.zeros((n_batch, padded_rows), dtype=dtype)
     padded_delta[:, : problem.n_query] = delta
-    grad_query = np.empty((n_batch, n_query_tiles, query_tile, problem.n_features), dtype=dtype)
+    n_parts = backward_parts(n_batch, n_key_tiles)
+    grad_query_parts = np.empty(
+        (n_parts, n_batch, n_query_tiles, query_tile, problem.n_features), dtype=dtype
+    )
     grad_key = np.empty((n_batch, n_key_tiles, key_tile, problem.n_features), dtype=dtype)
     grad_value = np.empty((n_batch, n_key_tiles, key_tile, problem.value_dim), dtype=dtype)
     with serial_blas():
@@ -483,10 +517,10 @@ def attention_grad(problem, grad_output, saved=None):
             probability_shift.reshape(n_batch, n_query_tiles, query_tile),
             padded_delta.reshape(n_batch, n_query_tiles, query_tile),
             _transposed_mask(mask, dtype), index, problem.is_causal,
-            problem.n_query, problem.n_key, problem.scale, grad_query, grad_key, grad_value,
+            problem.n_query, problem.n_key, problem.scale, grad_query_parts, grad_key, grad_value,
         )  # fmt: skip
     return (
-        _untile(grad_query, problem.batch_shape, problem.n_query),
+        _untile(grad_query_parts[0], problem.batch_shape, problem.n_query),
         _untile(grad_key, problem.batch_shape, problem.n_key),
         _untile(grad_value, problem.batch_shape, problem.n_key),
     )
