@@ -381,10 +381,9 @@ def _backward_kernel(
                     if is_causal and last_row < t * key_tile:
                         continue  # the whole tile lies above the diagonal
                     first_row = tile * query_tile
-                    gemm(score_scale, key_tiles[k, t], query_columns[tile], 0, probabilities)
-                    _mask_tile(
-                        probabilities, mask, m, has_mask, is_causal, t * key_tile, first_row,
-                        n_key, n_query,
+                    _score_tile(
+                        probabilities, key_tiles[k, t], query_columns[tile], score_scale,
+                        mask, m, has_mask, is_causal, t * key_tile, first_row, n_key, n_query,
                     )  # fmt: skip
                     gemm(1, value_tiles[v, t], grad_columns[tile], 0, grad_scores)
                     _probabilities_and_score_gradients(
