@@ -45,9 +45,7 @@ def best_time(call, repeats):
     the cores from the next one: at L = 512 that tripled a 2.6 ms timing. The
     pause lets them go to sleep first.
     """
-    time.sleep(SETTLE_SECONDS)
-    call()
-    return min(_timed(call) for _ in range(repeats))
+    return interleaved_best_times({"call": call}, repeats, rounds=1)["call"]
 
 
 #: Rounds of :func:`interleaved_best_times`.
