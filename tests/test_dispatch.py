@@ -1,7 +1,9 @@
 """The dispatch layer: backend choice, the registry, lazy imports."""
 
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -97,14 +99,20 @@ def test_kernel_cache_stamp_covers_every_kernel_file(tmp_path):
     assert _config.kernel_sources_digest(folder) != before
 
 
-def test_cached_kernels_are_stamped_with_all_kernel_sources(tmp_path, monkeypatch):
+def test_kernels_are_cached_in_the_kernel_cache_stamped_with_all_kernel_sources(
+    tmp_path, monkeypatch
+):
     from tfmath import _config
     from tfmath.kernels.cpu import exp2
 
     implementation = getattr(exp2.exp2_array._cache, "_impl", None)
     if implementation is None:
-        pytest.skip("the kernel cache is disabled (TFMATH_CACHE=0)")
-    assert implementation.locator.get_source_stamp() == _config.kernel_sources_digest()
+        pytest.skip(f"the kernel cache is {_config.kernel_cache().describe()}")
+    locator = implementation.locator
+    assert locator.get_source_stamp() == _config.kernel_sources_digest()
+    assert Path(locator.get_cache_path()) == _config.kernel_cache().folder / "cpu"
+    assert not Path(locator.get_cache_path()).is_relative_to(_config.KERNELS_FOLDER.parent)
+    # A user's own cached function keeps Numba's locators.
     module = tmp_path / "user_module.py"
     module.write_text(
         "import numba\n\n@numba.njit(cache=True)\ndef add_one(x):\n    return x + 1\n"
@@ -112,4 +120,42 @@ def test_cached_kernels_are_stamped_with_all_kernel_sources(tmp_path, monkeypatc
     monkeypatch.syspath_prepend(tmp_path)
     import user_module
 
-    assert not getattr(type(user_module.add_one._cache._impl.locator), "_tfmath", False)
+    assert type(user_module.add_one._cache._impl.locator) is not type(locator)
+
+
+def test_kernel_cache_folder_is_keyed_by_the_sources_and_follows_the_environment(monkeypatch):
+    from tfmath import _config
+
+    for variable in ("TFMATH_CACHE_DIR", "NUMBA_CACHE_DIR", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setenv("HOME", "/home/reader")
+    assert _config.kernel_cache_folder("ab" * 32) == Path(
+        "/home/reader/.cache/tfmath/kernels/abababababababab"
+    )
+    assert _config.kernel_cache_folder("cd" * 32).name == "cdcdcdcdcdcdcdcd"
+    monkeypatch.setenv("XDG_CACHE_HOME", "/xdg")
+    assert _config.kernel_cache_folder("ab" * 32).parent == Path("/xdg/tfmath/kernels")
+    monkeypatch.setenv("NUMBA_CACHE_DIR", "/numba")
+    assert _config.kernel_cache_folder("ab" * 32).parent == Path("/numba/tfmath")
+    monkeypatch.setenv("TFMATH_CACHE_DIR", "/tfmath-cache")
+    assert _config.kernel_cache_folder("ab" * 32).parent == Path("/tfmath-cache/kernels")
+
+
+def test_unwritable_kernel_cache_is_off_and_kernels_still_run(tmp_path):
+    # A file where the cache folder should be: refused even to root.
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TFMATH_")}
+    env["TFMATH_CACHE_DIR"] = str(blocker)
+    script = (
+        "import numpy as np, tfmath; from tfmath import _config; "
+        "q = np.eye(3); print(tfmath.scaled_dot_product_attention(q, q, q, backend='cpu').sum()); "
+        "print(_config.kernel_cache().describe())"
+    )
+    completed = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True
+    )
+    total, description = completed.stdout.splitlines()
+    assert float(total) == pytest.approx(3.0)
+    assert description.startswith("off (cannot write to") and str(blocker) in description
+    assert "TFMATH_CACHE_DIR" in description

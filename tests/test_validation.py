@@ -26,6 +26,9 @@ BAD_ATTENTION_CALLS = [
     ((Q, K, V.astype(bool)), tfmath.DTypeError, ["value", "bool"]),
     ((Q, K, V, np.ones((3, 5), np.int32)), tfmath.DTypeError, ["attn_mask", "int32"]),
     ((np.ones((3, 0)), np.ones((5, 0)), V[0]), tfmath.ShapeError, ["E = 0", "scale"]),
+    (([[1, 2], [3]], K[0], V[0]), tfmath.ShapeError, ["query", "rectangular", "different lengths"]),
+    ((Q[0], [[1.0] * 4, [1.0]], V[0]), tfmath.ShapeError, ["key", "rectangular"]),
+    ((Q[0], K[0], V[0], [[True] * 5, [True]]), tfmath.ShapeError, ["attn_mask", "rectangular"]),
 ]
 
 
@@ -82,3 +85,20 @@ def test_cuda_without_gpu_is_refused_with_the_reason(monkeypatch, kernels_must_n
 def test_bad_softmax_input_is_refused(kernels_must_not_run, x, axis, exception, word):
     with pytest.raises(exception, match=word):
         tfmath.softmax(x, axis=axis, backend="cpu")
+
+
+RAGGED = [[0, 1], [2]]
+
+
+@pytest.mark.parametrize(
+    ("call", "name"),
+    [
+        (lambda: tfmath.rotary_embedding(np.ones((2, 2, 4)), positions=RAGGED), "positions"),
+        (lambda: tfmath.embed(RAGGED, np.ones((3, 4))), "tokens"),
+        (lambda: tfmath.layers.embedding_forward(np.ones((3, 4)), RAGGED), "tokens"),
+        (lambda: tfmath.layers.cross_entropy(np.ones((2, 2, 3)), RAGGED), "targets"),
+        (lambda: tfmath.softmax(RAGGED), "x"),
+    ],
+)
+def test_ragged_nested_lists_are_refused_by_name(kernels_must_not_run, call, name):
+    assert_refused(call, tfmath.ShapeError, [name, "rectangular"])

@@ -6,17 +6,29 @@ of policy (a fast-math flag, caching, the threading layer) is one edit.
 Environment variables read once, at the first kernel compilation:
 
 ``TFMATH_CACHE``
-    ``0`` disables Numba's on-disk cache of compiled CPU kernels (default ``1``).
-    A cached kernel is reused only while every file under ``tfmath/kernels``
-    (and this module) is unchanged.
+    ``0`` disables the on-disk cache of compiled CPU kernels (default ``1``).
+``TFMATH_CACHE_DIR``
+    Where tfmath keeps what it can recompute (compiled kernels, trained sweep
+    points); default ``$XDG_CACHE_HOME/tfmath``, else ``~/.cache/tfmath``.
+    Without it, ``NUMBA_CACHE_DIR`` (when set) holds the compiled kernels, in
+    its ``tfmath`` subfolder.
 ``TFMATH_THREADING_LAYER``
     Numba threading layer for the parallel CPU kernels: ``default`` (Numba's own
     choice among tbb, omp and workqueue), ``tbb``, ``omp`` or ``workqueue``.
+
+Compiled kernels are never written beside the installed sources: an install may
+be read-only, and files left there outlive ``pip uninstall`` (a later editable
+install of the same name then imports the leftover folder as a namespace
+package). They go to :func:`kernel_cache`'s folder instead, one subfolder per
+version of the kernel sources.
 """
 
 import functools
 import hashlib
 import os
+import sys
+import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 #: LLVM fast-math flags for CPU kernels. ``nnan`` and ``ninf`` are left out on
@@ -26,10 +38,95 @@ FASTMATH_FLAGS = frozenset({"nsz", "arcp", "contract", "afn", "reassoc"})
 
 _THREADING_LAYERS = ("default", "tbb", "omp", "workqueue")
 
+#: Every function Numba compiles for tfmath lives under this folder.
+KERNELS_FOLDER = Path(__file__).parent / "kernels"
+
+
+def cache_dir():
+    """Where tfmath keeps results it can recompute, between runs and processes.
+
+    ``$TFMATH_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/tfmath``, else
+    ``~/.cache/tfmath`` (``%LOCALAPPDATA%\\tfmath`` on Windows). Nothing is
+    created here; deleting the folder only costs recomputation.
+    """
+    if os.environ.get("TFMATH_CACHE_DIR"):
+        return Path(os.environ["TFMATH_CACHE_DIR"]).expanduser()
+    if sys.platform == "win32" and os.environ.get("LOCALAPPDATA"):
+        return Path(os.environ["LOCALAPPDATA"]) / "tfmath"
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base).expanduser() / "tfmath"
+
+
+def kernel_sources_digest(folder=KERNELS_FOLDER):
+    """SHA-256 of every ``.py`` file under ``folder`` and of this module, in a fixed order."""
+    digest = hashlib.sha256()
+    for path in [*sorted(folder.rglob("*.py")), Path(__file__)]:
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def kernel_cache_folder(digest):
+    """The folder of compiled kernels for kernel sources with SHA-256 ``digest``.
+
+    Keyed by the sources, not by the version number or the install location:
+    two checkouts or versions share compiled code exactly when their kernel
+    sources (and this module's compiler options) are identical, so neither can
+    load the other's stale code. Numba's own index adds the Numba version, the
+    Python version and the CPU to the key of each entry.
+    """
+    if not os.environ.get("TFMATH_CACHE_DIR") and os.environ.get("NUMBA_CACHE_DIR"):
+        root = Path(os.environ["NUMBA_CACHE_DIR"]).expanduser() / "tfmath"
+    else:
+        root = cache_dir() / "kernels"
+    return root / digest[:16]
+
+
+@dataclass(frozen=True)
+class KernelCache:
+    """Where compiled CPU kernels are cached, or why they are not.
+
+    Attributes
+    ----------
+    folder : pathlib.Path or None
+        The writable folder of this version's compiled kernels; None when off.
+    reason : str
+        Why the cache is off (empty when it is on).
+    """
+
+    folder: Path | None
+    reason: str = ""
+
+    @property
+    def enabled(self):
+        return self.folder is not None
+
+    def describe(self):
+        """One line for ``tfmath info``."""
+        return f"on, in {self.folder}" if self.enabled else f"off ({self.reason})"
+
+
+@functools.cache
+def kernel_cache():
+    """The kernel cache of this process: decided once, at the first kernel compilation."""
+    if os.environ.get("TFMATH_CACHE", "1") == "0":
+        return KernelCache(None, "TFMATH_CACHE=0")
+    folder = kernel_cache_folder(_cached_kernel_sources_digest())
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=folder).close()
+    except OSError as error:
+        return KernelCache(
+            None,
+            f"cannot write to {folder}: {error.strerror or error}; "
+            "set TFMATH_CACHE_DIR to a writable folder",
+        )
+    return KernelCache(folder)
+
 
 def cache_enabled():
-    """Whether compiled CPU kernels are cached on disk (``TFMATH_CACHE``)."""
-    return os.environ.get("TFMATH_CACHE", "1") != "0"
+    """Whether compiled CPU kernels are cached on disk (see :func:`kernel_cache`)."""
+    return kernel_cache().enabled
 
 
 def requested_threading_layer():
@@ -49,66 +146,71 @@ def _configure_numba():
     layer = requested_threading_layer()
     if layer != "default":
         numba.config.THREADING_LAYER = layer
-    _stamp_kernel_caches_with_all_kernel_sources()
     return numba
-
-
-#: Every function Numba compiles for tfmath lives under this folder.
-KERNELS_FOLDER = Path(__file__).parent / "kernels"
-
-
-def kernel_sources_digest(folder=KERNELS_FOLDER):
-    """SHA-256 of every ``.py`` file under ``folder`` and of this module, in a fixed order."""
-    digest = hashlib.sha256()
-    for path in [*sorted(folder.rglob("*.py")), Path(__file__)]:
-        digest.update(path.name.encode())
-        digest.update(path.read_bytes())
-    return digest.hexdigest()
-
-
-def _stamp_kernel_caches_with_all_kernel_sources():
-    """Make Numba's on-disk cache of a tfmath kernel depend on every kernel file.
-
-    Numba stamps a cached function with its own source file only, but tfmath's
-    kernels call kernels in other files (the exponential, the tile helpers):
-    after an edit of one of those, callers would load stale machine code from
-    the cache. For functions defined under ``tfmath/kernels``, each of Numba's
-    own cache locators is given a stamp that covers all of them (and this
-    module's compiler options); other functions are left to Numba. This uses
-    Numba's internal list of locator classes; if that ever moves, caching
-    falls back to Numba's default stamps.
-    """
-    from numba.core import caching
-
-    # Named CacheImpl since Numba 0.62 and _CacheImpl before.
-    implementation = getattr(caching, "CacheImpl", getattr(caching, "_CacheImpl", None))
-    if implementation is None or not hasattr(implementation, "_locator_classes"):
-        return
-    defaults = [c for c in implementation._locator_classes if not getattr(c, "_tfmath", False)]
-    stamped = [_kernel_stamped(locator) for locator in defaults]
-    implementation._locator_classes = [*stamped, *defaults]
-
-
-def _kernel_stamped(locator):
-    class KernelSourcesLocator(locator):
-        _tfmath = True
-
-        @classmethod
-        def from_function(cls, py_func, py_file):
-            if not Path(py_file).resolve().is_relative_to(KERNELS_FOLDER.resolve()):
-                return None
-            return super().from_function(py_func, py_file)
-
-        def get_source_stamp(self):
-            return _cached_kernel_sources_digest()
-
-    KernelSourcesLocator.__name__ = KernelSourcesLocator.__qualname__ = f"Kernel{locator.__name__}"
-    return KernelSourcesLocator
 
 
 @functools.cache
 def _cached_kernel_sources_digest():
     return kernel_sources_digest()
+
+
+@functools.cache
+def _kernel_function_cache_class():
+    """Numba's function cache, located in :func:`kernel_cache`'s folder.
+
+    Numba would write next to the source file (``__pycache__``), and it stamps
+    a cached function with its own file only; tfmath's kernels call kernels in
+    other files (the exponential, the tile helpers), so after an edit of one of
+    those, callers would load stale machine code. This cache is attached to
+    tfmath's kernels only, so a user's own ``cache=True`` functions keep
+    Numba's defaults. It relies on Numba's cache classes (stable since 0.49).
+    """
+    from numba.core import caching
+
+    class KernelCacheLocator(caching._CacheLocator):
+        def __init__(self, py_func, py_file):
+            self._lineno = py_func.__code__.co_firstlineno
+            subfolder = Path(py_file).resolve().parent.relative_to(KERNELS_FOLDER.resolve())
+            self._cache_path = str(kernel_cache().folder / subfolder)
+
+        def get_cache_path(self):
+            return self._cache_path
+
+        def get_source_stamp(self):
+            return _cached_kernel_sources_digest()
+
+        def get_disambiguator(self):
+            return str(self._lineno)
+
+        @classmethod
+        def from_function(cls, py_func, py_file):
+            locator = cls(py_func, py_file)
+            locator.ensure_cache_path()
+            return locator
+
+    class KernelCacheImpl(caching.CompileResultCacheImpl):
+        _locator_classes = (KernelCacheLocator,)
+
+    class KernelFunctionCache(caching.FunctionCache):
+        _impl_class = KernelCacheImpl
+
+    return KernelFunctionCache
+
+
+def _attach_kernel_cache(dispatcher):
+    """Cache a kernel's compiled code in the kernel cache, if it is on and writable.
+
+    Functions compiled with :func:`cpu_kernel` outside ``tfmath/kernels`` (in
+    tests, say) are not cached: the cache's key covers that folder only.
+    """
+    source = Path(dispatcher.py_func.__code__.co_filename).resolve()
+    if not kernel_cache().enabled or not source.is_relative_to(KERNELS_FOLDER.resolve()):
+        return
+    try:
+        # What numba.njit(cache=True) does, with tfmath's cache class.
+        dispatcher._cache = _kernel_function_cache_class()(dispatcher.py_func)
+    except OSError:
+        pass  # the folder went away or became read-only: compile without caching
 
 
 def cpu_kernel(function=None, *, parallel=False):
@@ -121,13 +223,11 @@ def cpu_kernel(function=None, *, parallel=False):
     numba = _configure_numba()
 
     def decorate(func):
-        return numba.njit(
-            cache=cache_enabled(),
-            fastmath=set(FASTMATH_FLAGS),
-            parallel=parallel,
-            nogil=True,
-            error_model="numpy",
+        dispatcher = numba.njit(
+            fastmath=set(FASTMATH_FLAGS), parallel=parallel, nogil=True, error_model="numpy"
         )(func)
+        _attach_kernel_cache(dispatcher)
+        return dispatcher
 
     return decorate if function is None else decorate(function)
 

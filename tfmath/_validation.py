@@ -16,6 +16,24 @@ from tfmath.errors import DTypeError, ShapeError
 KERNEL_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 
+def host_array(name, value, dtype=None):
+    """``np.asarray(value, dtype)`` for a host input, with errors that name the argument.
+
+    NumPy's own message for a ragged nested list ("inhomogeneous shape") does
+    not say which argument was ragged.
+    """
+    try:
+        return np.asarray(value, dtype=dtype)
+    except ValueError as error:
+        if "inhomogeneous" not in str(error):
+            raise DTypeError(f"{name} could not be read as {dtype} numbers: {error}") from None
+        raise ShapeError(
+            f"{name} must be a rectangular array, but its nested sequences have different lengths"
+        ) from None
+    except TypeError as error:
+        raise DTypeError(f"{name} could not be read as an array: {error}") from None
+
+
 def float_operand(name, value):
     """Return ``value`` as a float32 or float64 array (host or device), or raise.
 
@@ -29,12 +47,9 @@ def float_operand(name, value):
         array = _cuda.as_device_array(value)
         _check_kernel_dtype(name, np.dtype(array.dtype))
         return array
-    if isinstance(value, np.ndarray | np.generic):
-        array = np.asarray(value)
-    else:
-        array = np.asarray(value)
-        if array.dtype.kind in "biu":
-            array = array.astype(np.float64)
+    array = host_array(name, value)
+    if not isinstance(value, np.ndarray | np.generic) and array.dtype.kind in "biu":
+        array = array.astype(np.float64)
     _check_kernel_dtype(name, array.dtype)
     return array
 

@@ -23,6 +23,7 @@ from tfmath._validation import (
     boolean_flag,
     broadcast_batch_shapes,
     float_operand,
+    host_array,
     real_scalar,
     require_ndim,
     shape_of,
@@ -540,7 +541,7 @@ def _cast(name, array, dtype):
 def _attention_mask(attn_mask, n_query, n_key, dtype):
     if attn_mask is None:
         return None
-    mask = np.asarray(_cuda.to_host(attn_mask))
+    mask = host_array("attn_mask", _cuda.to_host(attn_mask))
     if mask.dtype != np.bool_:
         if mask.dtype.kind != "f":
             raise DTypeError(

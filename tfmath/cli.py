@@ -145,9 +145,7 @@ def _info(args):
             f"BLAS: {blas['internal_api']} {blas.get('version') or ''} "
             f"({blas['num_threads']} threads) {blas['filepath']}"
         )
-    print(
-        f"kernel cache: {'on' if _config.cache_enabled() else 'off'}; fast-math flags: "
-        f"{', '.join(sorted(_config.FASTMATH_FLAGS))}"
-    )
+    print(f"kernel cache: {_config.kernel_cache().describe()}")
+    print(f"fast-math flags: {', '.join(sorted(_config.FASTMATH_FLAGS))}")
     print(f"routines: {', '.join(sorted(routines()))}")
     return 0

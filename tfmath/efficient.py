@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tfmath._dispatch import register, resolve_backend
-from tfmath._validation import boolean_flag, real_scalar
+from tfmath._validation import boolean_flag, host_array, real_scalar
 from tfmath.attention import _attention_problem
 
 __all__ = [
@@ -378,7 +378,7 @@ def _positive_size(name, value):
 
 
 def _block_layout(block_layout):
-    layout = np.asarray(block_layout)
+    layout = host_array("block_layout", block_layout)
     if layout.dtype != np.bool_:
         raise TypeError(
             f"block_layout must be boolean (True = the query block attends the key block), "

@@ -32,7 +32,13 @@ import numpy as np
 
 from tfmath import _cuda
 from tfmath._dispatch import register, resolve_backend
-from tfmath._validation import boolean_flag, float_operand, real_scalar, require_ndim
+from tfmath._validation import (
+    boolean_flag,
+    float_operand,
+    host_array,
+    real_scalar,
+    require_ndim,
+)
 from tfmath.attention import attention_grad, scaled_dot_product_attention
 from tfmath.errors import DTypeError, ShapeError
 from tfmath.params import Parameters, ParameterSpec
@@ -857,7 +863,7 @@ def multi_head_attention_forward(
 def _host_mask(attn_mask, dtype):
     if attn_mask is None:
         return None
-    mask = np.asarray(_cuda.to_host(attn_mask))
+    mask = host_array("attn_mask", _cuda.to_host(attn_mask))
     return mask if mask.dtype == np.bool_ else mask.astype(dtype)
 
 
@@ -1276,7 +1282,7 @@ def decoder_block_backward(grad_y, cache):
 
 
 def _tokens(name, tokens, n_rows, what):
-    array = np.asarray(tokens)
+    array = host_array(name, tokens)
     if array.dtype.kind not in "iu":
         raise DTypeError(f"{name} must be integers, got dtype {array.dtype}")
     if array.size and (array.min() < 0 or array.max() >= n_rows):
@@ -1535,7 +1541,7 @@ def cross_entropy_forward(
 def _targets(targets, logits_shape, ignore_index):
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int | np.integer):
         raise TypeError(f"ignore_index must be an integer, got {ignore_index!r}")
-    array = np.asarray(targets)
+    array = host_array("targets", targets)
     if array.dtype.kind not in "iu":
         raise DTypeError(f"targets must be integers, got dtype {array.dtype}")
     if array.shape != logits_shape[:-1]:

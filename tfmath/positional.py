@@ -53,7 +53,14 @@ import numpy as np
 
 from tfmath import _cuda
 from tfmath._dispatch import register, resolve_backend
-from tfmath._validation import as_batched_3d, boolean_flag, float_operand, require_ndim, shape_of
+from tfmath._validation import (
+    as_batched_3d,
+    boolean_flag,
+    float_operand,
+    host_array,
+    require_ndim,
+    shape_of,
+)
 from tfmath.errors import DTypeError, ShapeError
 
 __all__ = [
@@ -390,7 +397,7 @@ def rotary_embedding(x, positions=None, *, base=10000.0, backend="auto"):
 def _positions(positions, n_rows):
     if positions is None:
         return np.arange(n_rows, dtype=np.int64)
-    array = np.asarray(_cuda.to_host(positions))
+    array = host_array("positions", _cuda.to_host(positions))
     # An empty list has NumPy's default float dtype but holds no non-integer.
     if array.dtype.kind not in "iu" and array.size:
         raise DTypeError(f"positions must be integers, got dtype {array.dtype}")
@@ -582,7 +589,7 @@ def embed(
 
 
 def _tokens(tokens, vocab_size):
-    array = np.asarray(_cuda.to_host(tokens))
+    array = host_array("tokens", _cuda.to_host(tokens))
     if array.dtype.kind not in "iu" and array.size:
         raise DTypeError(f"tokens must be integer token ids, got dtype {array.dtype}")
     if array.ndim < 1:

@@ -27,6 +27,7 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from tfmath._config import cache_dir
 from tfmath.accounting import ModelConfig
 from tfmath.synthetic import ZipfLexicon
 from tfmath.training import TrainingConfig, TrainingResult, train_language_model
@@ -36,19 +37,6 @@ __all__ = ["TrainingRun", "cache_dir", "run_sweep", "run_training"]
 #: Part of every run's key: raise it when a change to the training code changes
 #: results, so that results saved by older code are not reused.
 RESULTS_FORMAT = 1
-
-
-def cache_dir():
-    """Where tfmath keeps results between runs.
-
-    ``$TFMATH_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/tfmath``, else
-    ``~/.cache/tfmath``. Nothing is created here; deleting the folder only
-    costs recomputation.
-    """
-    if os.environ.get("TFMATH_CACHE_DIR"):
-        return Path(os.environ["TFMATH_CACHE_DIR"]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base).expanduser() / "tfmath"
 
 
 @dataclass(frozen=True)
