@@ -23,7 +23,7 @@ import numpy as np
 
 import tfmath
 from tfmath.analysis.complexity import measure_peak_bytes
-from tfmath.bench import best_time, gemm_roof, interleaved_best_times, optional_torch
+from tfmath.tools.bench import best_time, gemm_roof, interleaved_best_times, optional_torch
 
 HEADS = 8
 HEAD_DIM = 64

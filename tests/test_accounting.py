@@ -1,4 +1,4 @@
-"""tfmath.accounting: parameter counts against independent per-matrix sums, FLOPs and memory.
+"""tfmath.formulas.accounting: parameter counts against per-matrix sums, FLOPs and memory.
 
 Every expected count below is summed here, weight matrix by weight matrix,
 from the published dimensions (the tensors of each model's reference
@@ -13,8 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tfmath import accounting as A
-from tfmath import models as M
+from tfmath.formulas import accounting as A
+from tfmath.training import models as M
 
 
 def total(shapes):
@@ -218,7 +218,7 @@ def tiny_configs(draw):
 @settings(max_examples=80)
 @given(config=tiny_configs())
 def test_count_equals_the_size_of_the_arrays_tfmath_builds(config):
-    # The formula and tfmath.models' parameter layout are written independently.
+    # The formula and tfmath.training.models' parameter layout are written independently.
     assert A.count_parameters(config) == M.model_parameters(config).size
 
 

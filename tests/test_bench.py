@@ -1,4 +1,4 @@
-"""tfmath.bench: the benchmark runs end to end (its numbers are never asserted)."""
+"""tfmath.tools.bench: the benchmark runs end to end (its numbers are never asserted)."""
 
 import numpy as np
 import pytest

@@ -1,4 +1,4 @@
-"""tfmath.layers and tfmath.models: kernels vs reference, gradients vs finite differences.
+"""tfmath.training.layers and .models: kernels vs reference, gradients vs finite differences.
 
 Gradient checks run in float64 with central differences. With step h = 1e-6
 the truncation error is about h^2 |f'''| / 6 ~ 1e-12 and the rounding error
@@ -16,11 +16,11 @@ from _tolerances import assert_close
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tfmath import layers as L
-from tfmath import models as M
-from tfmath.accounting import ModelConfig
 from tfmath.errors import DTypeError, ShapeError
-from tfmath.params import Parameters
+from tfmath.formulas.accounting import ModelConfig
+from tfmath.training import layers as L
+from tfmath.training import models as M
+from tfmath.training.params import Parameters
 
 DTYPES = [np.float32, np.float64]
 FD_STEP = 1e-6

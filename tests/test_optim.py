@@ -1,16 +1,16 @@
-"""tfmath.optim: Adam against PyTorch and closed forms, and the warm-up schedule's peak."""
+"""tfmath.training.optim: Adam against PyTorch and closed forms, and the warm-up schedule's peak."""
 
 import math
 
 import numpy as np
 import pytest
 
-from tfmath import layers as L
-from tfmath import models as M
-from tfmath.accounting import ModelConfig
 from tfmath.errors import ShapeError
-from tfmath.optim import Adam, AdamState, WarmupSchedule
-from tfmath.params import Parameters
+from tfmath.formulas.accounting import ModelConfig
+from tfmath.training import layers as L
+from tfmath.training import models as M
+from tfmath.training.optim import Adam, AdamState, WarmupSchedule
+from tfmath.training.params import Parameters
 
 
 @pytest.mark.parametrize(("d_model", "warmup"), [(512, 4000), (1024, 4000), (64, 1), (8, 37.5)])

@@ -4,7 +4,6 @@ import json
 
 import pytest
 
-from tfmath import cli
 from tfmath.report import (
     ExperimentResult,
     ReportError,
@@ -14,6 +13,7 @@ from tfmath.report import (
     build_report,
     registered_experiments,
 )
+from tfmath.tools import cli
 
 
 def test_worked_examples_are_registered():

@@ -1,4 +1,4 @@
-"""tfmath.scaling, tfmath.synthetic, tfmath.training and tfmath.sweep.
+"""tfmath.formulas.scaling, tfmath.training.synthetic, tfmath.training and tfmath.training.sweep.
 
 The published laws are checked against values worked out by hand from the
 papers' constants, the compute-optimal allocation against a numerical
@@ -16,8 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.optimize import minimize_scalar
 
-from tfmath import sweep as sweep_module
-from tfmath.scaling import (
+from tfmath.formulas.scaling import (
     CHINCHILLA,
     KAPLAN_LAWS,
     PF_DAY,
@@ -32,9 +31,10 @@ from tfmath.scaling import (
     kaplan_loss,
     training_flops,
 )
-from tfmath.sweep import TrainingRun, run_sweep
-from tfmath.synthetic import ZipfLexicon
 from tfmath.training import TrainingConfig, language_model_config, train_language_model
+from tfmath.training import sweep as sweep_module
+from tfmath.training.sweep import TrainingRun, run_sweep
+from tfmath.training.synthetic import ZipfLexicon
 
 # -- the published laws ----------------------------------------------------------------------
 

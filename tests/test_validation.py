@@ -95,8 +95,8 @@ RAGGED = [[0, 1], [2]]
     [
         (lambda: tfmath.rotary_embedding(np.ones((2, 2, 4)), positions=RAGGED), "positions"),
         (lambda: tfmath.embed(RAGGED, np.ones((3, 4))), "tokens"),
-        (lambda: tfmath.layers.embedding_forward(np.ones((3, 4)), RAGGED), "tokens"),
-        (lambda: tfmath.layers.cross_entropy(np.ones((2, 2, 3)), RAGGED), "targets"),
+        (lambda: tfmath.training.layers.embedding_forward(np.ones((3, 4)), RAGGED), "tokens"),
+        (lambda: tfmath.training.layers.cross_entropy(np.ones((2, 2, 3)), RAGGED), "targets"),
         (lambda: tfmath.softmax(RAGGED), "x"),
     ],
 )

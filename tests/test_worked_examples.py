@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from _tolerances import assert_close
 
-from tfmath.worked_examples import given_qkv_example, projection_example
+from tfmath.analysis.worked_examples import given_qkv_example, projection_example
 
 
 def _softmax_by_hand(*scores):

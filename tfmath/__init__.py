@@ -2,21 +2,51 @@
 
 Every numerical routine has a CPU kernel (``numba.njit``), a CUDA kernel
 (``numba.cuda.jit``) and a NumPy reference, chosen with ``backend=``.
+
+The package, from the top down (each layer imports only the layers below it):
+
+- tools: :mod:`tfmath.tools` (the ``tfmath`` command, benchmarks),
+  :mod:`tfmath.report` and the :mod:`tfmath.experiments` it runs;
+- measurements on the mathematics: :mod:`tfmath.analysis`;
+- the training stack: :mod:`tfmath.training` (parameters, layers, models,
+  optimiser, loop, sweeps);
+- kernel-backed topics, which validate, dispatch and package results:
+  :mod:`tfmath.attention`, :mod:`tfmath.positional`, :mod:`tfmath.variance`,
+  :mod:`tfmath.efficient`, :mod:`tfmath.rnn`; and closed forms with no
+  kernels: :mod:`tfmath.formulas`;
+- the contract under the kernels (problem types, their builders, codes,
+  layouts, argument checks): ``tfmath._contract``; the registry of
+  implementations: ``tfmath._dispatch``;
+- the implementations: ``tfmath.kernels.cpu``, ``tfmath.kernels.cuda`` and the
+  NumPy oracles ``tfmath.reference``, beside the compilation settings
+  (``tfmath._config``) and the one module that imports ``numba.cuda``
+  (``tfmath._cuda``).
+
+This file only re-exports. The dotted paths of the earlier flat layout
+(``tfmath.layers``, ``tfmath.scaling``, ...) still import, as the same modules.
 """
 
 from tfmath._dispatch import BackendInfo, backends
+from tfmath._moved import module_getattr as __getattr__  # noqa: F401 (old module names)
 from tfmath._version import __version__
-from tfmath.accounting import (
+from tfmath.attention import attention_grad, scaled_dot_product_attention, softmax
+from tfmath.efficient import linear_attention, sparse_attention, sparse_attention_mask
+from tfmath.errors import BackendUnavailableError, DTypeError, ShapeError, TfmathError
+from tfmath.formulas.accounting import (
     ModelConfig,
     activation_memory_per_layer,
     count_parameters,
     flops_per_token,
     kv_cache_bytes_per_token,
 )
-from tfmath.attention import attention_grad, scaled_dot_product_attention, softmax
-from tfmath.efficient import linear_attention, sparse_attention, sparse_attention_mask
-from tfmath.errors import BackendUnavailableError, DTypeError, ShapeError, TfmathError
-from tfmath.layers import cross_entropy, layer_norm, log_softmax, rms_norm
+from tfmath.formulas.scaling import (
+    chinchilla_loss,
+    chinchilla_optimal,
+    critical_batch_size,
+    fit_scaling_law,
+    kaplan_joint_loss,
+    kaplan_loss,
+)
 from tfmath.positional import (
     alibi_bias,
     alibi_slopes,
@@ -25,14 +55,7 @@ from tfmath.positional import (
     sinusoidal_encoding,
 )
 from tfmath.rnn import elman_rnn
-from tfmath.scaling import (
-    chinchilla_loss,
-    chinchilla_optimal,
-    critical_batch_size,
-    fit_scaling_law,
-    kaplan_joint_loss,
-    kaplan_loss,
-)
+from tfmath.training.layers import cross_entropy, layer_norm, log_softmax, rms_norm
 from tfmath.variance import (
     dot_product_variance,
     sample_scores,

@@ -2,6 +2,6 @@
 
 import sys
 
-from tfmath.cli import main
+from tfmath.tools.cli import main
 
 sys.exit(main())

@@ -4,7 +4,7 @@ import dataclasses
 
 import numpy as np
 
-from tfmath.accounting import (
+from tfmath.formulas.accounting import (
     PRESETS,
     activation_memory_per_layer,
     count_parameters,

@@ -10,7 +10,7 @@ r"""Report experiments: neural scaling laws, as published and as reproduced on a
 ``scaling_reproduction``
     Decoder-only transformers built from tfmath's blocks, trained on a
     synthetic language of known entropy rate :math:`E`
-    (:class:`~tfmath.synthetic.ZipfLexicon`): :math:`L(N) = E + (N_c/N)^{\alpha_N}`
+    (:class:`~tfmath.training.synthetic.ZipfLexicon`): :math:`L(N) = E + (N_c/N)^{\alpha_N}`
     over model sizes and :math:`L(D) = E + (D_c/D)^{\alpha_D}` over data sizes,
     the exponents with confidence intervals beside Kaplan et al.'s.
 
@@ -18,7 +18,7 @@ The reproduction trains dozens of models. ``--quick`` (the default) trains a
 few small ones for a minute or two; ``--full`` trains six sizes spanning 32x
 in non-embedding parameters and six data sizes, for about half an hour on two
 cores. Each trained point is saved under ``$TFMATH_CACHE_DIR/scaling``
-(default ``~/.cache/tfmath/scaling``; see :func:`tfmath.sweep.cache_dir`) as it
+(default ``~/.cache/tfmath/scaling``; see :func:`tfmath.training.sweep.cache_dir`) as it
 finishes, so an interrupted run resumes where it stopped and a repeated run
 redraws the same figures from the saved points. Setting
 ``TFMATH_SCHEDULER`` to a Dask scheduler's address trains the points on that
@@ -32,10 +32,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tfmath.accounting import count_parameters
-from tfmath.report import ExperimentResult, Table, experiment
-from tfmath.report.plotting import new_figure
-from tfmath.scaling import (
+from tfmath.formulas.accounting import count_parameters
+from tfmath.formulas.scaling import (
     CHINCHILLA,
     CRITICAL_BATCH,
     KAPLAN_LAWS,
@@ -47,9 +45,11 @@ from tfmath.scaling import (
     kaplan_compute_efficient,
     kaplan_loss,
 )
-from tfmath.sweep import TrainingRun, cache_dir, run_sweep
-from tfmath.synthetic import ZipfLexicon
+from tfmath.report import ExperimentResult, Table, experiment
+from tfmath.report.plotting import new_figure
 from tfmath.training import TrainingConfig, language_model_config
+from tfmath.training.sweep import TrainingRun, cache_dir, run_sweep
+from tfmath.training.synthetic import ZipfLexicon
 
 CONFIDENCE = 0.95
 
@@ -374,7 +374,7 @@ PLANS = {
 
 
 def reproduction_runs(quick=True, *, seed=0, backend="auto"):
-    """The :class:`~tfmath.sweep.TrainingRun` of both sweeps: ``(size_runs, data_runs)``."""
+    """The runs (:class:`~tfmath.training.sweep.TrainingRun`) of both sweeps: ``(sizes, data)``."""
     plan = PLANS[bool(quick)]
     source = ZipfLexicon(**SOURCE, seed=seed)
     context = WORDS_PER_SEQUENCE * source.tokens_per_word

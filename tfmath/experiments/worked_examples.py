@@ -2,10 +2,10 @@
 
 import numpy as np
 
+from tfmath.analysis.worked_examples import given_qkv_example, projection_example
 from tfmath.attention import scaled_dot_product_attention, softmax
 from tfmath.report import ExperimentResult, Table, experiment
 from tfmath.report.plotting import annotated_heatmap, new_figure
-from tfmath.worked_examples import given_qkv_example, projection_example
 
 _TOKENS = ["token 1", "token 2", "token 3"]
 

@@ -1,10 +1,10 @@
 r"""NumPy oracles for the transformer layers' kernels, and attention's derivative.
 
 Every function here takes the validated, C-contiguous 2-D row blocks that
-:mod:`tfmath.layers` hands to all backends (one row per token), and is
+:mod:`tfmath.training.layers` hands to all backends (one row per token), and is
 written for clarity: the CPU and CUDA kernels are tested against it.
 
-The activation codes are those of :data:`tfmath.layers.ACTIVATIONS`:
+The activation codes are those of :data:`tfmath.training.layers.ACTIVATIONS`:
 0 ReLU, 1 GELU (erf), 2 GELU (tanh approximation), 3 SwiGLU.
 """
 

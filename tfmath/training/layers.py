@@ -7,7 +7,7 @@ The API is a pair of functions per block::
 
 ``cache`` is an opaque :class:`Cache` recording which forward made it, so
 passing it to the wrong backward is an error rather than a wrong gradient.
-Parameters are a :class:`~tfmath.params.Parameters` (dotted names to NumPy
+Parameters are a :class:`~tfmath.training.params.Parameters` (dotted names to NumPy
 arrays) and parameter gradients come back as one with the same names. Pure
 functions with explicit state, rather than layer objects holding weights,
 keep every array visible: nothing is updated behind the caller's back, and a
@@ -41,7 +41,7 @@ from tfmath._validation import (
 )
 from tfmath.attention import attention_grad, scaled_dot_product_attention
 from tfmath.errors import DTypeError, ShapeError
-from tfmath.params import Parameters, ParameterSpec
+from tfmath.training.params import Parameters, ParameterSpec
 
 __all__ = [
     "ACTIVATIONS",
@@ -250,7 +250,7 @@ def layer_norm(x, weight, bias, eps=1e-5, *, backend="auto"):
     Examples
     --------
     >>> import numpy as np
-    >>> from tfmath.layers import layer_norm
+    >>> from tfmath.training.layers import layer_norm
     >>> y = layer_norm([[1.0, 2.0, 3.0]], np.ones(3), np.zeros(3), eps=0.0, backend="reference")
     >>> np.round(y, 4)
     array([[-1.2247,  0.    ,  1.2247]])
@@ -337,7 +337,7 @@ def rms_norm(x, weight, eps=1e-6, *, backend="auto"):
 
     Examples
     --------
-    >>> from tfmath.layers import rms_norm
+    >>> from tfmath.training.layers import rms_norm
     >>> rms_norm([[3.0, 4.0]], [1.0, 1.0], eps=0.0, backend="reference").round(4)
     array([[0.8485, 1.1314]])
     """
@@ -387,8 +387,9 @@ def rms_norm_backward(grad_y, cache):
 
 
 def norm_parameters(d_model, norm="layer_norm"):
-    """The :class:`~tfmath.params.ParameterSpec` of one norm: ``weight`` (ones), and ``bias``
-    (zeros) for LayerNorm."""
+    """The :class:`~tfmath.training.params.ParameterSpec` of one norm.
+
+    ``weight`` (ones), and ``bias`` (zeros) for LayerNorm."""
     d_model = _positive_int("d_model", d_model)
     entries = {"weight": ((d_model,), "ones")}
     if _choice("norm", norm, NORMS) == "layer_norm":
@@ -451,7 +452,7 @@ def ffn_activation(h, activation="gelu", *, backend="auto"):
 
     Examples
     --------
-    >>> from tfmath.layers import ffn_activation
+    >>> from tfmath.training.layers import ffn_activation
     >>> ffn_activation([[-1.0, 0.0, 2.0]], "relu", backend="reference")
     array([[0., 0., 2.]])
     """
@@ -522,7 +523,7 @@ def _named_grads(**grads):
 
 
 def feed_forward_parameters(d_model, d_ff, *, activation="relu", bias=True):
-    r"""The :class:`~tfmath.params.ParameterSpec` of the FFN.
+    r"""The :class:`~tfmath.training.params.ParameterSpec` of the FFN.
 
     ``w_1`` is :math:`d_{model} \times d_{ff}` (:math:`d_{model} \times 2 d_{ff}`
     for SwiGLU: gate and up projections side by side), ``w_2`` is
@@ -639,7 +640,7 @@ def split_heads(x, n_heads):
     Examples
     --------
     >>> import numpy as np
-    >>> from tfmath.layers import split_heads, merge_heads
+    >>> from tfmath.training.layers import split_heads, merge_heads
     >>> x = np.arange(12.0).reshape(1, 2, 6)
     >>> split_heads(x, 3).shape
     (1, 3, 2, 2)
@@ -661,7 +662,7 @@ def merge_heads(x):
 def attention_parameters(
     d_model, n_heads, *, n_kv_heads=None, d_head=None, d_source=None, bias=True
 ):
-    r"""The :class:`~tfmath.params.ParameterSpec` of multi-head attention.
+    r"""The :class:`~tfmath.training.params.ParameterSpec` of multi-head attention.
 
     ``w_q``: :math:`d_{model} \times h d_k`; ``w_k``, ``w_v``:
     :math:`d_{source} \times h_{kv} d_k`; ``w_o``: :math:`h d_k \times d_{model}`;
@@ -1069,7 +1070,7 @@ def _block_config(config):
 
 
 def encoder_block_parameters(d_model, d_ff, config, *, bias=True):
-    """The :class:`~tfmath.params.ParameterSpec` of :func:`encoder_block_forward`:
+    """The :class:`~tfmath.training.params.ParameterSpec` of :func:`encoder_block_forward`:
     ``self_attn.*``, ``norm1.*``, ``ffn.*``, ``norm2.*``."""
     config = _block_config(config)
     return ParameterSpec({}).merge(
@@ -1083,7 +1084,7 @@ def encoder_block_parameters(d_model, d_ff, config, *, bias=True):
 
 
 def decoder_block_parameters(d_model, d_ff, config, *, bias=True, d_memory=None):
-    """The :class:`~tfmath.params.ParameterSpec` of :func:`decoder_block_forward`:
+    """The :class:`~tfmath.training.params.ParameterSpec` of :func:`decoder_block_forward`:
     ``self_attn.*``, ``norm1.*``, ``cross_attn.*``, ``norm2.*``, ``ffn.*``, ``norm3.*``."""
     config = _block_config(config)
     return ParameterSpec({}).merge(
@@ -1407,7 +1408,7 @@ def log_softmax(x, *, backend="auto"):
 
     Examples
     --------
-    >>> from tfmath.layers import log_softmax
+    >>> from tfmath.training.layers import log_softmax
     >>> log_softmax([[1000.0, 1000.0]], backend="reference")
     array([[-0.69314718, -0.69314718]])
     """
@@ -1491,7 +1492,7 @@ def cross_entropy(
     Examples
     --------
     >>> import numpy as np
-    >>> from tfmath.layers import cross_entropy
+    >>> from tfmath.training.layers import cross_entropy
     >>> float(cross_entropy([[0.0, 0.0, 0.0, 0.0]], [2], backend="reference")) == np.log(4)
     True
     """

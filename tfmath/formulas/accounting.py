@@ -342,7 +342,7 @@ def count_parameters(config, *, include_embeddings=True):
 
     Examples
     --------
-    >>> from tfmath.accounting import count_parameters
+    >>> from tfmath.formulas.accounting import count_parameters
     >>> count_parameters("gpt2")
     124439808
     >>> count_parameters("llama-7b")
@@ -416,7 +416,7 @@ def flops_per_token(config, *, n_ctx=None):
 
     Examples
     --------
-    >>> from tfmath.accounting import flops_per_token
+    >>> from tfmath.formulas.accounting import flops_per_token
     >>> f = flops_per_token("gpt2")
     >>> f.forward == 2 * f.non_embedding_parameters + 2 * 12 * 1024 * 768
     True

@@ -1,10 +1,10 @@
 r"""Training a decoder-only language model from tfmath's own blocks.
 
 :func:`train_language_model` is the whole loop, written out: sample a batch
-from a source, :func:`tfmath.models.decoder_only_forward`,
-:func:`tfmath.layers.cross_entropy_forward` and their backward passes, then
-one :class:`tfmath.optim.Adam` step at the rate of a
-:class:`tfmath.optim.WarmupSchedule`. Every random choice (initial weights,
+from a source, :func:`tfmath.training.models.decoder_only_forward`,
+:func:`tfmath.training.layers.cross_entropy_forward` and their backward passes, then
+one :class:`tfmath.training.optim.Adam` step at the rate of a
+:class:`tfmath.training.optim.WarmupSchedule`. Every random choice (initial weights,
 batches, the validation set, a finite training corpus) comes from its own
 stream seeded by :attr:`TrainingConfig.seed`, so a run is reproducible: the
 same arguments give the same losses, in this process or another one.
@@ -28,11 +28,11 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from tfmath import _config
-from tfmath.accounting import ModelConfig, count_parameters
-from tfmath.layers import cross_entropy, cross_entropy_backward, cross_entropy_forward
-from tfmath.models import decoder_only_backward, decoder_only_forward, init_model
-from tfmath.optim import Adam, WarmupSchedule
-from tfmath.synthetic import ZipfLexicon
+from tfmath.formulas.accounting import ModelConfig, count_parameters
+from tfmath.training.layers import cross_entropy, cross_entropy_backward, cross_entropy_forward
+from tfmath.training.models import decoder_only_backward, decoder_only_forward, init_model
+from tfmath.training.optim import Adam, WarmupSchedule
+from tfmath.training.synthetic import ZipfLexicon
 
 __all__ = [
     "TrainingConfig",
@@ -57,14 +57,14 @@ def _integer(name, value, *, low, allow_none=False):
 
 
 def language_model_config(d_model, n_layers, *, vocab_size, context, head_width=8):
-    r"""A small GPT-like decoder-only :class:`~tfmath.accounting.ModelConfig`.
+    r"""A small GPT-like decoder-only :class:`~tfmath.formulas.accounting.ModelConfig`.
 
     Pre-LN blocks with a final LayerNorm, ReLU feed-forward width
     :math:`4 d`, heads of width ``head_width`` (at least one), learned
     positions, biases, and the output head tied to the token table, so that
     the non-embedding parameter count of Kaplan et al. (2020) is
     :math:`N = L (12 d^2 + 13 d) + 2 d`
-    (:func:`~tfmath.accounting.count_parameters` with ``include_embeddings=False``).
+    (:func:`~tfmath.formulas.accounting.count_parameters` with ``include_embeddings=False``).
 
     Parameters
     ----------
@@ -82,7 +82,7 @@ def language_model_config(d_model, n_layers, *, vocab_size, context, head_width=
 
     Examples
     --------
-    >>> from tfmath.accounting import count_parameters
+    >>> from tfmath.formulas.accounting import count_parameters
     >>> from tfmath.training import language_model_config
     >>> config = language_model_config(16, 2, vocab_size=9, context=50)
     >>> config.n_heads, count_parameters(config, include_embeddings=False)
@@ -273,7 +273,7 @@ class _Batches:
 
 
 def train_language_model(config, source, training=None, *, backend="auto"):
-    r"""Train a decoder-only model on a :class:`~tfmath.synthetic.ZipfLexicon` and measure it.
+    r"""Train a decoder-only model on a language of known entropy, and measure it.
 
     Each step minimises the mean cross-entropy of the next token,
 
@@ -307,7 +307,7 @@ def train_language_model(config, source, training=None, *, backend="auto"):
 
     Examples
     --------
-    >>> from tfmath.synthetic import ZipfLexicon
+    >>> from tfmath.training.synthetic import ZipfLexicon
     >>> from tfmath.training import TrainingConfig, language_model_config, train_language_model
     >>> source = ZipfLexicon(n_letters=4, word_length=2, n_words=8)
     >>> config = language_model_config(8, 1, vocab_size=5, context=6)

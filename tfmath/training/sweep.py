@@ -28,9 +28,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from tfmath._config import cache_dir
-from tfmath.accounting import ModelConfig
-from tfmath.synthetic import ZipfLexicon
-from tfmath.training import TrainingConfig, TrainingResult, train_language_model
+from tfmath.formulas.accounting import ModelConfig
+from tfmath.training.loop import TrainingConfig, TrainingResult, train_language_model
+from tfmath.training.synthetic import ZipfLexicon
 
 __all__ = ["TrainingRun", "cache_dir", "run_sweep", "run_training"]
 

@@ -18,7 +18,7 @@ leaves every other one unchanged.
 
 Examples
 --------
->>> from tfmath.params import ParameterSpec
+>>> from tfmath.training.params import ParameterSpec
 >>> spec = ParameterSpec({"w": ((2, 3), "normal"), "b": ((3,), "zeros")})
 >>> params = spec.initialize(seed=0)
 >>> params.size, sorted(params)

@@ -72,7 +72,7 @@ def _parser():
 
 
 def _bench(args):
-    from tfmath.bench import print_attention_report
+    from tfmath.tools.bench import print_attention_report
 
     if args.backend == "cuda":
         from tfmath import _cuda

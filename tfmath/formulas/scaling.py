@@ -190,7 +190,7 @@ def kaplan_loss(law, value):
 
     Examples
     --------
-    >>> from tfmath.scaling import kaplan_loss
+    >>> from tfmath.formulas.scaling import kaplan_loss
     >>> round(kaplan_loss("N", 8.8e9), 4)  # (10^4)^0.076
     2.0137
     >>> round(kaplan_loss("D", 5.4e13), 4)
@@ -251,7 +251,7 @@ def kaplan_joint_loss(n, d, *, law=KAPLAN_JOINT):
 
     Examples
     --------
-    >>> from tfmath.scaling import kaplan_joint_loss
+    >>> from tfmath.formulas.scaling import kaplan_joint_loss
     >>> round(kaplan_joint_loss(1.5e9, 2.3e10), 4)
     2.3101
     """
@@ -302,7 +302,7 @@ def critical_batch_size(loss, *, law=CRITICAL_BATCH):
 
     Examples
     --------
-    >>> from tfmath.scaling import critical_batch_size
+    >>> from tfmath.formulas.scaling import critical_batch_size
     >>> f"{critical_batch_size(3.0):.4g}"  # 2e8 / 3^(1/0.21)
     '1.069e+06'
     """
@@ -332,7 +332,7 @@ def kaplan_compute_efficient(compute_pf_days):
 
     Examples
     --------
-    >>> from tfmath.scaling import kaplan_compute_efficient
+    >>> from tfmath.formulas.scaling import kaplan_compute_efficient
     >>> f"{kaplan_compute_efficient(1.0).n:.3g}"
     '1.3e+09'
     """
@@ -359,7 +359,7 @@ def training_flops(n, d):
 
     Two FLOPs per parameter per token for the forward pass (a multiply and an
     add) and four for the backward pass (Kaplan et al. 2020, section 2.1;
-    Hoffmann et al. 2022, section 3). See :func:`tfmath.accounting.flops_per_token`
+    Hoffmann et al. 2022, section 3). See :func:`tfmath.formulas.accounting.flops_per_token`
     for the exact count.
     """
     return 6.0 * _positive("n", n) * _positive("d", d)
@@ -461,7 +461,7 @@ def chinchilla_loss(n, d, *, law=CHINCHILLA):
 
     Examples
     --------
-    >>> from tfmath.scaling import chinchilla_loss
+    >>> from tfmath.formulas.scaling import chinchilla_loss
     >>> round(chinchilla_loss(70e9, 1.4e12), 4)  # Chinchilla itself
     1.9366
     """
@@ -493,7 +493,7 @@ def chinchilla_optimal(compute, *, law=CHINCHILLA):
 
     Examples
     --------
-    >>> from tfmath.scaling import chinchilla_optimal
+    >>> from tfmath.formulas.scaling import chinchilla_optimal
     >>> best = chinchilla_optimal(5.76e23)  # Gopher's and Chinchilla's budget
     >>> f"{best.n:.3g} parameters, {best.d:.3g} tokens"
     '3.22e+10 parameters, 2.98e+12 tokens'
@@ -613,7 +613,7 @@ def fit_scaling_law(
     Examples
     --------
     >>> import numpy as np
-    >>> from tfmath.scaling import fit_scaling_law
+    >>> from tfmath.formulas.scaling import fit_scaling_law
     >>> n = np.array([1e3, 1e4, 1e5, 1e6])
     >>> fit = fit_scaling_law(n, 1.5 + (2e3 / n) ** 0.3, irreducible=1.5)
     >>> round(fit.exponent, 6), round(fit.scale, 3)

@@ -85,7 +85,7 @@ class ZipfLexicon:
 
     Examples
     --------
-    >>> from tfmath.synthetic import ZipfLexicon
+    >>> from tfmath.training.synthetic import ZipfLexicon
     >>> source = ZipfLexicon(n_letters=4, word_length=3, n_words=20, zipf_exponent=1.0)
     >>> source.vocab_size, source.tokens_per_word
     (5, 4)

@@ -113,7 +113,7 @@ def projection_example(*, backend="auto"):
 
     Examples
     --------
-    >>> from tfmath.worked_examples import projection_example
+    >>> from tfmath.analysis.worked_examples import projection_example
     >>> example = projection_example(backend="reference")
     >>> example.scores
     array([[0., 4., 2.],

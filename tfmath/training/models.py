@@ -1,6 +1,6 @@
-r"""Whole transformers from the blocks of :mod:`tfmath.layers`, with their gradients.
+r"""Whole transformers from the blocks of :mod:`tfmath.training.layers`, with their gradients.
 
-Three stacks, built from one :class:`~tfmath.accounting.ModelConfig`:
+Three stacks, built from one :class:`~tfmath.formulas.accounting.ModelConfig`:
 
 * encoder-only (BERT-like): :func:`encoder_forward` / :func:`encoder_backward`;
 * decoder-only (GPT- and LLaMA-like, causal): :func:`decoder_only_forward` /
@@ -17,14 +17,14 @@ Three stacks, built from one :class:`~tfmath.accounting.ModelConfig`:
 ``<stack>.embed.positions``         learned positions :math:`P \times d`
 ``<stack>.embed.token_types``       segment table :math:`T \times d` (BERT)
 ``<stack>.embed.norm.*``            the norm after the embedding sum (BERT)
-``<stack>.layers.<i>.*``            block ``i`` (see :func:`tfmath.layers.encoder_block_parameters`)
+``<stack>.layers.<i>.*``            block ``i`` (see :func:`.encoder_block_parameters`)
 ``<stack>.final_norm.*``            the norm after the last block (pre-LN)
 ``head.weight``, ``head.bias``      untied output projection :math:`V \times d`; bias
 ==================================  ===============================================
 
 with ``<stack>`` ``encoder`` or ``decoder``, so ``init_model(config).size ==
-tfmath.accounting.count_parameters(config)`` for every config without a
-pooler. Each backward returns a :class:`~tfmath.params.Parameters` of the
+tfmath.formulas.accounting.count_parameters(config)`` for every config without a
+pooler. Each backward returns a :class:`~tfmath.training.params.Parameters` of the
 same names; gradients of a tied table add up its uses as input and output.
 """
 
@@ -32,8 +32,9 @@ import math
 
 import numpy as np
 
-from tfmath.accounting import ModelConfig
-from tfmath.layers import (
+from tfmath.formulas.accounting import ModelConfig
+from tfmath.positional import sinusoidal_encoding
+from tfmath.training.layers import (
     BlockConfig,
     _norm_backward,
     _norm_forward,
@@ -49,8 +50,7 @@ from tfmath.layers import (
     output_projection_backward,
     output_projection_forward,
 )
-from tfmath.params import Parameters, ParameterSpec
-from tfmath.positional import sinusoidal_encoding
+from tfmath.training.params import Parameters, ParameterSpec
 
 __all__ = [
     "block_config",
@@ -76,7 +76,7 @@ def _model_config(config, architecture=None):
 
 
 def block_config(config):
-    """The :class:`~tfmath.layers.BlockConfig` of a model's blocks."""
+    """The :class:`~tfmath.training.layers.BlockConfig` of a model's blocks."""
     config = _model_config(config)
     return BlockConfig(
         n_heads=config.n_heads,
@@ -100,18 +100,20 @@ def _token_table(config, stack):
 
 
 def model_parameters(config):
-    """The :class:`~tfmath.params.ParameterSpec` of a whole model (names in the module docstring).
+    """The :class:`~tfmath.training.params.ParameterSpec` of a whole model.
+
+    Parameter names are listed in the module docstring.
 
     Raises
     ------
     ValueError
-        For a config with a pooler, which :mod:`tfmath.models` does not build
-        (:func:`~tfmath.accounting.count_parameters` counts it).
+        For a config with a pooler, which :mod:`tfmath.training.models` does not build
+        (:func:`~tfmath.formulas.accounting.count_parameters` counts it).
     """
     config = _model_config(config)
     if config.pooler:
         raise ValueError(
-            f"config {config.name!r} has a pooler, which tfmath.models does not build; "
+            f"config {config.name!r} has a pooler, which tfmath.training.models does not build; "
             "use dataclasses.replace(config, pooler=False)"
         )
     d = config.d_model
@@ -160,7 +162,7 @@ def _stack_spec(config, stack):
 
 
 def init_model(config, seed=0, *, dtype=np.float64, std=0.02):
-    """Draw a model's parameters reproducibly (see :meth:`tfmath.params.ParameterSpec.initialize`).
+    """Draw a model's parameters reproducibly (see :meth:`.ParameterSpec.initialize`).
 
     Weights are :math:`\\mathcal N(0, \\text{std}^2)`, biases 0, norm gains 1.
 
@@ -204,7 +206,7 @@ def _embed_forward(params, tokens, config, stack, token_types, backend):
     elif config.position == "rotary":
         raise NotImplementedError(
             "rotary position embeddings act inside attention and are not built by "
-            "tfmath.models; use position='none' or 'learned' for a forward pass"
+            "tfmath.training.models; use position='none' or 'learned' for a forward pass"
         )
     name = f"{stack}.embed.token_types"
     if name in params:
@@ -358,7 +360,7 @@ def encoder_forward(params, tokens, config, *, token_types=None, attn_mask=None,
 
 
 def encoder_backward(grad_out, cache):
-    """Parameter gradients of :func:`encoder_forward`, as :class:`~tfmath.params.Parameters`."""
+    """Parameter gradients of :func:`encoder_forward`, as :class:`.Parameters`."""
     return _single_stack_backward(grad_out, cache)
 
 

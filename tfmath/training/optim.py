@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tfmath.errors import ShapeError
-from tfmath.params import Parameters
+from tfmath.training.params import Parameters
 
 __all__ = ["Adam", "AdamState", "WarmupSchedule"]
 
@@ -64,7 +64,7 @@ class WarmupSchedule:
 
     Examples
     --------
-    >>> from tfmath.optim import WarmupSchedule
+    >>> from tfmath.training.optim import WarmupSchedule
     >>> schedule = WarmupSchedule(d_model=512, warmup=4000)
     >>> schedule.peak_step, round(schedule.peak_learning_rate, 10)
     (4000.0, 0.0006987712)
@@ -149,8 +149,8 @@ class Adam:
     Examples
     --------
     >>> import numpy as np
-    >>> from tfmath.optim import Adam, WarmupSchedule
-    >>> from tfmath.params import Parameters
+    >>> from tfmath.training.optim import Adam, WarmupSchedule
+    >>> from tfmath.training.params import Parameters
     >>> params = Parameters({"w": np.array([1.0, -2.0])})
     >>> adam = Adam(learning_rate=0.1)
     >>> state = adam.init(params)
@@ -220,7 +220,9 @@ class Adam:
 
 def _parameters(name, value):
     if not isinstance(value, Parameters):
-        raise TypeError(f"{name} must be a tfmath.params.Parameters, got {type(value).__name__}")
+        raise TypeError(
+            f"{name} must be a tfmath.training.params.Parameters, got {type(value).__name__}"
+        )
     return value
 
 

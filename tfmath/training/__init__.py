@@ -1,0 +1,36 @@
+"""The training stack: parameters, layers with their backward passes, models, optimiser, loop.
+
+Submodules, from the bottom up:
+
+:mod:`tfmath.training.params`
+    Named parameter collections and their initialisation.
+:mod:`tfmath.training.layers`
+    Blocks (norms, feed-forward, attention, embeddings, losses, residual
+    blocks), each a forward and an analytic backward pass.
+:mod:`tfmath.training.models`
+    Encoder, decoder and decoder-only stacks built from the blocks.
+:mod:`tfmath.training.optim`
+    Adam and the warm-up learning-rate schedule.
+:mod:`tfmath.training.synthetic`
+    Languages of known entropy to train on.
+:mod:`tfmath.training.loop`
+    The training loop (re-exported here, so ``tfmath.training.train_language_model``).
+:mod:`tfmath.training.sweep`
+    Resumable sweeps of training runs, here or on a Dask cluster.
+"""
+
+from tfmath.training.loop import (
+    TrainingConfig,
+    TrainingResult,
+    language_model_config,
+    single_threaded,
+    train_language_model,
+)
+
+__all__ = [
+    "TrainingConfig",
+    "TrainingResult",
+    "language_model_config",
+    "single_threaded",
+    "train_language_model",
+]
