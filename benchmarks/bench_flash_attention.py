@@ -10,7 +10,7 @@ measured in the same run, so machines and days stay comparable:
 * ``FlashTrainingStep``: forward plus backward, against PyTorch's autograd.
 * ``FlashLongSequence``: one head of L = S = 32768: the process's peak memory
   (``peakmem_``) and the resident memory the call adds at its peak
-  (``track_extra_memory``, :func:`tfmath.analysis.complexity.measure_peak_bytes`),
+  (``track_extra_memory``, :func:`tfmath.analysis.timing.measure_peak_bytes`),
   against the 4 GiB that the L x L float32 scores alone would need.
 
 Run with ``asv run -E existing --quick --bench Flash`` (see bench_attention.py
@@ -22,8 +22,8 @@ from typing import ClassVar
 import numpy as np
 
 import tfmath
-from tfmath.analysis.complexity import measure_peak_bytes
-from tfmath.tools.bench import best_time, gemm_roof, interleaved_best_times, optional_torch
+from tfmath.analysis.timing import best_time, interleaved_best_times, measure_peak_bytes
+from tfmath.tools.bench import gemm_roof, optional_torch
 
 HEADS = 8
 HEAD_DIM = 64

@@ -4,12 +4,14 @@ import numpy as np
 import pytest
 
 import tfmath
-from tfmath import _cuda, bench, cli
+from tfmath import _cuda
+from tfmath.analysis import timing
+from tfmath.tools import bench, cli
 
 
 @pytest.fixture(autouse=True)
 def no_settling(monkeypatch):
-    monkeypatch.setattr(bench, "SETTLE_SECONDS", 0)
+    monkeypatch.setattr(timing, "SETTLE_SECONDS", 0)
 
 
 def test_interleaved_best_times_take_the_contenders_in_turn(monkeypatch):
@@ -20,9 +22,9 @@ def test_interleaved_best_times_take_the_contenders_in_turn(monkeypatch):
         call()
         return next(durations)
 
-    monkeypatch.setattr(bench, "_timed", fake_timed)
+    monkeypatch.setattr(timing, "_timed", fake_timed)
     calls = {"a": lambda: order.append("a"), "b": lambda: order.append("b")}
-    best = bench.interleaved_best_times(calls, repeats=2, rounds=2)
+    best = timing.interleaved_best_times(calls, repeats=2, rounds=2)
     # One untimed warm-up per contender in the first round only.
     assert order == ["a"] * 3 + ["b"] * 3 + ["a"] * 2 + ["b"] * 2
     assert best == {"a": 3.0, "b": 1.0}

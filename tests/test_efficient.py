@@ -347,11 +347,11 @@ BAD_SPARSE_CALLS = [
     # (keyword arguments, exception, words the message must contain)
     ({"pattern": "dilated", "window": 2}, ValueError, ["pattern", "'dilated'", "local"]),
     ({"pattern": 3}, TypeError, ["pattern", "string"]),
-    ({"pattern": "local", "window": 0}, ValueError, ["window", ">= 1", "0"]),
+    ({"pattern": "local", "window": 0}, ValueError, ["window", "at least 1", "0"]),
     ({"pattern": "local", "window": 2.5}, TypeError, ["window", "integer", "2.5"]),
     ({"pattern": "local"}, ValueError, ["pattern='local'", "window"]),
     ({"pattern": "local", "window": 2, "stride": 2}, ValueError, ["stride", "'strided'"]),
-    ({"pattern": "strided", "stride": -1}, ValueError, ["stride", ">= 1", "-1"]),
+    ({"pattern": "strided", "stride": -1}, ValueError, ["stride", "at least 1", "-1"]),
     ({"pattern": "local+strided", "window": 2}, ValueError, ["stride"]),
     ({"pattern": "block", "block_layout": LAYOUT}, ValueError, ["block_size"]),
     (
@@ -390,7 +390,7 @@ def test_bad_sparse_input_is_refused_before_any_kernel(
 BAD_LINEAR_CALLS = [
     ({"feature_map": "softmax"}, ValueError, ["feature_map", "'softmax'", "elu+1"]),
     ({"feature_map": None}, TypeError, ["feature_map", "string"]),
-    ({"eps": -1e-3}, ValueError, ["eps", ">= 0"]),
+    ({"eps": -1e-3}, ValueError, ["eps", "at least 0"]),
     ({"eps": math.inf}, ValueError, ["eps", "finite"]),
     ({"eps": "small"}, TypeError, ["eps"]),
     ({"is_causal": 1}, TypeError, ["is_causal"]),

@@ -25,12 +25,8 @@ from hypothesis import strategies as st
 
 import tfmath
 from tfmath import _cuda
+from tfmath._contract.positional import decimal_pi
 from tfmath.positional import (
-    ALIBI_BIAS,
-    EMBED,
-    ROTARY_EMBEDDING,
-    SINUSOIDAL_ENCODING,
-    _decimal_pi,
     alibi_bias,
     alibi_slopes,
     embed,
@@ -91,7 +87,7 @@ def naive_encoding(positions, d_model, base=10000.0):
 
 
 def test_decimal_pi_matches_published_digits():
-    assert str(_decimal_pi())[:72] == str(PI_70)
+    assert str(decimal_pi())[:72] == str(PI_70)
 
 
 def test_frequency_table_reconstructs_the_frequencies():
@@ -479,9 +475,3 @@ def test_bad_input_is_refused_before_any_kernel(
     kernels_must_not_run, function, args, kwargs, exception, words
 ):
     assert_refused(lambda: function(*args, **kwargs, backend="cpu"), exception, words)
-
-
-def test_every_positional_routine_has_three_backends():
-    for routine in (SINUSOIDAL_ENCODING, ROTARY_EMBEDDING, ALIBI_BIAS, EMBED):
-        for backend in ("cpu", "reference"):
-            assert callable(routine.implementation(backend))

@@ -21,6 +21,7 @@ from _tolerances import assert_close
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tfmath._contract.variance import GOLDEN_GAMMA, splitmix64_mix
 from tfmath.analysis.variance import (
     critical_scale_fit,
     jacobian_finite_difference_norms,
@@ -32,14 +33,12 @@ from tfmath.reference.variance import XoroshiroStreams
 from tfmath.variance import (
     DISTRIBUTIONS,
     FOURTH_MOMENTS,
-    GOLDEN_GAMMA,
     dot_product_variance,
     fit_power_law,
     sample_scores,
     sample_variance,
     score_variance,
     softmax_row_statistics,
-    splitmix64_mix,
 )
 
 #: A component c = mu + sqrt(rho) z + sqrt(1 - rho) x has |c| <= |mu| + sqrt(2) * 12.2:
@@ -397,7 +396,7 @@ BAD_CALLS = [
     (sample_scores, (4, 0), {}, ValueError, ["n_rows", "0"]),
     (sample_scores, (4, 3), {"n_keys": 0}, ValueError, ["n_keys", "0"]),
     (sample_scores, (4, 3), {"distribution": "gaussian"}, ValueError, ["distribution", "gaussian"]),
-    (sample_scores, (4, 3), {"distribution": None}, ValueError, ["distribution", "None"]),
+    (sample_scores, (4, 3), {"distribution": None}, TypeError, ["distribution", "None"]),
     (sample_scores, (4, 3), {"seed": 1.5}, TypeError, ["seed", "1.5"]),
     (sample_scores, (4, 3), {"seed": "7"}, TypeError, ["seed", "str"]),
     (sample_scores, (4, 3), {"seed": -1}, ValueError, ["seed", "-1"]),

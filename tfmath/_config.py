@@ -262,7 +262,16 @@ def threading_layer():
     try:
         return numba.threading_layer()
     except ValueError:
-        from tfmath.kernels.cpu.probe import touch_thread_pool
-
-        touch_thread_pool()
+        _run_a_parallel_loop(numba)
         return numba.threading_layer()
+
+
+def _run_a_parallel_loop(numba):
+    import numpy as np
+
+    @numba.njit(parallel=True)
+    def fill_with_index(out):
+        for i in numba.prange(out.shape[0]):
+            out[i] = i
+
+    fill_with_index(np.empty(2, dtype=np.int64))

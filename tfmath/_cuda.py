@@ -1,9 +1,14 @@
-"""The one module of tfmath that imports ``numba.cuda``.
+"""The one module of tfmath that imports ``numba.cuda``, and how CUDA kernels are launched.
 
 The CUDA target is moving out of Numba (into the ``numba-cuda`` package, which
 installs itself under the same ``numba.cuda`` name), so every use of it goes
 through here. Nothing is imported until a CUDA routine or the backend report
 asks for it: ``import tfmath`` works, and stays fast, on machines without a GPU.
+
+Launch conventions shared by every CUDA kernel live here too: the Numba type
+of each dtype (:func:`numba_dtype`), the block size of one-dimensional
+launches (:data:`THREADS_PER_BLOCK`, :func:`launch_shape`), and the
+transfers between host and device (:func:`to_device`, :func:`to_host`).
 """
 
 import functools
@@ -84,6 +89,30 @@ def status():
     device = cuda.get_current_device()
     name = device.name.decode() if isinstance(device.name, bytes) else device.name
     return CudaStatus(True, True, f"{name} (compute capability {device.compute_capability})")
+
+
+#: Threads per block of one-dimensional launches (one thread per output element or
+#: row). A multiple of the 32-thread warp; four warps are enough for the scheduler
+#: to hide memory latency within a block, while short problems still make enough
+#: blocks to spread over a GPU's many multiprocessors (an H100 has 132). These
+#: kernels use few registers per thread, so the block size, not registers, bounds
+#: occupancy. The flash kernels choose their own two-dimensional blocks.
+THREADS_PER_BLOCK = 128
+
+
+def launch_shape(n_threads, threads_per_block=THREADS_PER_BLOCK):
+    """``(blocks, threads)`` covering ``n_threads`` threads (at least one block of one)."""
+    threads = max(1, min(threads_per_block, n_threads))
+    return (n_threads + threads - 1) // threads, threads
+
+
+def numba_dtype(dtype):
+    """The Numba scalar type kernels are compiled for, for a float32 or float64 dtype."""
+    import numba
+
+    return {np.dtype(np.float32): numba.float32, np.dtype(np.float64): numba.float64}[
+        np.dtype(dtype)
+    ]
 
 
 def is_device_array(array):

@@ -1,21 +1,19 @@
 """Which implementation serves a call: the registry of ``(routine, backend)`` pairs.
 
-Every numerical routine of tfmath is registered once, with one implementation
-per backend, named as ``"module:function"`` so nothing is imported (and no
-kernel is compiled) until the first call that needs it::
+Every numerical routine of tfmath is declared once, in :data:`ROUTINES`, with
+the module that implements it. Each backend implements it under the
+routine's own name, in the module of that name under its package::
 
-    SOFTMAX = register(
-        "softmax",
-        cpu="tfmath.kernels.cpu.attention:softmax",
-        cuda="tfmath.kernels.cuda.attention:softmax",
-        reference="tfmath.reference.attention:softmax",
-    )
-    ...
-    impl = SOFTMAX.implementation(resolve_backend(backend, x))
+    "softmax": "attention"   ->   tfmath.kernels.cpu.attention:softmax
+                                  tfmath.kernels.cuda.attention:softmax
+                                  tfmath.reference.attention:softmax
 
-All implementations of a routine share one calling convention, documented
-with the routine, and receive inputs that the public module has already
-validated.
+The table imports nothing, so what the registry lists never depends on what has
+been imported; an implementation is imported (and its kernels compiled) at
+the first call that needs it. All implementations of a routine share one
+calling convention, documented with the routine, and receive inputs that the
+public module has already validated, usually as a problem from
+:mod:`tfmath._contract` that carries the backend it runs on.
 """
 
 import functools
@@ -28,40 +26,89 @@ from tfmath.errors import BackendUnavailableError
 BACKENDS = ("cpu", "cuda", "reference")
 _CHOICES = ("auto", *BACKENDS)
 
+#: The package of each backend's implementations.
+BACKEND_PACKAGES = {
+    "cpu": "tfmath.kernels.cpu",
+    "cuda": "tfmath.kernels.cuda",
+    "reference": "tfmath.reference",
+}
 
-@dataclass(frozen=True)
-class Routine:
-    """A numerical routine and where each backend's implementation lives."""
+#: Every routine -> the module (under each backend's package) that implements it.
+ROUTINES = {
+    # tfmath.attention
+    "softmax": "attention",
+    "naive_attention": "attention",
+    "flash_attention": "flash_attention",
+    "attention_grad": "flash_attention",
+    # tfmath.efficient
+    "linear_attention": "efficient",
+    "sparse_attention": "efficient",
+    # tfmath.rnn
+    "elman_rnn": "rnn",
+    # tfmath.positional and tfmath.analysis.positional
+    "sinusoidal_encoding": "positional",
+    "rotary_embedding": "positional",
+    "alibi_bias": "positional",
+    "embed": "positional",
+    "offset_distances": "positional",
+    "min_pairwise_distance": "positional",
+    # tfmath.variance
+    "score_samples": "variance",
+    "softmax_row_statistics": "variance",
+    # tfmath.training.layers
+    "layer_norm": "layers",
+    "layer_norm_backward": "layers",
+    "rms_norm": "layers",
+    "rms_norm_backward": "layers",
+    "ffn_activation": "layers",
+    "ffn_activation_backward": "layers",
+    "log_softmax": "layers",
+    "log_softmax_backward": "layers",
+    "cross_entropy": "layers",
+    "cross_entropy_backward": "layers",
+}
 
-    name: str
-    targets: dict
 
-    def implementation(self, backend):
-        """The callable implementing this routine on ``backend`` (imported on first use)."""
-        return _load(self.targets[backend])
+def target(routine, backend):
+    """Where ``routine`` is implemented on ``backend``, as ``"module:function"``."""
+    return f"{BACKEND_PACKAGES[backend]}.{ROUTINES[routine]}:{routine}"
 
 
-_REGISTRY = {}
-
-
-def register(name, *, cpu, cuda, reference):
-    """Register routine ``name`` with its three implementations, given as ``"module:function"``."""
-    if name in _REGISTRY:
-        raise RuntimeError(f"routine {name!r} is registered twice")
-    routine = Routine(name, {"cpu": cpu, "cuda": cuda, "reference": reference})
-    _REGISTRY[name] = routine
-    return routine
-
-
-def routines():
-    """The registered routines, by name."""
-    return dict(_REGISTRY)
+def implementation(routine, backend):
+    """The callable implementing ``routine`` on ``backend`` (imported on first use)."""
+    return _load(target(routine, backend))
 
 
 @functools.cache
 def _load(target):
     module_name, _, attribute = target.partition(":")
     return getattr(importlib.import_module(module_name), attribute)
+
+
+def run(routine, problem, *args):
+    """Run ``routine`` on ``problem`` on the problem's backend.
+
+    A problem with an empty dimension has nothing to compute, and the
+    reference gives its (empty, zero or uniform) answer by definition, so it
+    runs there whatever the backend: kernels never see empty shapes. Its
+    result moves to the device when the problem's operands live there.
+    """
+    if not problem.is_empty or problem.backend == "reference":
+        return implementation(routine, problem.backend)(problem, *args)
+    result = implementation(routine, "reference")(problem.on_host(), *_on_host(args))
+    return _on_device(result) if problem.on_device else result
+
+
+def _on_host(value):
+    if isinstance(value, tuple | list):
+        return type(value)(_on_host(v) for v in value)
+    return _cuda.to_host(value)
+
+
+def _on_device(value):
+    if isinstance(value, tuple):
+        return tuple(_on_device(v) for v in value)
+    return None if value is None else _cuda.to_device(value)
 
 
 def resolve_backend(backend, *arrays):

@@ -10,56 +10,21 @@ calls the registered implementation and packages the result. The kernels
 live in :mod:`tfmath.kernels` and the NumPy oracles in :mod:`tfmath.reference`.
 """
 
-import math
-from dataclasses import dataclass
-
 import numpy as np
 
 from tfmath import _cuda
-from tfmath._dispatch import register, resolve_backend
-from tfmath._validation import (
-    as_batched_3d,
-    batch_index,
-    boolean_flag,
-    broadcast_batch_shapes,
-    float_operand,
-    host_array,
-    real_scalar,
-    require_ndim,
-    shape_of,
+from tfmath._contract.attention import (
+    attention_problem,
+    output_gradient,
+    saved_forward,
+    sum_to_shape,
 )
-from tfmath.errors import DTypeError, ShapeError
+from tfmath._contract.checks import boolean_flag, float_operand, integer, require_ndim
+from tfmath._contract.layout import shape_of
+from tfmath._dispatch import implementation, resolve_backend, run
+from tfmath.errors import ArgumentError
 
 __all__ = ["attention_grad", "scaled_dot_product_attention", "softmax"]
-
-SOFTMAX = register(
-    "softmax",
-    cpu="tfmath.kernels.cpu.attention:softmax_rows",
-    cuda="tfmath.kernels.cuda.attention:softmax_rows",
-    reference="tfmath.reference.attention:softmax_rows",
-)
-
-SCALED_DOT_PRODUCT_ATTENTION = register(
-    "scaled_dot_product_attention",
-    cpu="tfmath.kernels.cpu.attention:scaled_dot_product_attention",
-    cuda="tfmath.kernels.cuda.attention:scaled_dot_product_attention",
-    reference="tfmath.reference.attention:scaled_dot_product_attention",
-)
-
-FLASH_ATTENTION = register(
-    "flash_attention",
-    cpu="tfmath.kernels.cpu.flash_attention:scaled_dot_product_attention",
-    cuda="tfmath.kernels.cuda.flash_attention:scaled_dot_product_attention",
-    # The math is the naive path's plus each row's log-sum-exp; only the order of work differs.
-    reference="tfmath.reference.attention:flash_attention",
-)
-
-ATTENTION_GRAD = register(
-    "attention_grad",
-    cpu="tfmath.kernels.cpu.flash_attention:attention_grad",
-    cuda="tfmath.kernels.cuda.flash_attention:attention_grad",
-    reference="tfmath.reference.attention:attention_grad",
-)
 
 _METHODS = ("auto", "naive", "flash")
 
@@ -102,16 +67,15 @@ def softmax(x, axis=-1, *, backend="auto"):
     """
     x = float_operand("x", x)
     require_ndim("x", x, 1, "(the axis to normalise over)")
-    if isinstance(axis, bool) or not isinstance(axis, int | np.integer):
-        raise DTypeError(f"axis must be an integer, got {axis!r}")
+    axis = integer("axis", axis)
     if not -x.ndim <= axis < x.ndim:
-        raise ValueError(f"axis {axis} is out of range for x of shape {tuple(x.shape)}")
+        raise ArgumentError(f"axis {axis} is out of range for x of shape {tuple(x.shape)}")
     backend = resolve_backend(backend, x)
     axis = axis % x.ndim
     if _cuda.is_device_array(x) and backend != "cuda":
         x = _cuda.to_host(x)
     if _cuda.is_device_array(x) and axis != x.ndim - 1:
-        raise ValueError(
+        raise ArgumentError(
             f"softmax of a device array runs along its last axis only, got axis={axis} "
             f"for shape {tuple(x.shape)}; move the axis on the device first"
         )
@@ -119,108 +83,10 @@ def softmax(x, axis=-1, *, backend="auto"):
         return x.copy()
     moved = x if _cuda.is_device_array(x) else np.ascontiguousarray(np.moveaxis(x, axis, -1))
     rows = moved.reshape(-1, shape_of(moved)[-1])
-    result = SOFTMAX.implementation(backend)(rows).reshape(moved.shape)
+    result = implementation("softmax", backend)(rows).reshape(moved.shape)
     if _cuda.is_device_array(result):
         return result
     return np.moveaxis(result, -1, axis)
-
-
-@dataclass(frozen=True)
-class AttentionProblem:
-    """Validated inputs of one attention call, as every backend receives them.
-
-    The reference implementation reads the arrays as the user shaped them
-    (after dtype conversion); the kernels call :meth:`kernel_operands`.
-    """
-
-    query: object
-    key: object
-    value: object
-    attn_mask: object
-    is_causal: bool
-    scale: float
-    return_weights: bool
-    batch_shape: tuple
-    dtype: np.dtype
-
-    @property
-    def n_query(self):
-        return shape_of(self.query)[-2]
-
-    @property
-    def n_features(self):
-        return shape_of(self.query)[-1]
-
-    @property
-    def n_key(self):
-        return shape_of(self.key)[-2]
-
-    @property
-    def value_dim(self):
-        return shape_of(self.value)[-1]
-
-    @property
-    def on_device(self):
-        return any(_cuda.is_device_array(a) for a in (self.query, self.key, self.value))
-
-    def output_shape(self):
-        return (*self.batch_shape, self.n_query, self.value_dim)
-
-    def weights_shape(self):
-        return (*self.batch_shape, self.n_query, self.n_key)
-
-    def additive_mask(self):
-        """The mask as a bias of the compute dtype (boolean False becomes ``-inf``), or None."""
-        mask = self.attn_mask
-        if mask is None or mask.dtype != np.bool_:
-            return mask
-        return np.where(mask, 0.0, -np.inf).astype(self.dtype)
-
-    def kernel_operands(self):
-        """The operands as the kernels take them.
-
-        Returns
-        -------
-        query, key, value : arrays of shape ``(batch, rows, features)``
-            Each operand's own batch dimensions flattened (no broadcast copies).
-        mask : array of shape ``(mask_batch, L, S)``, or None
-            Additive bias, broadcast over its last two dimensions only.
-        index : int64 array of shape ``(prod(batch_shape), 4)``
-            For each output batch entry, the batch entry of query, key, value
-            and mask to read.
-        """
-        operands = {"query": self.query, "key": self.key, "value": self.value}
-        mask = self.additive_mask()
-        if mask is not None:
-            mask_batch = shape_of(mask)[:-2]
-            operands["mask"] = np.broadcast_to(mask, (*mask_batch, self.n_query, self.n_key))
-        flat = []
-        columns = []
-        for array in operands.values():
-            batch = shape_of(array)[:-2]
-            flat.append(as_batched_3d(array, math.prod(batch)))
-            columns.append(batch_index(batch, self.batch_shape))
-        if mask is None:
-            flat.append(None)
-            columns.append(np.zeros(math.prod(self.batch_shape), dtype=np.int64))
-        index = np.ascontiguousarray(np.stack(columns, axis=1))
-        return (*flat, index)
-
-    def on_host(self):
-        """The same problem with every operand copied to host memory."""
-        if not self.on_device:
-            return self
-        return AttentionProblem(
-            _cuda.to_host(self.query),
-            _cuda.to_host(self.key),
-            _cuda.to_host(self.value),
-            self.attn_mask,
-            self.is_causal,
-            self.scale,
-            self.return_weights,
-            self.batch_shape,
-            self.dtype,
-        )
 
 
 def scaled_dot_product_attention(
@@ -317,38 +183,56 @@ def scaled_dot_product_attention(
     >>> out.shape
     (3, 2)
     """
-    backend = resolve_backend(backend, query, key, value, attn_mask)
-    problem = _attention_problem(query, key, value, attn_mask, is_causal, scale, return_weights)
+    problem = attention_problem(
+        query,
+        key,
+        value,
+        attn_mask,
+        is_causal,
+        scale,
+        return_weights,
+        backend=resolve_backend(backend, query, key, value, attn_mask),
+    )
     return_log_sum_exp = boolean_flag("return_log_sum_exp", return_log_sum_exp)
-    routine = _attention_routine(method, problem.return_weights, return_log_sum_exp)
-    if backend != "cuda":
-        problem = problem.on_host()
-    output, extra = routine.implementation(backend)(problem)
+    output, extra = forward(problem, method, return_log_sum_exp=return_log_sum_exp)
     if problem.return_weights or return_log_sum_exp:
         return output, extra
     return output
 
 
+def forward(problem, method="auto", *, return_log_sum_exp=False):
+    """Attention on a validated problem: ``(output, extra)``.
+
+    ``extra`` is the weights (naive method, ``problem.return_weights``), the
+    log-sum-exp of each row (flash method) or None.
+
+    What :func:`scaled_dot_product_attention` runs after validation; the blocks
+    of :mod:`tfmath.training.layers` call it with the problems they build.
+    """
+    routine = _attention_routine(method, problem.return_weights, return_log_sum_exp)
+    return run(routine, problem)
+
+
 def _attention_routine(method, return_weights, return_log_sum_exp):
     if not isinstance(method, str) or method not in _METHODS:
-        raise ValueError(f"method must be one of {_METHODS}, got {method!r}")
+        raise ArgumentError(f"method must be one of {_METHODS}, got {method!r}")
     if return_weights and return_log_sum_exp:
-        raise ValueError(
+        raise ArgumentError(
             "return_weights and return_log_sum_exp come from different methods "
             "(naive and flash); ask for one of them"
         )
     if method == "flash" and return_weights:
-        raise ValueError(
+        raise ArgumentError(
             "method='flash' never forms the attention weights, so it cannot return them; "
             "use method='naive' (or 'auto') with return_weights=True"
         )
     if method == "naive" and return_log_sum_exp:
-        raise ValueError(
+        raise ArgumentError(
             "the log-sum-exp is kept by method='flash' (or 'auto'), not by method='naive'"
         )
     if method == "naive" or return_weights:
-        return SCALED_DOT_PRODUCT_ATTENTION
-    return FLASH_ATTENTION
+        return "naive_attention"
+    return "flash_attention"
 
 
 def attention_grad(
@@ -417,144 +301,27 @@ def attention_grad(
     >>> dv.shape
     (3, 3)
     """
-    backend = resolve_backend(backend, query, key, value, grad_output, attn_mask)
-    problem = _attention_problem(query, key, value, attn_mask, is_causal, scale, False)
-    grad_output = _cast("grad_output", float_operand("grad_output", grad_output), problem.dtype)
-    if shape_of(grad_output) != problem.output_shape():
-        raise ShapeError(
-            f"grad_output must have the attention output's shape {problem.output_shape()}, "
-            f"got {shape_of(grad_output)}"
-        )
-    saved = _saved_forward(problem, output, log_sum_exp)
-    if backend != "cuda":
-        problem = problem.on_host()
-        grad_output = _cuda.to_host(grad_output)
-        if saved is not None:
-            saved = tuple(_cuda.to_host(a) for a in saved)
-    grads = ATTENTION_GRAD.implementation(backend)(problem, grad_output, saved)
-    return tuple(
-        _sum_to_shape(grad, shape_of(operand))
-        for grad, operand in zip(grads, (problem.query, problem.key, problem.value), strict=True)
-    )
-
-
-def _saved_forward(problem, output, log_sum_exp):
-    """Check the forward's saved ``(output, log_sum_exp)``, or return None if not given."""
-    if output is None and log_sum_exp is None:
-        return None
-    if output is None or log_sum_exp is None:
-        raise ValueError(
-            "output and log_sum_exp come together from the forward pass; pass both or neither"
-        )
-    saved = []
-    for name, array, shape in (
-        ("output", output, problem.output_shape()),
-        ("log_sum_exp", log_sum_exp, (*problem.batch_shape, problem.n_query)),
-    ):
-        array = _cast(name, float_operand(name, array), problem.dtype)
-        if shape_of(array) != shape:
-            raise ShapeError(
-                f"{name} must have shape {shape} for these inputs, got {shape_of(array)}"
-            )
-        saved.append(array)
-    return tuple(saved)
-
-
-def _sum_to_shape(grad, shape):
-    """Sum a gradient over the dimensions its operand was broadcast along."""
-    if shape_of(grad) == shape:
-        return grad
-    grad = _cuda.to_host(grad)
-    leading = grad.ndim - len(shape)
-    grad = grad.sum(axis=tuple(range(leading)))
-    stretched = tuple(i for i, n in enumerate(shape) if n == 1 and grad.shape[i] != 1)
-    return grad.sum(axis=stretched, keepdims=True) if stretched else grad
-
-
-def _attention_problem(query, key, value, attn_mask, is_causal, scale, return_weights):
-    query = float_operand("query", query)
-    key = float_operand("key", key)
-    value = float_operand("value", value)
-    for name, array, meaning in (
-        ("query", query, "(..., L, E)"),
-        ("key", key, "(..., S, E)"),
-        ("value", value, "(..., S, Ev)"),
-    ):
-        require_ndim(name, array, 2, meaning)
-    if shape_of(query)[-1] != shape_of(key)[-1]:
-        raise ShapeError(
-            f"query and key must have the same last dimension E, got query "
-            f"{tuple(query.shape)} and key {tuple(key.shape)}"
-        )
-    if shape_of(key)[-2] != shape_of(value)[-2]:
-        raise ShapeError(
-            f"key and value must have the same sequence length S (second-to-last "
-            f"dimension), got key {tuple(key.shape)} and value {tuple(value.shape)}"
-        )
-    if shape_of(query)[-1] == 0 and scale is None:
-        raise ShapeError(
-            f"query has E = 0 features (shape {tuple(query.shape)}), so the default "
-            "scale 1/sqrt(E) is undefined; pass scale explicitly"
-        )
-    dtype = np.result_type(query.dtype, key.dtype, value.dtype)
-    query, key, value = (
-        _cast(name, a, dtype)
-        for name, a in zip(("query", "key", "value"), (query, key, value), strict=True)
-    )
-    n_query, n_key = shape_of(query)[-2], shape_of(key)[-2]
-    mask = _attention_mask(attn_mask, n_query, n_key, dtype)
-    named_batches = {
-        "query": shape_of(query)[:-2],
-        "key": shape_of(key)[:-2],
-        "value": shape_of(value)[:-2],
-    }
-    if mask is not None:
-        named_batches["attn_mask"] = shape_of(mask)[:-2]
-    batch_shape = broadcast_batch_shapes(named_batches)
-    scale = real_scalar("scale", scale)
-    if scale is None:
-        scale = 1.0 / math.sqrt(shape_of(query)[-1])
-    return AttentionProblem(
+    problem = attention_problem(
         query,
         key,
         value,
-        mask,
-        boolean_flag("is_causal", is_causal),
+        attn_mask,
+        is_causal,
         scale,
-        boolean_flag("return_weights", return_weights),
-        batch_shape,
-        dtype,
+        backend=resolve_backend(backend, query, key, value, grad_output, attn_mask),
     )
+    grad_output = output_gradient(problem, grad_output)
+    return gradients(problem, grad_output, saved_forward(problem, output, log_sum_exp))
 
 
-def _cast(name, array, dtype):
-    if array.dtype == dtype:
-        return array
-    if _cuda.is_device_array(array):
-        raise DTypeError(
-            f"{name} is a {array.dtype} device array but the other operands make the "
-            f"computation {dtype}; give all device operands one dtype"
-        )
-    return array.astype(dtype)
+def gradients(problem, grad_output, saved=None):
+    """:func:`attention_grad` on a validated problem and output gradient.
 
-
-def _attention_mask(attn_mask, n_query, n_key, dtype):
-    if attn_mask is None:
-        return None
-    mask = host_array("attn_mask", _cuda.to_host(attn_mask))
-    if mask.dtype != np.bool_:
-        if mask.dtype.kind != "f":
-            raise DTypeError(
-                f"attn_mask must be boolean (True = may attend) or floating (added to "
-                f"the scores), got dtype {mask.dtype}"
-            )
-        mask = mask.astype(dtype, copy=False)
-    if mask.ndim < 2:
-        mask = mask.reshape((1,) * (2 - mask.ndim) + mask.shape)
-    rows, columns = shape_of(mask)[-2:]
-    if rows not in (1, n_query) or columns not in (1, n_key):
-        raise ShapeError(
-            f"attn_mask must broadcast to (..., L, S) = (..., {n_query}, {n_key}), "
-            f"got shape {tuple(np.shape(attn_mask))}"
-        )
-    return mask
+    ``saved`` is the forward's checked ``(output, log_sum_exp)``, or None.
+    Gradients of broadcast operands are summed back to the operands' shapes.
+    """
+    grads = run("attention_grad", problem, grad_output, saved)
+    return tuple(
+        sum_to_shape(grad, shape_of(operand))
+        for grad, operand in zip(grads, (problem.query, problem.key, problem.value), strict=True)
+    )

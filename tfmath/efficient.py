@@ -21,14 +21,11 @@ calls the registered implementation (cpu, cuda or the NumPy reference).
 """
 
 import math
-import numbers
-from dataclasses import dataclass
 
-import numpy as np
-
-from tfmath._dispatch import register, resolve_backend
-from tfmath._validation import boolean_flag, host_array, real_scalar
-from tfmath.attention import _attention_problem
+from tfmath._contract.attention import attention_problem
+from tfmath._contract.checks import choice, integer, real
+from tfmath._contract.efficient import FEATURE_MAPS, PATTERNS, SparsePattern, sparse_pattern
+from tfmath._dispatch import resolve_backend, run
 
 __all__ = [
     "FEATURE_MAPS",
@@ -40,35 +37,6 @@ __all__ = [
     "sparse_attention_mask",
     "sparse_pattern",
 ]
-
-LINEAR_ATTENTION = register(
-    "linear_attention",
-    cpu="tfmath.kernels.cpu.efficient:linear_attention",
-    cuda="tfmath.kernels.cuda.efficient:linear_attention",
-    reference="tfmath.reference.efficient:linear_attention",
-)
-
-SPARSE_ATTENTION = register(
-    "sparse_attention",
-    cpu="tfmath.kernels.cpu.efficient:sparse_attention",
-    cuda="tfmath.kernels.cuda.efficient:sparse_attention",
-    reference="tfmath.reference.efficient:sparse_attention",
-)
-
-#: Feature maps of :func:`linear_attention`; the kernels receive the index.
-FEATURE_MAPS = ("elu+1", "relu")
-#: Patterns of :func:`sparse_attention`; the kernels receive the index.
-PATTERNS = ("local", "strided", "local+strided", "block")
-LOCAL, STRIDED, LOCAL_STRIDED, BLOCK = range(len(PATTERNS))
-
-#: Which keyword arguments each pattern needs.
-_PATTERN_ARGUMENTS = {
-    "local": ("window",),
-    "strided": ("stride",),
-    "local+strided": ("window", "stride"),
-    "block": ("block_layout", "block_size"),
-}
-
 
 # --- linear attention ---------------------------------------------------------------------
 
@@ -150,247 +118,12 @@ def linear_attention(
     >>> linear_attention(q, k, v, is_causal=True, eps=0.0, backend="reference")[:, 0]
     array([1. , 1.5, 3. ])
     """
-    backend = resolve_backend(backend, query, key, value)
-    feature_code = _choice("feature_map", feature_map, FEATURE_MAPS)
-    eps = real_scalar("eps", eps, allow_none=False)
-    if eps < 0:
-        raise ValueError(f"eps must be >= 0, got {eps}")
-    problem = _attention_problem(query, key, value, None, is_causal, 1.0, False)
-    if backend != "cuda":
-        problem = problem.on_host()
-    return LINEAR_ATTENTION.implementation(backend)(problem, feature_code, eps)
-
-
-def _choice(name, value, choices):
-    if not isinstance(value, str):
-        raise TypeError(f"{name} must be a string, one of {choices}, got {value!r}")
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
-    return choices.index(value)
-
-
-# --- sparse patterns ----------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class SparsePattern:
-    r"""A validated sparsity pattern: which keys each query may attend.
-
-    With :math:`0 \le i < L` the query and :math:`0 \le j < S` the key, a pair is
-    attended when (and, with ``is_causal``, also :math:`j \le i`):
-
-    ``"local"``
-        :math:`|i - j| < w` (``window`` :math:`w`): the sliding window.
-    ``"strided"``
-        :math:`(i - j) \bmod s = 0` (``stride`` :math:`s`).
-    ``"local+strided"``
-        Either of the two: Child et al.'s strided pattern with both of its
-        heads merged into one [Child2019]_ (they take :math:`w = s \approx
-        \sqrt{n}`, so every row attends :math:`O(\sqrt{n})` keys).
-    ``"block"``
-        ``block_layout[i // b, j // b]`` (``block_size`` :math:`b`).
-
-    Attributes
-    ----------
-    kind : str
-        One of :data:`PATTERNS`.
-    window, stride, block_size : int or None
-        Those the pattern uses; the others are None.
-    block_layout : numpy.ndarray of bool or None
-        Shape ``(ceil(L / b), ceil(S / b))``.
-    is_causal : bool
-    """
-
-    kind: str
-    window: int | None
-    stride: int | None
-    block_layout: np.ndarray | None
-    block_size: int | None
-    is_causal: bool
-
-    @property
-    def code(self):
-        """The pattern's index in :data:`PATTERNS`, as the kernels receive it."""
-        return PATTERNS.index(self.kind)
-
-    def check_lengths(self, n_query, n_key):
-        """Raise unless the block layout fits ``L = n_query`` and ``S = n_key``."""
-        if self.kind != "block":
-            return
-        expected = (-(-n_query // self.block_size), -(-n_key // self.block_size))
-        if self.block_layout.shape != expected:
-            raise ValueError(
-                f"block_layout must have shape (ceil(L / block_size), ceil(S / block_size)) = "
-                f"{expected} for L = {n_query}, S = {n_key}, block_size = {self.block_size}, "
-                f"got {self.block_layout.shape}"
-            )
-        if self.is_causal:
-            rows, columns = np.nonzero(self.block_layout)
-            last_query = np.minimum((rows + 1) * self.block_size, n_query) - 1
-            above = columns * self.block_size > last_query
-            if np.any(above):
-                block = (int(rows[above][0]), int(columns[above][0]))
-                raise ValueError(
-                    f"is_causal=True contradicts block_layout: block {block} lies wholly "
-                    f"above the causal diagonal (every key in it is later than every query), "
-                    f"so it could never be attended; clear it or pass is_causal=False"
-                )
-
-    def allows(self, rows, columns):
-        """Whether query ``rows`` may attend key ``columns`` (broadcasting integer arrays)."""
-        rows, columns = np.asarray(rows), np.asarray(columns)
-        offset = rows - columns
-        if self.kind == "local":
-            allowed = np.abs(offset) < self.window
-        elif self.kind == "strided":
-            allowed = offset % self.stride == 0
-        elif self.kind == "local+strided":
-            allowed = (np.abs(offset) < self.window) | (offset % self.stride == 0)
-        else:
-            allowed = self.block_layout[rows // self.block_size, columns // self.block_size]
-        if self.is_causal:
-            allowed = allowed & (columns <= rows)
-        return allowed
-
-    def mask(self, n_query, n_key):
-        """The equivalent boolean mask, shape ``(n_query, n_key)`` (True = attended)."""
-        self.check_lengths(n_query, n_key)
-        return self.allows(np.arange(n_query)[:, None], np.arange(n_key)[None, :])
-
-    def row_counts(self, n_query, n_key):
-        """How many keys each query attends, shape ``(n_query,)``, without forming the mask.
-
-        Closed forms for the banded and strided patterns (:math:`O(L)`); the
-        block pattern sums the widths of the attended blocks (:math:`O(L S / b)`).
-        """
-        self.check_lengths(n_query, n_key)
-        i = np.arange(n_query, dtype=np.int64)
-        top = np.minimum(i + 1, n_key) if self.is_causal else np.full_like(i, n_key)
-        if self.kind == "block":
-            return self._block_row_counts(i, top, n_key)
-        counts = np.zeros_like(i)
-        if self.kind in ("local", "local+strided"):
-            low = np.maximum(i - self.window + 1, 0)
-            high = np.minimum(top, i + self.window)
-            counts += np.maximum(high - low, 0)
-        if self.kind in ("strided", "local+strided"):
-            counts += _congruent_below(top, i, self.stride)
-        if self.kind == "local+strided":
-            # Keys in the window that the stride also reaches are counted once.
-            high = np.maximum(high, low)
-            counts -= _congruent_below(high, i, self.stride) - _congruent_below(low, i, self.stride)
-        return counts
-
-    def _block_row_counts(self, i, top, n_key):
-        b = self.block_size
-        starts = np.arange(self.block_layout.shape[1], dtype=np.int64) * b
-        stops = np.minimum(starts + b, n_key)
-        layout_rows = self.block_layout[i // b]
-        widths = np.clip(np.minimum(stops[None, :], top[:, None]) - starts[None, :], 0, None)
-        return np.sum(np.where(layout_rows, widths, 0), axis=1)
-
-    def n_pairs(self, n_query, n_key):
-        """The number of attended (query, key) pairs."""
-        return int(np.sum(self.row_counts(n_query, n_key)))
-
-    def block_rows(self):
-        """The layout in compressed-row form: ``(row_starts, key_blocks)`` (int64).
-
-        Row ``r`` of the layout attends key blocks
-        ``key_blocks[row_starts[r]:row_starts[r + 1]]``, in increasing order.
-        """
-        if self.kind != "block":
-            return np.zeros(1, dtype=np.int64), np.zeros(0, dtype=np.int64)
-        rows, columns = np.nonzero(self.block_layout)
-        row_starts = np.zeros(self.block_layout.shape[0] + 1, dtype=np.int64)
-        np.cumsum(np.bincount(rows, minlength=self.block_layout.shape[0]), out=row_starts[1:])
-        return row_starts, columns.astype(np.int64)
-
-
-def _congruent_below(limit, residue_of, stride):
-    """How many ``j`` in ``[0, limit)`` have ``j = residue_of (mod stride)``, elementwise."""
-    residue = residue_of % stride
-    return np.maximum(limit - residue + stride - 1, 0) // stride
-
-
-def sparse_pattern(
-    pattern, *, window=None, stride=None, block_layout=None, block_size=None, is_causal=False
-):
-    """Validate a sparsity pattern's arguments and return it as a :class:`SparsePattern`.
-
-    Parameters are those of :func:`sparse_attention`; every argument the
-    pattern uses must be given, and none that it does not use.
-
-    Raises
-    ------
-    ValueError
-        For an unknown pattern, a missing or superfluous argument, ``window``,
-        ``stride`` or ``block_size`` below 1, or a layout that is not 2-D.
-    TypeError
-        For a pattern that is not a string, a size that is not an integer, or
-        a layout that is not boolean.
-
-    Examples
-    --------
-    >>> from tfmath.efficient import sparse_pattern
-    >>> sparse_pattern("local", window=2).mask(3, 3).astype(int)
-    array([[1, 1, 0],
-           [1, 1, 1],
-           [0, 1, 1]])
-    """
-    _choice("pattern", pattern, PATTERNS)
-    given = {
-        "window": window,
-        "stride": stride,
-        "block_layout": block_layout,
-        "block_size": block_size,
-    }
-    needed = _PATTERN_ARGUMENTS[pattern]
-    for name, value in given.items():
-        if name in needed and value is None:
-            raise ValueError(f"pattern={pattern!r} needs {name}")
-        if name not in needed and value is not None:
-            users = [p for p, names in _PATTERN_ARGUMENTS.items() if name in names]
-            raise ValueError(
-                f"{name} is only used by pattern {' or '.join(map(repr, users))}, "
-                f"not by pattern={pattern!r}; leave it out"
-            )
-    sizes = {name: _positive_size(name, given[name]) for name in ("window", "stride", "block_size")}
-    layout = None if block_layout is None else _block_layout(block_layout)
-    return SparsePattern(
-        pattern,
-        sizes["window"],
-        sizes["stride"],
-        layout,
-        sizes["block_size"],
-        boolean_flag("is_causal", is_causal),
+    feature_code = FEATURE_MAPS.index(choice("feature_map", feature_map, FEATURE_MAPS))
+    eps = real("eps", eps, at_least=0.0)
+    problem = attention_problem(
+        query, key, value, None, is_causal, 1.0, backend=resolve_backend(backend, query, key, value)
     )
-
-
-def _positive_size(name, value):
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
-    return int(value)
-
-
-def _block_layout(block_layout):
-    layout = host_array("block_layout", block_layout)
-    if layout.dtype != np.bool_:
-        raise TypeError(
-            f"block_layout must be boolean (True = the query block attends the key block), "
-            f"got dtype {layout.dtype}"
-        )
-    if layout.ndim != 2:
-        raise ValueError(
-            f"block_layout must be 2-D (query blocks, key blocks), got shape {layout.shape}"
-        )
-    layout = layout.copy()
-    layout.flags.writeable = False
-    return layout
+    return run("linear_attention", problem, feature_code, eps)
 
 
 # --- sparse attention ---------------------------------------------------------------------
@@ -479,7 +212,6 @@ def sparse_attention(
     ...                  backend="reference")[:, 0]
     array([0. , 0.5, 1.5, 2.5])
     """
-    backend = resolve_backend(backend, query, key, value)
     sparsity = sparse_pattern(
         pattern,
         window=window,
@@ -488,11 +220,17 @@ def sparse_attention(
         block_size=block_size,
         is_causal=is_causal,
     )
-    problem = _attention_problem(query, key, value, None, sparsity.is_causal, scale, False)
+    problem = attention_problem(
+        query,
+        key,
+        value,
+        None,
+        sparsity.is_causal,
+        scale,
+        backend=resolve_backend(backend, query, key, value),
+    )
     sparsity.check_lengths(problem.n_query, problem.n_key)
-    if backend != "cuda":
-        problem = problem.on_host()
-    return SPARSE_ATTENTION.implementation(backend)(problem, sparsity)
+    return run("sparse_attention", problem, sparsity)
 
 
 def sparse_attention_mask(
@@ -533,11 +271,8 @@ def sparse_attention_mask(
            [1, 0, 1, 0],
            [0, 1, 0, 1]])
     """
-    for name, value in (("n_query", n_query), ("n_key", n_key)):
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-            raise TypeError(f"{name} must be an integer, got {type(value).__name__}")
-        if value < 0:
-            raise ValueError(f"{name} must be >= 0, got {value}")
+    n_query = integer("n_query", n_query, minimum=0)
+    n_key = integer("n_key", n_key, minimum=0)
     sparsity = sparse_pattern(
         pattern,
         window=window,
@@ -546,7 +281,7 @@ def sparse_attention_mask(
         block_size=block_size,
         is_causal=is_causal,
     )
-    return sparsity.mask(int(n_query), int(n_key))
+    return sparsity.mask(n_query, n_key)
 
 
 def default_window(n):

@@ -15,7 +15,11 @@ class ShapeError(TfmathError, ValueError):
 
 
 class DTypeError(TfmathError, TypeError):
-    """An argument has a dtype the routine cannot honour."""
+    """An argument has a dtype (or type) the routine cannot honour."""
+
+
+class ArgumentError(TfmathError, ValueError):
+    """An argument has a value the routine cannot accept: out of range, or an unknown option."""
 
 
 class BackendUnavailableError(TfmathError, ValueError):

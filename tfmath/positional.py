@@ -43,24 +43,21 @@ functions", SIGNUM Newsletter 18(1), 1983), done once per frequency
 instead of once per argument.
 """
 
-import decimal
-import functools
 import math
-import numbers
-from dataclasses import dataclass
 
 import numpy as np
 
 from tfmath import _cuda
-from tfmath._dispatch import register, resolve_backend
-from tfmath._validation import (
-    as_batched_3d,
-    boolean_flag,
-    float_operand,
-    host_array,
-    require_ndim,
-    shape_of,
+from tfmath._contract.checks import boolean_flag, float_operand, host_array, integer, require_ndim
+from tfmath._contract.layout import as_batched_3d, shape_of
+from tfmath._contract.positional import (
+    FrequencyTable,
+    check_position_range,
+    frequency_table,
+    output_dtype,
+    wavelength_base,
 )
+from tfmath._dispatch import implementation, resolve_backend
 from tfmath.errors import DTypeError, ShapeError
 
 __all__ = [
@@ -72,176 +69,6 @@ __all__ = [
     "rotary_embedding",
     "sinusoidal_encoding",
 ]
-
-SINUSOIDAL_ENCODING = register(
-    "sinusoidal_encoding",
-    cpu="tfmath.kernels.cpu.positional:sinusoidal_encoding",
-    cuda="tfmath.kernels.cuda.positional:sinusoidal_encoding",
-    reference="tfmath.reference.positional:sinusoidal_encoding",
-)
-
-ROTARY_EMBEDDING = register(
-    "rotary_embedding",
-    cpu="tfmath.kernels.cpu.positional:rotary_embedding",
-    cuda="tfmath.kernels.cuda.positional:rotary_embedding",
-    reference="tfmath.reference.positional:rotary_embedding",
-)
-
-ALIBI_BIAS = register(
-    "alibi_bias",
-    cpu="tfmath.kernels.cpu.positional:alibi_bias",
-    cuda="tfmath.kernels.cuda.positional:alibi_bias",
-    reference="tfmath.reference.positional:alibi_bias",
-)
-
-EMBED = register(
-    "embed",
-    cpu="tfmath.kernels.cpu.positional:embed",
-    cuda="tfmath.kernels.cuda.positional:embed",
-    reference="tfmath.reference.positional:embed",
-)
-
-#: Positions must satisfy ``|p| < POSITION_LIMIT``, so that ``p`` times a 32-bit
-#: half of the frequency fits in a signed 64-bit integer (see the module notes).
-POSITION_LIMIT = 2**31
-
-#: Significant decimal digits of the frequencies before they are split.
-_DECIMAL_DIGITS = 60
-
-_OUTPUT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
-
-
-# --- frequencies ------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class FrequencyTable:
-    r"""The frequencies :math:`\omega_i = \text{base}^{-2i/d}` of one encoding, ready for reduction.
-
-    Attributes
-    ----------
-    angular : numpy.ndarray of float64, shape (n_pairs,)
-        :math:`\omega_i` in radians per position, rounded to float64.
-    halves : numpy.ndarray of int64, shape (n_pairs, 2)
-        The high and low 32 bits of :math:`F_i = \lfloor 2^{64} \omega_i / 2\pi \rfloor`.
-    remainder : numpy.ndarray of float64, shape (n_pairs,)
-        :math:`\omega_i / 2\pi - 2^{-64} F_i`, in :math:`[0, 2^{-64})`.
-    """
-
-    angular: np.ndarray
-    halves: np.ndarray
-    remainder: np.ndarray
-
-    @property
-    def n_pairs(self):
-        return self.angular.shape[0]
-
-
-@functools.cache
-def _decimal_pi():
-    """π to ``_DECIMAL_DIGITS + 20`` digits by Machin's formula, 16 atan(1/5) − 4 atan(1/239)."""
-    digits = _DECIMAL_DIGITS + 20
-    unit = 10 ** (digits + 10)
-
-    def arctan_inverse(x):
-        # atan(1/x) = sum_k (-1)^k / ((2k + 1) x^(2k+1)), in fixed point with `unit` = 1.
-        total, power, k = 0, unit // x, 0
-        while power:
-            term = power // (2 * k + 1)
-            total += -term if k % 2 else term
-            power //= x * x
-            k += 1
-        return total
-
-    scaled = 16 * arctan_inverse(5) - 4 * arctan_inverse(239)
-    return decimal.Context(prec=digits).divide(scaled, unit)
-
-
-@functools.lru_cache(maxsize=64)
-def frequency_table(d_model, base=10000.0):
-    r"""The frequencies of a ``d_model``-dimensional encoding, split for exact angle reduction.
-
-    Pair :math:`i = 0, \dots, \lceil d_{\text{model}}/2 \rceil - 1` rotates with
-    :math:`\omega_i = \text{base}^{-2i/d_{\text{model}}}` radians per position.
-
-    Parameters
-    ----------
-    d_model : int
-        The encoding dimension (positive; not checked here).
-    base : float, optional
-        The base of the geometric progression of wavelengths (> 1; not checked here).
-
-    Returns
-    -------
-    FrequencyTable
-        Read-only arrays; cached per ``(d_model, base)``.
-
-    Examples
-    --------
-    >>> from tfmath.positional import frequency_table
-    >>> frequency_table(4).angular
-    array([1.  , 0.01])
-    """
-    n_pairs = (d_model + 1) // 2
-    angular = np.empty(n_pairs)
-    halves = np.empty((n_pairs, 2), dtype=np.int64)
-    remainder = np.empty(n_pairs)
-    # Every Decimal operation below rounds to _DECIMAL_DIGITS, not to the caller's context.
-    with decimal.localcontext(decimal.Context(prec=_DECIMAL_DIGITS)):
-        log_base = decimal.Decimal(float(base)).ln()
-        two_pi = 2 * _decimal_pi()
-        for i in range(n_pairs):
-            omega = (decimal.Decimal(-2 * i) / d_model * log_base).exp()
-            scaled_turns = omega / two_pi * 2**64
-            fraction = int(scaled_turns)  # the floor, as the value is positive
-            angular[i] = float(omega)
-            halves[i] = (fraction >> 32, fraction & 0xFFFFFFFF)
-            remainder[i] = float((scaled_turns - fraction) / 2**64)
-    for array in (angular, halves, remainder):
-        array.flags.writeable = False
-    return FrequencyTable(angular, halves, remainder)
-
-
-# --- argument checks --------------------------------------------------------------------------
-
-
-def _integer(name, value, *, minimum=None):
-    if isinstance(value, bool | np.bool_) or not isinstance(value, numbers.Integral):
-        raise DTypeError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
-    value = int(value)
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{name} must be at least {minimum}, got {value}")
-    return value
-
-
-def _base(base):
-    if isinstance(base, bool) or not isinstance(base, numbers.Real):
-        raise DTypeError(f"base must be a real number, got {base!r} ({type(base).__name__})")
-    base = float(base)
-    if not (math.isfinite(base) and base > 1):
-        raise ValueError(
-            f"base must be a finite number greater than 1 (the wavelengths grow as "
-            f"base^(2i/d_model)), got {base}"
-        )
-    return base
-
-
-def _output_dtype(dtype):
-    try:
-        dtype = np.dtype(dtype)
-    except TypeError:
-        raise DTypeError(f"dtype must be float32 or float64, got {dtype!r}") from None
-    if dtype not in _OUTPUT_DTYPES:
-        raise DTypeError(f"dtype must be float32 or float64, got {dtype}")
-    return dtype
-
-
-def _check_position_range(name, first, last):
-    if first <= -POSITION_LIMIT or last >= POSITION_LIMIT:
-        raise ValueError(
-            f"{name} must keep every position p within |p| < 2**31 (the range over which "
-            f"the exact angle reduction is exact), got positions from {first} to {last}"
-        )
 
 
 # --- sinusoidal encoding ----------------------------------------------------------------------
@@ -302,15 +129,17 @@ def sinusoidal_encoding(
     array([[0.        , 1.        , 0.        , 1.        ],
            [0.84147098, 0.54030231, 0.00999983, 0.99995   ]])
     """
-    n_positions = _integer("n_positions", n_positions, minimum=0)
-    d_model = _integer("d_model", d_model, minimum=1)
-    base = _base(base)
-    offset = _integer("offset", offset)
-    dtype = _output_dtype(dtype)
-    _check_position_range("offset and n_positions", offset, offset + max(n_positions - 1, 0))
+    n_positions = integer("n_positions", n_positions, minimum=0)
+    d_model = integer("d_model", d_model, minimum=1)
+    base = wavelength_base(base)
+    offset = integer("offset", offset)
+    dtype = output_dtype(dtype)
+    check_position_range("offset and n_positions", offset, offset + max(n_positions - 1, 0))
     backend = resolve_backend(backend)
     table = frequency_table(d_model, base)
-    return SINUSOIDAL_ENCODING.implementation(backend)(n_positions, d_model, offset, table, dtype)
+    return implementation("sinusoidal_encoding", backend)(
+        n_positions, d_model, offset, table, dtype
+    )
 
 
 # --- rotary embedding -------------------------------------------------------------------------
@@ -383,14 +212,14 @@ def rotary_embedding(x, positions=None, *, base=10000.0, backend="auto"):
             f"got shape {tuple(x.shape)}"
         )
     positions = _positions(positions, n_rows)
-    base = _base(base)
+    base = wavelength_base(base)
     backend = resolve_backend(backend, x)
     if _cuda.is_device_array(x) and backend != "cuda":
         x = _cuda.to_host(x)
     table = frequency_table(max(n_features, 1), base)
     batch = math.prod(shape_of(x)[:-2])
     rows = as_batched_3d(x, batch)
-    rotated = ROTARY_EMBEDDING.implementation(backend)(rows, positions, table)
+    rotated = implementation("rotary_embedding", backend)(rows, positions, table)
     return rotated.reshape(shape_of(x))
 
 
@@ -407,7 +236,7 @@ def _positions(positions, n_rows):
             f"got shape {array.shape}"
         )
     if array.size:
-        _check_position_range("positions", int(array.min()), int(array.max()))
+        check_position_range("positions", int(array.min()), int(array.max()))
     return np.ascontiguousarray(array, dtype=np.int64)
 
 
@@ -441,7 +270,7 @@ def alibi_slopes(n_heads):
     >>> alibi_slopes(4)
     array([0.25      , 0.0625    , 0.015625  , 0.00390625])
     """
-    n_heads = _integer("n_heads", n_heads, minimum=1)
+    n_heads = integer("n_heads", n_heads, minimum=1)
     power = 1 << (n_heads.bit_length() - 1)
     slopes = np.exp2(-8.0 * np.arange(1, power + 1) / power)
     extra = np.exp2(-4.0 * (2 * np.arange(n_heads - power) + 1) / power)
@@ -489,11 +318,11 @@ def alibi_bias(n_heads, n_query, n_key, *, dtype=np.float64, backend="auto"):
            [-1. , -0.5,  0. ]])
     """
     slopes = alibi_slopes(n_heads)
-    n_query = _integer("n_query", n_query, minimum=0)
-    n_key = _integer("n_key", n_key, minimum=0)
-    dtype = _output_dtype(dtype)
+    n_query = integer("n_query", n_query, minimum=0)
+    n_key = integer("n_key", n_key, minimum=0)
+    dtype = output_dtype(dtype)
     backend = resolve_backend(backend)
-    return ALIBI_BIAS.implementation(backend)(slopes.astype(dtype), n_query, n_key)
+    return implementation("alibi_bias", backend)(slopes.astype(dtype), n_query, n_key)
 
 
 # --- embedding --------------------------------------------------------------------------------
@@ -573,7 +402,7 @@ def embed(
     n_rows = tokens.shape[-1]
     table = _positional_table(positional, n_rows, d_model)
     scale = math.sqrt(d_model) if boolean_flag("scale_by_sqrt_d", scale_by_sqrt_d) else 1.0
-    base = _base(base)
+    base = wavelength_base(base)
     backend = resolve_backend(backend)
     dtype = embedding_matrix.dtype
     if isinstance(table, np.ndarray):
@@ -584,7 +413,7 @@ def embed(
         table = np.ascontiguousarray(table[:n_rows], dtype=dtype)
     matrix = np.ascontiguousarray(embedding_matrix, dtype=dtype)
     rows = tokens.reshape(math.prod(tokens.shape[:-1]), n_rows)
-    embedded = EMBED.implementation(backend)(rows, matrix, table, dtype.type(scale))
+    embedded = implementation("embed", backend)(rows, matrix, table, dtype.type(scale))
     return embedded.reshape((*tokens.shape, d_model))
 
 

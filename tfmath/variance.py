@@ -21,7 +21,6 @@ gradient flow, the temperature sweep) are assembled from these in
 
 import functools
 import math
-import numbers
 import time
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -29,12 +28,21 @@ from typing import NamedTuple
 import numpy as np
 
 from tfmath import _cuda
-from tfmath._dispatch import register, resolve_backend
-from tfmath._validation import float_operand, real_scalar, require_ndim, shape_of
-from tfmath.errors import DTypeError, ShapeError
+from tfmath._contract.checks import float_operand, integer, real, require_ndim
+from tfmath._contract.layout import shape_of
+from tfmath._contract.variance import (
+    DISTRIBUTIONS,
+    FOURTH_MOMENTS,
+    ScoreSampling,
+    dimension_list,
+    score_sampling,
+)
+from tfmath._dispatch import implementation, resolve_backend, run
+from tfmath.errors import ShapeError
 
 __all__ = [
     "DISTRIBUTIONS",
+    "FOURTH_MOMENTS",
     "PowerLawFit",
     "RowStatistics",
     "ScoreSampling",
@@ -47,114 +55,6 @@ __all__ = [
     "score_variance",
     "softmax_row_statistics",
 ]
-
-#: The component laws :func:`sample_scores` knows, each with mean 0 and variance 1.
-DISTRIBUTIONS = ("normal", "uniform", "rademacher")
-#: Codes of :data:`DISTRIBUTIONS` as the kernels receive them.
-NORMAL, UNIFORM, RADEMACHER = range(len(DISTRIBUTIONS))
-#: :math:`E[x^4]` of each unit-variance component law: 3, 9/5 and 1.
-FOURTH_MOMENTS = {"normal": 3.0, "uniform": 9.0 / 5.0, "rademacher": 1.0}
-
-#: SplitMix64's increment, :math:`\lfloor 2^{64} / \varphi \rfloor` [Steele2014]_.
-GOLDEN_GAMMA = 0x9E3779B97F4A7C15
-#: The two multipliers of SplitMix64's output function [Steele2014]_.
-SPLITMIX_MULTIPLIERS = (0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
-#: Rademacher signs per xoroshiro128+ output: only the upper half is used, because the
-#: lowest bits of a ``+``-scrambled generator have low linear complexity [Blackman2021]_.
-SIGN_BITS_PER_WORD = 32
-_MASK64 = (1 << 64) - 1
-
-SCORE_SAMPLES = register(
-    "score_samples",
-    cpu="tfmath.kernels.cpu.variance:score_samples",
-    cuda="tfmath.kernels.cuda.variance:score_samples",
-    reference="tfmath.reference.variance:score_samples",
-)
-
-SOFTMAX_ROW_STATISTICS = register(
-    "softmax_row_statistics",
-    cpu="tfmath.kernels.cpu.variance:softmax_row_statistics",
-    cuda="tfmath.kernels.cuda.variance:softmax_row_statistics",
-    reference="tfmath.reference.variance:softmax_row_statistics",
-)
-
-
-def splitmix64_mix(z):
-    """SplitMix64's output function on a Python integer (taken modulo :math:`2^{64}`)."""
-    z &= _MASK64
-    z = ((z ^ (z >> 30)) * SPLITMIX_MULTIPLIERS[0]) & _MASK64
-    z = ((z ^ (z >> 27)) * SPLITMIX_MULTIPLIERS[1]) & _MASK64
-    return z ^ (z >> 31)
-
-
-@dataclass(frozen=True)
-class ScoreSampling:
-    r"""A validated Monte Carlo problem, as every backend of :func:`sample_scores` receives it.
-
-    Row :math:`r` holds one query :math:`q` and ``n_keys`` keys :math:`k_j`, all independent
-    vectors whose components are
-
-    .. math:: c_i = \mu + \sqrt{\rho}\, z + \sqrt{1 - \rho}\, x_i, \qquad i = 1, \dots, d_k,
-
-    with :math:`z, x_1, \dots, x_{d_k}` independent draws of the unit-variance ``distribution``
-    (one :math:`z` per vector). The random numbers come from xoroshiro128+ [Blackman2021]_
-    streams: the query of row :math:`r` from stream :math:`2r`, its keys, one after the
-    other, from stream :math:`2r + 1`. Stream :math:`t` starts from the state
-
-    .. math::
-
-        (s_0, s_1) = \bigl(m(b + (2t + 1)\gamma),\; m(b + (2t + 2)\gamma)\bigr),
-        \qquad b = m\bigl(m(\text{seed} + \gamma) + d_k \gamma\bigr) \bmod 2^{64},
-
-    where :math:`m` is SplitMix64's output function and :math:`\gamma` its increment
-    [Steele2014]_. So every number is a function of ``(seed, d_k, row)`` alone: the
-    same on every run, thread count and backend, and the same for a row whatever
-    ``n_rows`` or the other parameters are (common random numbers across
-    distributions' means and correlations).
-
-    Within a stream a vector takes, in order:
-
-    ``normal``
-        :math:`\lceil (d_k + 1)/2 \rceil` pairs from Marsaglia's polar method
-        [Marsaglia1964]_ (two uniforms per attempt, an attempt accepted when
-        :math:`0 < u^2 + v^2 < 1`), giving :math:`z, x_1, x_2, \dots`; a last unused
-        normal is dropped.
-    ``uniform``
-        :math:`d_k + 1` outputs, each :math:`\sqrt{3}\,(2U - 1)` with
-        :math:`U = \lfloor w / 2^{11} \rfloor \, 2^{-53}` (the uniform of
-        ``numba.cuda.random``).
-    ``rademacher``
-        one output whose bit 63 gives :math:`z = 1 - 2\,\text{bit}`, then
-        :math:`\lceil d_k / 32 \rceil` outputs whose bits 32 to 63 give
-        :math:`x_1, x_2, \dots` the same way.
-    """
-
-    d_k: int
-    n_rows: int
-    n_keys: int
-    distribution: str
-    mean: float
-    correlation: float
-    seed: int
-
-    @property
-    def kind(self):
-        """The distribution's code for the kernels (an index into :data:`DISTRIBUTIONS`)."""
-        return DISTRIBUTIONS.index(self.distribution)
-
-    @property
-    def shared_weight(self):
-        r""":math:`\sqrt{\rho}`, the weight of the component shared by a whole vector."""
-        return math.sqrt(self.correlation)
-
-    @property
-    def own_weight(self):
-        r""":math:`\sqrt{1 - \rho}`, the weight of each component's own draw."""
-        return math.sqrt(1.0 - self.correlation)
-
-    def stream_base(self):
-        """The SplitMix64 position ``b`` the row streams of this ``(seed, d_k)`` start from."""
-        return splitmix64_mix(splitmix64_mix(self.seed + GOLDEN_GAMMA) + self.d_k * GOLDEN_GAMMA)
 
 
 def sample_scores(
@@ -225,57 +125,10 @@ def sample_scores(
     >>> bool(50 < scores.var() < 80)
     True
     """
-    problem = _score_sampling(d_k, n_rows, n_keys, distribution, mean, correlation, seed)
-    backend = resolve_backend(backend)
-    return SCORE_SAMPLES.implementation(backend)(problem)
-
-
-def _score_sampling(d_k, n_rows, n_keys, distribution, mean, correlation, seed):
-    correlation = real_scalar("correlation", correlation, allow_none=False)
-    if not 0.0 <= correlation <= 1.0:
-        raise ValueError(f"correlation must lie in [0, 1], got {correlation}")
-    return ScoreSampling(
-        d_k=_integer("d_k", d_k, minimum=1),
-        n_rows=_integer("n_rows", n_rows, minimum=1),
-        n_keys=_integer("n_keys", n_keys, minimum=1),
-        distribution=_distribution(distribution),
-        mean=real_scalar("mean", mean, allow_none=False),
-        correlation=correlation,
-        seed=_seed(seed),
+    problem = score_sampling(
+        d_k, n_rows, n_keys, distribution, mean, correlation, seed, backend=resolve_backend(backend)
     )
-
-
-def _integer(name, value, *, minimum):
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise DTypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be at least {minimum}, got {value}")
-    return int(value)
-
-
-def _seed(seed):
-    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
-        raise DTypeError(f"seed must be an integer, got {type(seed).__name__} {seed!r}")
-    if not 0 <= seed <= _MASK64:
-        raise ValueError(f"seed must lie in [0, 2**64), got {seed}")
-    return int(seed)
-
-
-def _distribution(distribution):
-    if not isinstance(distribution, str) or distribution not in DISTRIBUTIONS:
-        raise ValueError(f"distribution must be one of {DISTRIBUTIONS}, got {distribution!r}")
-    return distribution
-
-
-def _dimensions(d_k):
-    """``d_k`` as a non-empty tuple of integers >= 1, naming the bad entry if any."""
-    if isinstance(d_k, numbers.Integral) and not isinstance(d_k, bool):
-        return (_integer("d_k", d_k, minimum=1),)
-    if isinstance(d_k, str) or not hasattr(d_k, "__len__"):
-        raise DTypeError(f"d_k must be an integer or a sequence of integers, got {d_k!r}")
-    if len(d_k) == 0:
-        raise ValueError("d_k must hold at least one dimension, got an empty sequence")
-    return tuple(_integer(f"d_k[{i}]", value, minimum=1) for i, value in enumerate(d_k))
+    return run("score_samples", problem)
 
 
 def score_variance(d_k, *, mean=0.0, correlation=0.0):
@@ -377,7 +230,7 @@ def sample_variance(samples, confidence=0.95):
 
 
 def _confidence(confidence):
-    confidence = real_scalar("confidence", confidence, allow_none=False)
+    confidence = real("confidence", confidence)
     if not 0.0 < confidence < 1.0:
         raise ValueError(f"confidence must lie strictly between 0 and 1, got {confidence}")
     return confidence
@@ -509,18 +362,18 @@ def dot_product_variance(
     >>> bool(all(estimate.theory_within_ci()))
     True
     """
-    dimensions = _dimensions(d_k)
-    n_samples = _integer("n_samples", n_samples, minimum=2)
+    dimensions = dimension_list(d_k)
+    n_samples = integer("n_samples", n_samples, minimum=2)
     confidence = _confidence(confidence)
-    problems = [
-        _score_sampling(d, n_samples, 1, distribution, mean, correlation, seed) for d in dimensions
-    ]
     backend = resolve_backend(backend)
-    implementation = SCORE_SAMPLES.implementation(backend)
+    problems = [
+        score_sampling(d, n_samples, 1, distribution, mean, correlation, seed, backend=backend)
+        for d in dimensions
+    ]
     rows = []
     for problem in problems:
         start = time.perf_counter()
-        scores = implementation(problem)[:, 0]
+        scores = run("score_samples", problem)[:, 0]
         elapsed = time.perf_counter() - start
         unscaled = sample_variance(scores, confidence)
         scaled = sample_variance(scores * (1.0 / math.sqrt(problem.d_k)), confidence)
@@ -731,7 +584,7 @@ def softmax_row_statistics(scores, *, scale=1.0, backend="auto"):
         raise ShapeError(f"scores must have rows of length n >= 1, got shape {shape_of(scores)}")
     if not _cuda.is_device_array(scores) and not np.all(np.isfinite(scores)):
         raise ValueError("scores must be finite (NaN or infinity found)")
-    scale = real_scalar("scale", scale, allow_none=False)
+    scale = real("scale", scale)
     backend = resolve_backend(backend, scores)
     if _cuda.is_device_array(scores) and backend != "cuda":
         scores = _cuda.to_host(scores)
@@ -740,5 +593,5 @@ def softmax_row_statistics(scores, *, scale=1.0, backend="auto"):
         rows = scores.reshape((math.prod(batch_shape), n))
     else:
         rows = np.ascontiguousarray(scores).reshape(math.prod(batch_shape), n)
-    statistics = SOFTMAX_ROW_STATISTICS.implementation(backend)(rows, scale)
+    statistics = implementation("softmax_row_statistics", backend)(rows, scale)
     return RowStatistics(*(statistics[c].reshape(batch_shape) for c in range(3)))

@@ -42,16 +42,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tfmath._dispatch import register, resolve_backend
-from tfmath._validation import float_operand
+from tfmath._contract.checks import float_operand, integer
+from tfmath._contract.positional import (
+    POSITION_LIMIT,
+    check_position_range,
+    decimal_pi,
+    wavelength_base,
+)
+from tfmath._dispatch import implementation, resolve_backend
 from tfmath.attention import scaled_dot_product_attention
 from tfmath.errors import DTypeError, ShapeError
 from tfmath.positional import (
-    POSITION_LIMIT,
-    _base,
-    _check_position_range,
-    _decimal_pi,
-    _integer,
     alibi_bias,
     embed,
     frequency_table,
@@ -78,19 +79,6 @@ __all__ = [
     "wavelengths",
 ]
 
-OFFSET_DISTANCES = register(
-    "sinusoidal_offset_distances",
-    cpu="tfmath.kernels.cpu.positional:offset_distances",
-    cuda="tfmath.kernels.cuda.positional:offset_distances",
-    reference="tfmath.reference.positional:offset_distances",
-)
-
-MIN_PAIRWISE_DISTANCE = register(
-    "min_pairwise_distance",
-    cpu="tfmath.kernels.cpu.positional:min_pairwise_distance",
-    cuda="tfmath.kernels.cuda.positional:min_pairwise_distance",
-    reference="tfmath.reference.positional:min_pairwise_distance",
-)
 
 #: The resolution of float64 at the scale of the encoding's values (which lie in
 #: [-1, 1]): the spacing of float64 numbers at 1, 2**-52.
@@ -144,7 +132,7 @@ def encoding_bounds(n_positions, d_model, *, base=10000.0, backend="auto"):
     >>> encoding_bounds(100, 16, backend="reference").maximum
     1.0
     """
-    n_positions = _integer("n_positions", n_positions, minimum=1)
+    n_positions = integer("n_positions", n_positions, minimum=1)
     minimum, maximum = np.inf, -np.inf
     for start in range(0, n_positions, BLOCK_POSITIONS):
         block = sinusoidal_encoding(
@@ -174,7 +162,7 @@ class ClosestPair:
 
 
 def _even_d_model(d_model, what):
-    d_model = _integer("d_model", d_model, minimum=1)
+    d_model = integer("d_model", d_model, minimum=1)
     if d_model % 2:
         raise ValueError(
             f"{what} needs an even d_model, got {d_model}: with odd d_model the last column "
@@ -217,16 +205,16 @@ def offset_distances(n_offsets, d_model, *, base=10000.0, first_offset=0, backen
     >>> offset_distances(3, 2, backend="reference")  # 2 |sin(k / 2)|
     array([0.        , 0.95885108, 1.68294197])
     """
-    n_offsets = _integer("n_offsets", n_offsets, minimum=0)
+    n_offsets = integer("n_offsets", n_offsets, minimum=0)
     d_model = _even_d_model(d_model, "offset_distances")
-    first_offset = _integer("first_offset", first_offset)
-    _check_position_range(
+    first_offset = integer("first_offset", first_offset)
+    check_position_range(
         "first_offset and n_offsets", first_offset, first_offset + max(n_offsets - 1, 0)
     )
-    table = frequency_table(d_model, _base(base))
-    implementation = OFFSET_DISTANCES.implementation(resolve_backend(backend))
+    table = frequency_table(d_model, wavelength_base(base))
+    distances = implementation("offset_distances", resolve_backend(backend))
     blocks = [
-        implementation(first_offset + start, min(BLOCK_POSITIONS, n_offsets - start), table)
+        distances(first_offset + start, min(BLOCK_POSITIONS, n_offsets - start), table)
         for start in range(0, n_offsets, BLOCK_POSITIONS)
     ]
     return np.concatenate(blocks) if blocks else np.empty(0)
@@ -262,7 +250,7 @@ def min_pairwise_distance(n_positions, d_model, *, base=10000.0, backend="auto")
     >>> min_pairwise_distance(720, 2, backend="reference").second  # 710 ≈ 113 · 2π
     710
     """
-    n_positions = _integer("n_positions", n_positions, minimum=0)
+    n_positions = integer("n_positions", n_positions, minimum=0)
     if n_positions < 2:
         return ClosestPair(math.inf, -1, -1)
     distances = offset_distances(
@@ -306,7 +294,7 @@ def min_pairwise_distance_direct(encoding, *, backend="auto"):
         raise ShapeError(f"encoding must have shape (N, d), got shape {tuple(points.shape)}")
     backend = resolve_backend(backend)
     points = np.ascontiguousarray(points, dtype=np.float64)
-    distance, first, second = MIN_PAIRWISE_DISTANCE.implementation(backend)(points)
+    distance, first, second = implementation("min_pairwise_distance", backend)(points)
     return ClosestPair(float(distance), min(first, second), max(first, second))
 
 
@@ -353,7 +341,7 @@ def first_collision(
     """
     d_model = _even_d_model(d_model, "first_collision")
     tolerance = _positive("tolerance", tolerance)
-    max_positions = _integer("max_positions", max_positions, minimum=2)
+    max_positions = integer("max_positions", max_positions, minimum=2)
     if max_positions > POSITION_LIMIT:
         raise ValueError(f"max_positions must be at most 2**31, got {max_positions}")
     for start in range(1, max_positions, BLOCK_POSITIONS):
@@ -415,7 +403,7 @@ def first_collision_two_dimensional(tolerance=FLOAT64_RESOLUTION):
     if tolerance >= 2:
         raise ValueError(f"tolerance must be below 2, the largest distance, got {tolerance}")
     with decimal.localcontext(decimal.Context(prec=_CONTINUED_FRACTION_DIGITS)):
-        pi = _decimal_pi()
+        pi = decimal_pi()
         alpha = 1 / (2 * pi)
         # D(k) <= tolerance  <=>  ||k alpha|| <= asin(tolerance / 2) / pi
         threshold = decimal.Decimal(math.asin(tolerance / 2)) / pi
@@ -480,7 +468,7 @@ def relative_shift_matrix(k, d_model, base=10000.0, *, backend="auto"):
     array([[ 0.5403,  0.8415],
            [-0.8415,  0.5403]])
     """
-    k = _integer("k", k)
+    k = integer("k", k)
     d_model = _even_d_model(d_model, "relative_shift_matrix")
     row = sinusoidal_encoding(1, d_model, base=base, offset=k, backend=backend)[0]
     sines, cosines = row[0::2], row[1::2]
@@ -528,10 +516,10 @@ def rotation_residual(n_positions, shifts, d_model, *, base=10000.0, start=0, ba
     >>> bool(rotation_residual(100, [1, 7], 16, backend="reference").max() < 1e-12)
     True
     """
-    n_positions = _integer("n_positions", n_positions, minimum=1)
+    n_positions = integer("n_positions", n_positions, minimum=1)
     shifts = _shifts(shifts)
     d_model = _even_d_model(d_model, "rotation_residual")
-    start = _integer("start", start)
+    start = integer("start", start)
     lowest = start + min(0, *shifts)
     highest = start + n_positions - 1 + max(0, *shifts)
     encoding = sinusoidal_encoding(
@@ -548,7 +536,7 @@ def rotation_residual(n_positions, shifts, d_model, *, base=10000.0, start=0, ba
 
 
 def _shifts(shifts, minimum=None):
-    values = [_integer("shifts", k, minimum=minimum) for k in np.atleast_1d(shifts).tolist()]
+    values = [integer("shifts", k, minimum=minimum) for k in np.atleast_1d(shifts).tolist()]
     if not values:
         raise ValueError("shifts must hold at least one shift, got none")
     return values
@@ -617,13 +605,13 @@ def relative_dot_products(n_positions, shifts, d_model, *, base=10000.0, backend
     >>> check.closed_form[0], bool(check.spread.max() < 1e-12)
     (np.float64(4.0), True)
     """
-    n_positions = _integer("n_positions", n_positions, minimum=1)
+    n_positions = integer("n_positions", n_positions, minimum=1)
     shifts = np.array(_shifts(shifts, minimum=0))
-    d_model = _integer("d_model", d_model, minimum=1)
+    d_model = integer("d_model", d_model, minimum=1)
     encoding = sinusoidal_encoding(
         n_positions + int(shifts.max()), d_model, base=base, backend=backend
     )
-    table = frequency_table(d_model, _base(base))
+    table = frequency_table(d_model, wavelength_base(base))
     angles = 2 * np.pi * centred_turns(shifts, table, d_model // 2)
     closed_form = np.cos(angles).sum(axis=1)
     current = encoding[:n_positions]
@@ -649,8 +637,8 @@ def wavelengths(d_model, base=10000.0):
     >>> wavelengths(4)
     array([  6.28318531, 628.31853072])
     """
-    d_model = _integer("d_model", d_model, minimum=1)
-    return 2 * np.pi / frequency_table(d_model, _base(base)).angular
+    d_model = integer("d_model", d_model, minimum=1)
+    return 2 * np.pi / frequency_table(d_model, wavelength_base(base)).angular
 
 
 # --- 4. permutation equivariance ---------------------------------------------------------------
@@ -736,11 +724,11 @@ def permutation_equivariance(
     >>> bool(plain.equivariance_residual < 1e-12 < plain.invariance_gap)
     True
     """
-    n_tokens = _integer("n_tokens", n_tokens, minimum=2)
+    n_tokens = integer("n_tokens", n_tokens, minimum=2)
     d_model = _even_d_model(d_model, "permutation_equivariance")
     if positional not in _SCHEMES:
         raise ValueError(f"positional must be one of {_SCHEMES}, got {positional!r}")
-    rng = np.random.default_rng(_integer("seed", seed))
+    rng = np.random.default_rng(integer("seed", seed))
     vocab_size = 4 * n_tokens
     embedding_matrix = rng.standard_normal((vocab_size, d_model)) / math.sqrt(d_model)
     projections = rng.standard_normal((3, d_model, d_model)) / math.sqrt(d_model)

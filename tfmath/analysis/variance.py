@@ -24,14 +24,10 @@ from typing import NamedTuple
 
 import numpy as np
 
+from tfmath._contract.checks import integer
+from tfmath._contract.variance import dimension_list, stream_seed
 from tfmath.attention import attention_grad, scaled_dot_product_attention, softmax
-from tfmath.variance import (
-    _dimensions,
-    _integer,
-    _seed,
-    sample_scores,
-    softmax_row_statistics,
-)
+from tfmath.variance import sample_scores, softmax_row_statistics
 
 __all__ = [
     "CriticalScaleFit",
@@ -194,10 +190,10 @@ def saturation_curve(
     -------
     SaturationCurve
     """
-    dimensions = _dimensions(d_k)
-    n_rows = _integer("n_rows", n_rows, minimum=2)
-    n_keys = _integer("n_keys", n_keys, minimum=2)
-    check_rows = _integer("check_rows", check_rows, minimum=1)
+    dimensions = dimension_list(d_k)
+    n_rows = integer("n_rows", n_rows, minimum=2)
+    n_keys = integer("n_keys", n_keys, minimum=2)
+    check_rows = integer("check_rows", check_rows, minimum=1)
     per_scaling = {"unscaled": [], "scaled": []}
     for d in dimensions:
         scores = sample_scores(
@@ -210,7 +206,7 @@ def saturation_curve(
         n_rows=n_rows,
         n_keys=n_keys,
         distribution=distribution,
-        seed=_seed(seed),
+        seed=stream_seed(seed),
         unscaled=_saturation_metrics(per_scaling["unscaled"]),
         scaled=_saturation_metrics(per_scaling["scaled"]),
     )
@@ -349,11 +345,11 @@ def query_gradient_norms(
     -------
     QueryGradientCurve
     """
-    dimensions = _dimensions(d_k)
-    n_heads = _integer("n_heads", n_heads, minimum=2)
-    n_keys = _integer("n_keys", n_keys, minimum=1)
-    d_v = _integer("d_v", d_v, minimum=1)
-    seed = _seed(seed)
+    dimensions = dimension_list(d_k)
+    n_heads = integer("n_heads", n_heads, minimum=2)
+    n_keys = integer("n_keys", n_keys, minimum=1)
+    d_v = integer("d_v", d_v, minimum=1)
+    seed = stream_seed(seed)
     norms = {"unscaled": [], "scaled": []}
     spreads = {"unscaled": [], "scaled": []}
     errors = []
@@ -483,12 +479,12 @@ def temperature_sweep(
     -------
     TemperatureSweep
     """
-    dimensions = _dimensions(d_k)
+    dimensions = dimension_list(d_k)
     scales = np.asarray(scales, dtype=np.float64)
     if scales.ndim != 1 or scales.size < 2 or np.any(scales <= 0) or np.any(np.diff(scales) <= 0):
         raise ValueError(f"scales must be at least two increasing positive numbers, got {scales}")
-    n_rows = _integer("n_rows", n_rows, minimum=2)
-    n_keys = _integer("n_keys", n_keys, minimum=2)
+    n_rows = integer("n_rows", n_rows, minimum=2)
+    n_keys = integer("n_keys", n_keys, minimum=2)
     shape = (len(dimensions), scales.size)
     entropy, entropy_error, max_weight, jacobian = (np.empty(shape) for _ in range(4))
     references = {"unscaled": [], "scaled": []}

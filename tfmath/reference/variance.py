@@ -10,14 +10,14 @@ Jacobian matrix itself and takes its norm.
 
 import numpy as np
 
-from tfmath.reference.attention import softmax_rows
-from tfmath.variance import (
+from tfmath._contract.variance import (
     GOLDEN_GAMMA,
     NORMAL,
     RADEMACHER,
     SIGN_BITS_PER_WORD,
     SPLITMIX_MULTIPLIERS,
 )
+from tfmath.reference.attention import softmax
 
 #: Rows generated at once, to bound the memory of the ``(rows, d_k)`` component arrays.
 ROWS_PER_BLOCK = 512
@@ -153,7 +153,7 @@ def softmax_row_statistics(scores, scale):
 
 
 def _row_statistics_block(scores, scale):
-    p = softmax_rows(scale * scores.astype(np.float64))
+    p = softmax(scale * scores.astype(np.float64))
     with np.errstate(divide="ignore", invalid="ignore"):
         plogp = np.where(p > 0, p * np.log(p), 0.0)
     jacobian = np.einsum("ri,ij->rij", p, np.eye(p.shape[1])) - np.einsum("ri,rj->rij", p, p)

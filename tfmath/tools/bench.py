@@ -10,11 +10,11 @@ import math
 import os
 import subprocess
 import sys
-import time
 import warnings
 
 import numpy as np
 
+from tfmath.analysis.timing import ROUNDS, best_time, interleaved_best_times
 from tfmath.attention import attention_grad, scaled_dot_product_attention
 
 
@@ -23,54 +23,8 @@ def gemm_roof(size=2048, repeats=5):
     rng = np.random.default_rng(0)
     a, b = (rng.standard_normal((size, size), dtype=np.float32) for _ in range(2))
     a @ b
-    best = min(_timed(lambda: a @ b) for _ in range(repeats))
+    best = best_time(lambda: a @ b, repeats)
     return 2 * size**3 / best / 1e9
-
-
-def _timed(call):
-    start = time.perf_counter()
-    call()
-    return time.perf_counter() - start
-
-
-#: Seconds to wait before timing a contender (see :func:`best_time`).
-SETTLE_SECONDS = 0.3
-
-
-def best_time(call, repeats):
-    """Best wall time of ``repeats`` calls after a pause and one warm-up call.
-
-    Worker threads of the previous contender's library (OpenBLAS, PyTorch's
-    OpenMP pool) keep spinning for a while after its last call and would take
-    the cores from the next one: at L = 512 that tripled a 2.6 ms timing. The
-    pause lets them go to sleep first.
-    """
-    return interleaved_best_times({"call": call}, repeats, rounds=1)["call"]
-
-
-#: Rounds of :func:`interleaved_best_times`.
-ROUNDS = 3
-
-
-def interleaved_best_times(calls, repeats, rounds=ROUNDS):
-    """Best wall time of each call in ``calls`` (a mapping of names to calls), from
-    ``rounds`` rounds that time every contender in turn, ``repeats`` calls each.
-
-    Other work on a shared machine comes and goes over seconds. Timed one after
-    the other, one contender can catch a busy spell the other misses: on the
-    development machine, PyTorch's forward + backward ranged from 105 to 122 ms
-    across runs of the benchmark. Rounds in turn give each contender samples
-    from the same stretch of time. Each contender gets one untimed warm-up call
-    in the first round, and every timing follows the pause of :func:`best_time`.
-    """
-    best = dict.fromkeys(calls, math.inf)
-    for round_index in range(rounds):
-        for name, call in calls.items():
-            time.sleep(SETTLE_SECONDS)
-            if round_index == 0:
-                call()
-            best[name] = min(best[name], *(_timed(call) for _ in range(repeats)))
-    return best
 
 
 def _synchronizer(backend, torch):

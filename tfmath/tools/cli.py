@@ -121,7 +121,7 @@ def _info(args):
     import scipy
 
     from tfmath import _config, _cuda
-    from tfmath._dispatch import backends, routines
+    from tfmath._dispatch import ROUTINES, backends
 
     print(f"tfmath {__version__}")
     print(f"Python {platform.python_version()} ({platform.platform()})")
@@ -147,5 +147,5 @@ def _info(args):
         )
     print(f"kernel cache: {_config.kernel_cache().describe()}")
     print(f"fast-math flags: {', '.join(sorted(_config.FASTMATH_FLAGS))}")
-    print(f"routines: {', '.join(sorted(routines()))}")
+    print(f"routines: {', '.join(sorted(ROUTINES))}")
     return 0

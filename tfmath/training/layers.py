@@ -25,21 +25,22 @@ with any leading batch dimensions, heads are split as
 linear map is ``x @ W + b`` with ``W`` of shape ``(d_in, d_out)``.
 """
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
 
-from tfmath import _cuda
-from tfmath._dispatch import register, resolve_backend
-from tfmath._validation import (
+from tfmath import _cuda, attention
+from tfmath._contract.attention import attention_problem
+from tfmath._contract.checks import (
     boolean_flag,
+    choice,
     float_operand,
     host_array,
-    real_scalar,
+    integer,
+    real,
     require_ndim,
 )
-from tfmath.attention import attention_grad, scaled_dot_product_attention
+from tfmath._dispatch import implementation, resolve_backend
 from tfmath.errors import DTypeError, ShapeError
 from tfmath.training.params import Parameters, ParameterSpec
 
@@ -95,27 +96,6 @@ NORMS = ("layer_norm", "rms_norm")
 #: Where the normalisation sits: ``"post"``, LayerNorm(x + Sublayer(x)) as the
 #: seeds and Vaswani et al. write it, or ``"pre"``, x + Sublayer(LayerNorm(x)).
 NORM_ORDERS = ("post", "pre")
-
-
-def _register(name):
-    return register(
-        name,
-        cpu=f"tfmath.kernels.cpu.layers:{name}",
-        cuda=f"tfmath.kernels.cuda.layers:{name}",
-        reference=f"tfmath.reference.layers:{name}",
-    )
-
-
-LAYER_NORM = _register("layer_norm")
-LAYER_NORM_BACKWARD = _register("layer_norm_backward")
-RMS_NORM = _register("rms_norm")
-RMS_NORM_BACKWARD = _register("rms_norm_backward")
-FFN_ACTIVATION = _register("ffn_activation")
-FFN_ACTIVATION_BACKWARD = _register("ffn_activation_backward")
-LOG_SOFTMAX = _register("log_softmax")
-LOG_SOFTMAX_BACKWARD = _register("log_softmax_backward")
-CROSS_ENTROPY = _register("cross_entropy")
-CROSS_ENTROPY_BACKWARD = _register("cross_entropy_backward")
 
 
 # -- caches and argument checks ------------------------------------------------
@@ -187,24 +167,7 @@ def _rows(array):
 
 
 def _eps(eps):
-    eps = real_scalar("eps", eps, allow_none=False)
-    if eps < 0:
-        raise ValueError(f"eps must be >= 0, got {eps}")
-    return eps
-
-
-def _choice(name, value, choices):
-    if not isinstance(value, str) or value not in choices:
-        raise ValueError(f"{name} must be one of {tuple(choices)}, got {value!r}")
-    return value
-
-
-def _positive_int(name, value):
-    if isinstance(value, bool) or not isinstance(value, int | np.integer):
-        raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
-    return int(value)
+    return real("eps", eps, at_least=0.0)
 
 
 def _features(name, x):
@@ -267,7 +230,7 @@ def layer_norm_forward(x, weight, bias, eps=1e-5, *, backend="auto"):
     eps = _eps(eps)
     backend = resolve_backend(backend)
     rows = _rows(x)
-    y, mean, rstd = LAYER_NORM.implementation(backend)(rows, weight, bias, eps)
+    y, mean, rstd = implementation("layer_norm", backend)(rows, weight, bias, eps)
     saved = {"x": rows, "weight": weight, "mean": mean, "rstd": rstd, "shape": x.shape}
     return y.reshape(x.shape), Cache("layer_norm", {**saved, "backend": backend})
 
@@ -304,7 +267,7 @@ def layer_norm_backward(grad_y, cache):
     saved = _require_cache(cache, "layer_norm")
     x = saved["x"]
     grad_y = _rows(_gradient("grad_y", grad_y, saved["shape"], x.dtype))
-    grad_x, grad_weight, grad_bias = LAYER_NORM_BACKWARD.implementation(saved["backend"])(
+    grad_x, grad_weight, grad_bias = implementation("layer_norm_backward", saved["backend"])(
         grad_y, x, saved["weight"], saved["mean"], saved["rstd"]
     )
     return grad_x.reshape(saved["shape"]), grad_weight, grad_bias
@@ -352,7 +315,7 @@ def rms_norm_forward(x, weight, eps=1e-6, *, backend="auto"):
     eps = _eps(eps)
     backend = resolve_backend(backend)
     rows = _rows(x)
-    y, rstd = RMS_NORM.implementation(backend)(rows, weight, eps)
+    y, rstd = implementation("rms_norm", backend)(rows, weight, eps)
     saved = {"x": rows, "weight": weight, "rstd": rstd, "shape": x.shape, "backend": backend}
     return y.reshape(x.shape), Cache("rms_norm", saved)
 
@@ -380,7 +343,7 @@ def rms_norm_backward(grad_y, cache):
     saved = _require_cache(cache, "rms_norm")
     x = saved["x"]
     grad_y = _rows(_gradient("grad_y", grad_y, saved["shape"], x.dtype))
-    grad_x, grad_weight = RMS_NORM_BACKWARD.implementation(saved["backend"])(
+    grad_x, grad_weight = implementation("rms_norm_backward", saved["backend"])(
         grad_y, x, saved["weight"], saved["rstd"]
     )
     return grad_x.reshape(saved["shape"]), grad_weight
@@ -390,9 +353,9 @@ def norm_parameters(d_model, norm="layer_norm"):
     """The :class:`~tfmath.training.params.ParameterSpec` of one norm.
 
     ``weight`` (ones), and ``bias`` (zeros) for LayerNorm."""
-    d_model = _positive_int("d_model", d_model)
+    d_model = integer("d_model", d_model, minimum=1)
     entries = {"weight": ((d_model,), "ones")}
-    if _choice("norm", norm, NORMS) == "layer_norm":
+    if choice("norm", norm, NORMS) == "layer_norm":
         entries["bias"] = ((d_model,), "zeros")
     return ParameterSpec(entries)
 
@@ -461,7 +424,7 @@ def ffn_activation(h, activation="gelu", *, backend="auto"):
 
 def ffn_activation_forward(h, activation="gelu", *, backend="auto"):
     """:func:`ffn_activation`, also returning the :class:`Cache` for its backward."""
-    code = ACTIVATIONS[_choice("activation", activation, ACTIVATIONS)]
+    code = ACTIVATIONS[choice("activation", activation, ACTIVATIONS)]
     h = _host_operand("h", h)
     if code == ACTIVATIONS["swiglu"] and h.shape[-1] % 2:
         raise ShapeError(
@@ -469,7 +432,7 @@ def ffn_activation_forward(h, activation="gelu", *, backend="auto"):
         )
     backend = resolve_backend(backend)
     rows = _rows(h)
-    out = FFN_ACTIVATION.implementation(backend)(rows, code)
+    out = implementation("ffn_activation", backend)(rows, code)
     out = out.reshape((*h.shape[:-1], out.shape[-1]))
     saved = {"h": rows, "code": code, "shape": h.shape, "out_shape": out.shape, "backend": backend}
     return out, Cache("ffn_activation", saved)
@@ -501,7 +464,7 @@ def ffn_activation_backward(grad_out, cache):
     saved = _require_cache(cache, "ffn_activation")
     h = saved["h"]
     grad_out = _rows(_gradient("grad_out", grad_out, saved["out_shape"], h.dtype))
-    grad_h = FFN_ACTIVATION_BACKWARD.implementation(saved["backend"])(grad_out, h, saved["code"])
+    grad_h = implementation("ffn_activation_backward", saved["backend"])(grad_out, h, saved["code"])
     return grad_h.reshape(saved["shape"])
 
 
@@ -529,8 +492,8 @@ def feed_forward_parameters(d_model, d_ff, *, activation="relu", bias=True):
     for SwiGLU: gate and up projections side by side), ``w_2`` is
     :math:`d_{ff} \times d_{model}`, and with ``bias`` ``b_1``, ``b_2``.
     """
-    d_model, d_ff = _positive_int("d_model", d_model), _positive_int("d_ff", d_ff)
-    width = 2 * d_ff if _choice("activation", activation, ACTIVATIONS) == "swiglu" else d_ff
+    d_model, d_ff = integer("d_model", d_model, minimum=1), integer("d_ff", d_ff, minimum=1)
+    width = 2 * d_ff if choice("activation", activation, ACTIVATIONS) == "swiglu" else d_ff
     entries = {"w_1": ((d_model, width), "normal"), "w_2": ((d_ff, d_model), "normal")}
     if bias:
         entries.update(b_1=((width,), "zeros"), b_2=((d_model,), "zeros"))
@@ -567,7 +530,7 @@ def feed_forward_forward(params, x, *, activation="relu", backend="auto"):
     ValueError
         For an unknown activation.
     """
-    activation = _choice("activation", activation, ACTIVATIONS)
+    activation = choice("activation", activation, ACTIVATIONS)
     x = _host_operand("x", x, 1, "(..., d_model)")
     w_1, b_1, w_2, b_2 = _ffn_weights(params, x.shape[-1], activation, x.dtype)
     h = _linear(x, w_1, b_1)
@@ -686,14 +649,17 @@ def attention_parameters(
         When ``n_heads`` does not divide ``d_model`` (and no ``d_head`` is
         given), or ``n_kv_heads`` does not divide ``n_heads``.
     """
-    d_model, n_heads = _positive_int("d_model", d_model), _positive_int("n_heads", n_heads)
+    d_model, n_heads = (
+        integer("d_model", d_model, minimum=1),
+        integer("n_heads", n_heads, minimum=1),
+    )
     n_kv_heads = _kv_heads(n_heads, n_kv_heads)
     if d_head is None:
         if d_model % n_heads:
             raise ValueError(f"n_heads = {n_heads} must divide d_model = {d_model}")
         d_head = d_model // n_heads
-    d_head = _positive_int("d_head", d_head)
-    d_source = d_model if d_source is None else _positive_int("d_source", d_source)
+    d_head = integer("d_head", d_head, minimum=1)
+    d_source = d_model if d_source is None else integer("d_source", d_source, minimum=1)
     q_width, kv_width = n_heads * d_head, n_kv_heads * d_head
     entries = {
         "w_q": ((d_model, q_width), "normal"),
@@ -712,7 +678,7 @@ def attention_parameters(
 
 
 def _kv_heads(n_heads, n_kv_heads):
-    n_kv_heads = n_heads if n_kv_heads is None else _positive_int("n_kv_heads", n_kv_heads)
+    n_kv_heads = n_heads if n_kv_heads is None else integer("n_kv_heads", n_kv_heads, minimum=1)
     if n_heads % n_kv_heads:
         raise ValueError(f"n_kv_heads = {n_kv_heads} must divide n_heads = {n_heads}")
     return n_kv_heads
@@ -733,7 +699,7 @@ class _HeadLayout:
 def _attention_weights(params, d_model, d_source, n_heads, n_kv_heads, dtype):
     """Check the projections against the inputs and head counts; return them and the layout."""
     params.require(("w_q", "w_k", "w_v", "w_o"), owner="multi_head_attention")
-    n_heads = _positive_int("n_heads", n_heads)
+    n_heads = integer("n_heads", n_heads, minimum=1)
     n_kv_heads = _kv_heads(n_heads, n_kv_heads)
     q_width = np.shape(params["w_q"])[-1]
     if q_width % n_heads:
@@ -839,33 +805,25 @@ def multi_head_attention_forward(
     key = split_heads(_linear(source, weights["w_k"], weights["b_k"]), layout.n_kv_heads)
     value = split_heads(_linear(source, weights["w_v"], weights["b_v"]), layout.n_kv_heads)
     key, value = (np.repeat(t, layout.group, axis=-3) for t in (key, value))
-    heads, log_sum_exp = scaled_dot_product_attention(
-        query, key, value, attn_mask, is_causal, return_log_sum_exp=True, backend=backend
+    # The heads are valid by construction; only the user's mask is checked, once.
+    problem = attention_problem(
+        query, key, value, attn_mask, is_causal, backend=resolve_backend(backend, x, attn_mask)
     )
+    heads, log_sum_exp = attention.forward(problem, return_log_sum_exp=True)
+    heads, log_sum_exp = _cuda.to_host(heads), _cuda.to_host(log_sum_exp)
     concat = merge_heads(heads)
     out = _linear(concat, weights["w_o"], weights["b_o"])
     saved = {
         "x": x,
         "source": None if self_attention else source,
-        "query": query,
-        "key": key,
-        "value": value,
+        "problem": problem,
         "heads": heads,
         "log_sum_exp": log_sum_exp,
         "concat": concat,
         "weights": weights,
         "layout": layout,
-        "attn_mask": _host_mask(attn_mask, x.dtype),
-        "is_causal": is_causal,
     }
     return out, Cache("multi_head_attention", saved)
-
-
-def _host_mask(attn_mask, dtype):
-    if attn_mask is None:
-        return None
-    mask = host_array("attn_mask", _cuda.to_host(attn_mask))
-    return mask if mask.dtype == np.bool_ else mask.astype(dtype)
 
 
 def multi_head_attention_backward(grad_out, cache):
@@ -895,17 +853,16 @@ def multi_head_attention_backward(grad_out, cache):
     grad_concat, grad_w_o, grad_b_o = _linear_backward(
         grad_out, saved["concat"], weights["w_o"], has_bias
     )
-    # The forward's output and log-sum-exp spare the backward a second forward pass.
-    grad_query, grad_key, grad_value = attention_grad(
-        saved["query"],
-        saved["key"],
-        saved["value"],
-        split_heads(grad_concat, layout.n_heads),
-        saved["attn_mask"],
-        saved["is_causal"],
-        1 / math.sqrt(layout.d_head),
-        output=saved["heads"],
-        log_sum_exp=saved["log_sum_exp"],
+    # The forward's problem (and so its backend), output and log-sum-exp: no second
+    # validation, and no second forward pass.
+    problem = saved["problem"]
+    grad_query, grad_key, grad_value = (
+        _cuda.to_host(g)
+        for g in attention.gradients(
+            problem,
+            split_heads(grad_concat, layout.n_heads),
+            (saved["heads"], saved["log_sum_exp"]),
+        )
     )
     grad_key, grad_value = (_sum_groups(g, layout) for g in (grad_key, grad_value))
     source = x if saved["source"] is None else saved["source"]
@@ -976,8 +933,8 @@ def residual_forward(
     y : numpy.ndarray, shape (..., d_model)
     cache : Cache
     """
-    order = _choice("order", order, NORM_ORDERS)
-    norm = _choice("norm", norm, NORMS)
+    order = choice("order", order, NORM_ORDERS)
+    norm = choice("norm", norm, NORMS)
     x = _host_operand("x", x)
     if order == "post":
         sub_out, sub_cache = sublayer(x)
@@ -1056,10 +1013,10 @@ class BlockConfig:
     eps: float = 1e-5
 
     def __post_init__(self):
-        _kv_heads(_positive_int("n_heads", self.n_heads), self.n_kv_heads)
-        _choice("activation", self.activation, ACTIVATIONS)
-        _choice("norm", self.norm, NORMS)
-        _choice("norm_order", self.norm_order, NORM_ORDERS)
+        _kv_heads(integer("n_heads", self.n_heads, minimum=1), self.n_kv_heads)
+        choice("activation", self.activation, ACTIVATIONS)
+        choice("norm", self.norm, NORMS)
+        choice("norm_order", self.norm_order, NORM_ORDERS)
         _eps(self.eps)
 
 
@@ -1422,7 +1379,7 @@ def log_softmax_forward(x, *, backend="auto"):
     if x.shape[-1] == 0:
         y = x.copy()
     else:
-        y = LOG_SOFTMAX.implementation(backend)(_rows(x)).reshape(x.shape)
+        y = implementation("log_softmax", backend)(_rows(x)).reshape(x.shape)
     return y, Cache("log_softmax", {"y": y, "backend": backend})
 
 
@@ -1434,7 +1391,7 @@ def log_softmax_backward(grad_y, cache):
     grad_y = _gradient("grad_y", grad_y, y.shape, y.dtype)
     if y.shape[-1] == 0:
         return grad_y.copy()
-    grad_x = LOG_SOFTMAX_BACKWARD.implementation(saved["backend"])(_rows(grad_y), _rows(y))
+    grad_x = implementation("log_softmax_backward", saved["backend"])(_rows(grad_y), _rows(y))
     return grad_x.reshape(y.shape)
 
 
@@ -1513,13 +1470,13 @@ def cross_entropy_forward(
     logits = _host_operand("logits", logits, 1, "(..., V)")
     _features("logits", logits)
     targets, ignore_index = _targets(targets, logits.shape, ignore_index)
-    smoothing = real_scalar("label_smoothing", label_smoothing, allow_none=False)
+    smoothing = real("label_smoothing", label_smoothing)
     if not 0 <= smoothing <= 1:
         raise ValueError(f"label_smoothing must lie in [0, 1], got {smoothing}")
-    reduction = _choice("reduction", reduction, REDUCTIONS)
+    reduction = choice("reduction", reduction, REDUCTIONS)
     backend = resolve_backend(backend)
     rows, flat_targets = _rows(logits), np.ascontiguousarray(targets.ravel())
-    losses, row_max, log_sum = CROSS_ENTROPY.implementation(backend)(
+    losses, row_max, log_sum = implementation("cross_entropy", backend)(
         rows, flat_targets, smoothing, ignore_index
     )
     counted = int(np.count_nonzero(flat_targets != ignore_index))
@@ -1594,7 +1551,7 @@ def cross_entropy_backward(grad_loss, cache):
     saved = _require_cache(cache, "cross_entropy")
     logits, targets = saved["logits"], saved["targets"]
     per_row = _per_row_gradient(grad_loss, saved, logits.dtype)
-    grad = CROSS_ENTROPY_BACKWARD.implementation(saved["backend"])(
+    grad = implementation("cross_entropy_backward", saved["backend"])(
         per_row,
         logits,
         targets,

@@ -61,7 +61,7 @@ def _softmax_rows_kernel(x, out):
         _softmax_inplace(out[i])
 
 
-def softmax_rows(x):
+def softmax(x):
     """Softmax of each row of a C-contiguous float32/float64 2-D array."""
     out = np.empty_like(x)
     _softmax_rows_kernel(x, out)
@@ -117,7 +117,7 @@ def _attention_kernel(query, key, value, mask, index, is_causal, scale, out, wei
             _weighted_sum(scores, value[v], n_visible, out[b, i])
 
 
-def scaled_dot_product_attention(problem):
+def naive_attention(problem):
     """Run the CPU attention kernel on a validated :class:`~tfmath.attention.AttentionProblem`."""
     query, key, value, mask, index = problem.kernel_operands()
     n_batch = index.shape[0]

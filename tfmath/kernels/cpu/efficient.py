@@ -40,7 +40,12 @@ import numba
 import numpy as np
 
 from tfmath._config import cpu_kernel, serial_blas
-from tfmath.efficient import BLOCK, LOCAL, STRIDED
+from tfmath._contract.efficient import (
+    ELU_PLUS_ONE,
+    run_bounds,
+    run_count,
+    sparse_kernel_arguments,
+)
 from tfmath.kernels.cpu.exp2 import exp2_in_place
 
 #: Bounds on the rows per linear-attention chunk (:func:`chunk_size`).
@@ -52,45 +57,6 @@ ROWS_PER_TASK = 16
 #: Keys scored at once before one vectorised exponential.
 RUN_CHUNK = 128
 LOG2E = 1.4426950408889634
-ELU_PLUS_ONE = 0
-
-
-# --- sparse runs (plain Python, compiled for both the CPU and the CUDA kernels) -----------
-
-
-def run_count(code, row, block_size, row_starts):
-    """How many runs of keys :func:`run_bounds` describes for query ``row``."""
-    if code == BLOCK:
-        block_row = row // block_size
-        return row_starts[block_row + 1] - row_starts[block_row]
-    return 3
-
-
-def run_bounds(code, row, part, window, stride, block_size, row_starts, key_blocks, top):
-    """Run ``part`` of the keys query ``row`` attends: ``(start, stop, step)``, maybe empty.
-
-    ``top`` is one past the last key the row may see (``S``, or ``min(row + 1, S)``
-    when causal). The three runs of a banded pattern are: the strided keys
-    below the window, the window, and the strided keys above it, so the union
-    pattern visits no key twice.
-    """
-    if code == BLOCK:
-        start = key_blocks[row_starts[row // block_size] + part] * block_size
-        return start, min(start + block_size, top), 1
-    low = max(row - window + 1, 0)
-    high = min(row + window, top)
-    if code == LOCAL:
-        return (low, high, 1) if part == 1 else (0, 0, 1)
-    residue = row % stride
-    if code == STRIDED or high <= low:
-        return (residue, top, stride) if part == 1 else (0, 0, 1)
-    if part == 0:
-        return residue, low, stride
-    if part == 1:
-        return low, high, 1
-    # The first key at or above `high` congruent to the row (written so that it
-    # holds under either sign convention of %).
-    return high + ((residue - high) % stride + stride) % stride, top, stride
 
 
 _run_count = cpu_kernel(run_count)
@@ -177,20 +143,6 @@ def _sparse_kernel(
             else:
                 for e in range(out.shape[2]):
                     out[b, i, e] = accumulator[e] / total
-
-
-def sparse_kernel_arguments(pattern):
-    """The pattern as the sparse kernels take it: ``(code, window, stride, block_size,
-    row_starts, key_blocks)``, with placeholders (1, empty arrays) for what it does not use."""
-    row_starts, key_blocks = pattern.block_rows()
-    return (
-        pattern.code,
-        pattern.window or 1,
-        pattern.stride or 1,
-        pattern.block_size or 1,
-        row_starts,
-        key_blocks,
-    )
 
 
 def sparse_attention(problem, pattern):
@@ -386,17 +338,8 @@ def _linear_kernel(query, key, value, index, code, is_causal, eps, chunk, out):
             _global_linear(query[q], key[k], value[v], code, eps, chunk, out[b])
 
 
-def is_degenerate(problem):
-    """Whether a dimension is empty, so BLAS has nothing to multiply (the reference handles it)."""
-    return min(problem.n_query, problem.n_key, problem.n_features, problem.value_dim) == 0
-
-
 def linear_attention(problem, feature_code, eps):
     """Run the linear-attention CPU kernel on a validated ``AttentionProblem``."""
-    if is_degenerate(problem):
-        from tfmath.reference.efficient import linear_attention as reference
-
-        return reference(problem, feature_code, eps)
     query, key, value, _, index = problem.kernel_operands()
     out = np.empty((index.shape[0], problem.n_query, problem.value_dim), dtype=problem.dtype)
     chunk = chunk_size(problem.n_features, problem.value_dim)

@@ -465,7 +465,7 @@ def flash_forward(problem):
     return output, log_sum_exp.reshape(n_batch, padded_rows)[:, :n_query]
 
 
-def scaled_dot_product_attention(problem):
+def flash_attention(problem):
     """The flash forward: the output, ``batch_shape + (L, Ev)``, and the log-sum-exp of
     each row, ``batch_shape + (L,)``."""
     output, log_sum_exp = flash_forward(problem)

@@ -15,7 +15,7 @@ import numba
 import numpy as np
 
 from tfmath._config import cpu_kernel
-from tfmath.variance import (
+from tfmath._contract.variance import (
     GOLDEN_GAMMA,
     NORMAL,
     RADEMACHER,

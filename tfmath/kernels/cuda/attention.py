@@ -13,7 +13,6 @@ row's output.
 import functools
 import math
 
-import numba
 import numpy as np
 
 from tfmath import _cuda
@@ -155,18 +154,13 @@ def _softmax_kernel(numba_dtype):
     return kernel
 
 
-_NUMBA_DTYPES = {np.dtype(np.float32): numba.float32, np.dtype(np.float64): numba.float64}
-_THREADS_PER_BLOCK = 128
-
-
-def softmax_rows(x):
+def softmax(x):
     """Softmax of each row of a 2-D array, one thread per row."""
     on_device = _cuda.is_device_array(x)
     device_x = _cuda.to_device(x)
     out = _cuda.device_empty(device_x.shape, device_x.dtype)
-    threads = min(_THREADS_PER_BLOCK, device_x.shape[0])
-    blocks = (device_x.shape[0] + threads - 1) // threads
-    _softmax_kernel(_NUMBA_DTYPES[np.dtype(device_x.dtype)])[blocks, threads](device_x, out)
+    blocks, threads = _cuda.launch_shape(device_x.shape[0])
+    _softmax_kernel(_cuda.numba_dtype(np.dtype(device_x.dtype)))[blocks, threads](device_x, out)
     return out if on_device else out.copy_to_host()
 
 
@@ -184,7 +178,7 @@ def _rows_per_block(problem):
     return rows
 
 
-def scaled_dot_product_attention(problem):
+def naive_attention(problem):
     """Launch the CUDA attention kernel on a validated ``AttentionProblem``."""
     rows = _rows_per_block(problem)
     query, key, value, mask, index = problem.kernel_operands()
@@ -198,7 +192,7 @@ def scaled_dot_product_attention(problem):
     blocks = n_batch * ((problem.n_query + rows - 1) // rows)
     if blocks > 0:
         shared_bytes = rows * (key.shape[2] + value.shape[2]) * dtype.itemsize
-        _attention_kernel(_NUMBA_DTYPES[dtype])[blocks, rows, 0, shared_bytes](
+        _attention_kernel(_cuda.numba_dtype(dtype))[blocks, rows, 0, shared_bytes](
             _cuda.to_device(query),
             _cuda.to_device(key),
             _cuda.to_device(value),

@@ -18,13 +18,11 @@ column of the prefix state and a copy of the normaliser in global scratch.
 import functools
 import math
 
-import numba
 import numpy as np
 
 from tfmath import _cuda
-from tfmath.kernels.cpu.efficient import (
+from tfmath._contract.efficient import (
     ELU_PLUS_ONE,
-    is_degenerate,
     run_bounds,
     run_count,
     sparse_kernel_arguments,
@@ -32,16 +30,9 @@ from tfmath.kernels.cpu.efficient import (
 
 cuda = _cuda.numba_cuda()
 
-_THREADS_PER_BLOCK = 64
-_NUMBA_DTYPES = {np.dtype(np.float32): numba.float32, np.dtype(np.float64): numba.float64}
 
 _run_count = cuda.jit(device=True)(run_count)
 _run_bounds = cuda.jit(device=True)(run_bounds)
-
-
-def _launch_shape(n_threads):
-    threads = max(1, min(_THREADS_PER_BLOCK, n_threads))
-    return (n_threads + threads - 1) // threads, threads
 
 
 def _device_operands(problem):
@@ -121,8 +112,8 @@ def sparse_attention(problem, pattern):
     code, window, stride, block_size, row_starts, key_blocks = sparse_kernel_arguments(pattern)
     n_threads = index.shape[0] * problem.n_query
     if n_threads:
-        blocks, threads = _launch_shape(n_threads)
-        _sparse_kernel(_NUMBA_DTYPES[dtype])[blocks, threads](
+        blocks, threads = _cuda.launch_shape(n_threads)
+        _sparse_kernel(_cuda.numba_dtype(dtype))[blocks, threads](
             query, key, value, index, code, window, stride, block_size,
             _cuda.to_device(row_starts), _cuda.to_device(key_blocks), problem.is_causal,
             dtype.type(problem.scale), out,
@@ -212,11 +203,6 @@ def _causal_kernel(query, key, value, index, code, eps, column, normaliser, out)
 
 def linear_attention(problem, feature_code, eps):
     """Launch the linear-attention CUDA kernels on a validated ``AttentionProblem``."""
-    if is_degenerate(problem):
-        from tfmath.reference.efficient import linear_attention as reference
-
-        output = reference(problem.on_host(), feature_code, eps)
-        return _cuda.to_device(output) if problem.on_device else output
     query, key, value, index = _device_operands(problem)
     n_batch = index.shape[0]
     n_features, n_values = problem.n_features, problem.value_dim
@@ -224,15 +210,15 @@ def linear_attention(problem, feature_code, eps):
     if problem.is_causal:
         column = _cuda.device_empty((n_batch, n_values, n_features), np.float64)
         normaliser = _cuda.device_empty((n_batch, n_values, n_features), np.float64)
-        blocks, threads = _launch_shape(n_batch * n_values)
+        blocks, threads = _cuda.launch_shape(n_batch * n_values)
         _causal_kernel[blocks, threads](
             query, key, value, index, feature_code, eps, column, normaliser, out
         )
         return _finish(problem, out)
     state = _cuda.device_empty((n_batch, n_features, n_values), np.float64)
     normaliser = _cuda.device_empty((n_batch, n_features), np.float64)
-    blocks, threads = _launch_shape(n_batch * n_features * (n_values + 1))
+    blocks, threads = _cuda.launch_shape(n_batch * n_features * (n_values + 1))
     _global_state_kernel[blocks, threads](key, value, index, feature_code, state, normaliser)
-    blocks, threads = _launch_shape(n_batch * problem.n_query * n_values)
+    blocks, threads = _cuda.launch_shape(n_batch * problem.n_query * n_values)
     _global_output_kernel[blocks, threads](query, index, feature_code, eps, state, normaliser, out)
     return _finish(problem, out)

@@ -21,7 +21,6 @@ in a fixed order, so, as on the CPU, the same input gives the same bits.
 import functools
 import math
 
-import numba
 import numpy as np
 
 from tfmath import _cuda
@@ -35,8 +34,6 @@ MAX_HEAD_DIM = 256
 ROWS_PER_BLOCK = 32
 #: ...and threads sharing each row's work, so a block runs ROWS_PER_BLOCK * KEY_SPLITS threads.
 KEY_SPLITS = 4
-
-_NUMBA_DTYPES = {np.dtype(np.float32): numba.float32, np.dtype(np.float64): numba.float64}
 
 
 @functools.cache
@@ -402,7 +399,7 @@ def _launch_forward(problem, operands):
     log_sum_exp = _cuda.device_empty((n_batch, problem.n_query), dtype)
     # The merge holds each thread's maximum, sum and Ev outputs.
     shape = _launch_shape(problem, problem.n_query, Ev + 2, E + Ev)
-    kernel = _forward_kernel(_NUMBA_DTYPES[dtype], E, Ev)
+    kernel = _forward_kernel(_cuda.numba_dtype(dtype), E, Ev)
     _launch(
         kernel, dtype, n_batch * math.ceil(problem.n_query / shape[0]), shape, E + Ev, Ev + 2,
         query, key, value, mask, index, problem.is_causal, dtype.type(problem.scale), shape[2],
@@ -411,7 +408,7 @@ def _launch_forward(problem, operands):
     return out, log_sum_exp
 
 
-def scaled_dot_product_attention(problem):
+def flash_attention(problem):
     """Launch the flash forward kernel on a validated ``AttentionProblem``: returns the
     output ``batch_shape + (L, Ev)`` and log-sum-exp ``batch_shape + (L,)``."""
     _check_head_size(problem)
@@ -443,7 +440,7 @@ def attention_grad(problem, grad_output, saved=None):
     delta = _cuda.device_empty((n_batch, n_query), dtype)
     shape = _launch_shape(problem, n_query, E, E + Ev)
     _launch(
-        _query_gradient_kernel(_NUMBA_DTYPES[dtype], E, Ev), dtype,
+        _query_gradient_kernel(_cuda.numba_dtype(dtype), E, Ev), dtype,
         n_batch * math.ceil(n_query / shape[0]), shape, E + Ev, E,
         query, key, value, grad_output, output, log_sum_exp, mask, index, problem.is_causal,
         scale, shape[2], grad_query, delta,
@@ -452,7 +449,7 @@ def attention_grad(problem, grad_output, saved=None):
     grad_value = _cuda.device_empty((n_batch, n_key, Ev), dtype)
     shape = _launch_shape(problem, n_key, max(E, Ev), E + Ev + 2)
     _launch(
-        _key_gradient_kernel(_NUMBA_DTYPES[dtype], E, Ev), dtype,
+        _key_gradient_kernel(_cuda.numba_dtype(dtype), E, Ev), dtype,
         n_batch * math.ceil(n_key / shape[0]), shape, E + Ev + 2, max(E, Ev),
         query, key, value, grad_output, log_sum_exp, delta, mask, index, problem.is_causal,
         scale, shape[2], grad_key, grad_value,

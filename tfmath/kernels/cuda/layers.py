@@ -22,15 +22,13 @@ _SQRT_2_OVER_PI = math.sqrt(2 / math.pi)
 _INV_SQRT_2 = 1 / math.sqrt(2)
 _INV_SQRT_2PI = 1 / math.sqrt(2 * math.pi)
 _GELU_CUBIC = 0.044715
-_THREADS_PER_BLOCK = 128
 
 
 def _launch(kernel, n_threads, *args):
     """Run ``kernel`` with one thread per item of ``n_threads`` (nothing when there are none)."""
     if n_threads == 0:
         return
-    threads = min(_THREADS_PER_BLOCK, n_threads)
-    blocks = (n_threads + threads - 1) // threads
+    blocks, threads = _cuda.launch_shape(n_threads)
     kernel[blocks, threads](*args)
 
 

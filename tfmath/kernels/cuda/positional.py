@@ -9,7 +9,6 @@ int64 and float64 arithmetic on the device.
 import functools
 import math
 
-import numba
 import numpy as np
 
 from tfmath import _cuda
@@ -20,8 +19,6 @@ _TWO_TO_MINUS_32 = 2.0**-32
 _TWO_TO_MINUS_64 = 2.0**-64
 _LOW_32_BITS = 0xFFFFFFFF
 _TWO_PI = 2 * math.pi
-_THREADS_PER_BLOCK = 128
-_NUMBA_DTYPES = {np.dtype(np.float32): numba.float32, np.dtype(np.float64): numba.float64}
 
 
 @cuda.jit(device=True)
@@ -30,11 +27,6 @@ def _centred_turns(position, halves, remainder, i):
     turns = ((position * halves[i, 0]) & _LOW_32_BITS) * _TWO_TO_MINUS_32
     turns += (position * halves[i, 1]) * _TWO_TO_MINUS_64 + position * remainder[i]
     return turns - math.floor(turns + 0.5)
-
-
-def _launch_shape(n_threads):
-    threads = max(1, min(_THREADS_PER_BLOCK, n_threads))
-    return (n_threads + threads - 1) // threads, threads
 
 
 @cuda.jit
@@ -56,7 +48,7 @@ def sinusoidal_encoding(n_positions, d_model, offset, table, dtype):
     out = _cuda.device_empty((n_positions, d_model), dtype)
     n_threads = n_positions * table.n_pairs
     if n_threads:
-        blocks, threads = _launch_shape(n_threads)
+        blocks, threads = _cuda.launch_shape(n_threads)
         _sinusoidal_kernel[blocks, threads](
             np.int64(offset), _cuda.to_device(table.halves), _cuda.to_device(table.remainder), out
         )
@@ -91,8 +83,8 @@ def rotary_embedding(x, positions, table):
     n_batch, n_rows, n_features = device_x.shape
     n_threads = n_batch * n_rows * (n_features // 2)
     if n_threads:
-        blocks, threads = _launch_shape(n_threads)
-        _rotary_kernel(_NUMBA_DTYPES[np.dtype(device_x.dtype)])[blocks, threads](
+        blocks, threads = _cuda.launch_shape(n_threads)
+        _rotary_kernel(_cuda.numba_dtype(np.dtype(device_x.dtype)))[blocks, threads](
             device_x,
             _cuda.to_device(positions),
             _cuda.to_device(table.halves),
@@ -119,7 +111,7 @@ def alibi_bias(slopes, n_query, n_key):
     out = _cuda.device_empty((slopes.shape[0], n_query, n_key), slopes.dtype)
     n_threads = slopes.shape[0] * n_query * n_key
     if n_threads:
-        blocks, threads = _launch_shape(n_threads)
+        blocks, threads = _cuda.launch_shape(n_threads)
         _alibi_kernel[blocks, threads](_cuda.to_device(slopes), out)
     return out.copy_to_host()
 
@@ -150,7 +142,7 @@ def embed(tokens, embedding_matrix, positional, scale):
         positional = np.empty((0, 0), dtype=dtype)
     n_threads = n_batch * n_rows * d_model
     if n_threads:
-        blocks, threads = _launch_shape(n_threads)
+        blocks, threads = _cuda.launch_shape(n_threads)
         _embed_kernel[blocks, threads](
             _cuda.to_device(tokens),
             _cuda.to_device(embedding_matrix),
@@ -178,7 +170,7 @@ def offset_distances(first_offset, n_offsets, table):
     """``2 sqrt(sum_i sin^2(omega_i k / 2))``, one thread per offset ``k``."""
     out = _cuda.device_empty((n_offsets,), np.float64)
     if n_offsets:
-        blocks, threads = _launch_shape(n_offsets)
+        blocks, threads = _cuda.launch_shape(n_offsets)
         _offset_distance_kernel[blocks, threads](
             np.int64(first_offset),
             _cuda.to_device(table.halves),
@@ -218,7 +210,7 @@ def min_pairwise_distance(points):
         return np.inf, -1, -1
     best = _cuda.device_empty((n,), np.float64)
     best_q = _cuda.device_empty((n,), np.int64)
-    blocks, threads = _launch_shape(n)
+    blocks, threads = _cuda.launch_shape(n)
     _row_minimum_kernel[blocks, threads](_cuda.to_device(points), best, best_q)
     best, best_q = best.copy_to_host(), best_q.copy_to_host()
     p = int(np.argmin(best))

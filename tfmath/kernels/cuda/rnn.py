@@ -11,16 +11,12 @@ two steps.
 import functools
 import math
 
-import numba
-import numpy as np
-
 from tfmath import _cuda
 
 cuda = _cuda.numba_cuda()
 
 #: Threads per block on every CUDA GPU: the largest hidden size this kernel runs.
 MAX_HIDDEN = 1024
-_NUMBA_DTYPES = {np.dtype(np.float32): numba.float32, np.dtype(np.float64): numba.float64}
 
 
 @functools.cache
@@ -59,7 +55,7 @@ def elman_rnn(problem):
     dtype = problem.dtype
     states = _cuda.device_empty((index.shape[0], problem.n_steps, hidden), dtype)
     if index.shape[0] and problem.n_steps and hidden:
-        _elman_kernel(_NUMBA_DTYPES[dtype])[index.shape[0], hidden, 0, hidden * dtype.itemsize](
+        _elman_kernel(_cuda.numba_dtype(dtype))[index.shape[0], hidden, 0, hidden * dtype.itemsize](
             _cuda.to_device(inputs),
             _cuda.to_device(problem.w_xh),
             _cuda.to_device(problem.w_hh),

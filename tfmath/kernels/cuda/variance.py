@@ -16,12 +16,11 @@ import functools
 import math
 import warnings
 
-import numba
 import numpy as np
 from numba import float64, int64, uint32, uint64
 
 from tfmath import _cuda
-from tfmath.variance import (
+from tfmath._contract.variance import (
     GOLDEN_GAMMA,
     NORMAL,
     RADEMACHER,
@@ -38,7 +37,6 @@ _random = _cuda.numba_cuda_random()
 _next = _random.xoroshiro128p_next
 _uniform = _random.xoroshiro128p_uniform_float64
 
-_THREADS_PER_BLOCK = 128
 _GAMMA = np.uint64(GOLDEN_GAMMA)
 _MIX_1 = np.uint64(SPLITMIX_MULTIPLIERS[0])
 _MIX_2 = np.uint64(SPLITMIX_MULTIPLIERS[1])
@@ -169,16 +167,11 @@ def _scores_kernel(states, base, kind, d_k, mean, shared_weight, own_weight, out
         out[row, j] = dot
 
 
-def _launch_shape(n_threads):
-    threads = max(1, min(_THREADS_PER_BLOCK, n_threads))
-    return (n_threads + threads - 1) // threads, threads
-
-
 def score_samples(problem):
     """Launch the sampling kernel for a validated :class:`~tfmath.variance.ScoreSampling`."""
     states = _cuda.device_empty(2 * problem.n_rows, _random.xoroshiro128p_dtype)
     out = _cuda.device_empty((problem.n_rows, problem.n_keys), np.float64)
-    blocks, threads = _launch_shape(problem.n_rows)
+    blocks, threads = _cuda.launch_shape(problem.n_rows)
     with _wrapping_uint64():
         _scores_kernel[blocks, threads](
             states,
@@ -237,9 +230,6 @@ def _row_statistics_kernel(numba_dtype):
     return kernel
 
 
-_NUMBA_DTYPES = {np.dtype(np.float32): numba.float32, np.dtype(np.float64): numba.float64}
-
-
 def softmax_row_statistics(scores, scale):
     """Rows ``(max weight, entropy, ||J||_F)`` of a 2-D array, one thread per row."""
     on_device = _cuda.is_device_array(scores)
@@ -247,8 +237,8 @@ def softmax_row_statistics(scores, scale):
     dtype = np.dtype(device_scores.dtype)
     out = _cuda.device_empty((3, device_scores.shape[0]), dtype)
     if device_scores.shape[0] > 0:
-        blocks, threads = _launch_shape(device_scores.shape[0])
-        _row_statistics_kernel(_NUMBA_DTYPES[dtype])[blocks, threads](
+        blocks, threads = _cuda.launch_shape(device_scores.shape[0])
+        _row_statistics_kernel(_cuda.numba_dtype(dtype))[blocks, threads](
             device_scores, dtype.type(scale), out
         )
     return out if on_device else out.copy_to_host()

@@ -1,0 +1,268 @@
+"""The attention problem: validated operands of one attention call, and their layout.
+
+Built once by :func:`attention_problem` from the user's arguments; every
+attention routine on every backend (naive, flash, its gradient, linear and
+sparse attention) receives it.
+"""
+
+import math
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from tfmath import _cuda
+from tfmath._contract.checks import boolean_flag, float_operand, host_array, real, require_ndim
+from tfmath._contract.layout import as_batched_3d, batch_index, broadcast_batch_shapes, shape_of
+from tfmath.errors import ArgumentError, DTypeError, ShapeError
+
+
+@dataclass(frozen=True)
+class AttentionProblem:
+    """Validated inputs of one attention call, as every backend receives them.
+
+    The operands live where ``backend`` runs: in host memory for ``"cpu"`` and
+    ``"reference"``; for ``"cuda"``, where the user put them. The reference
+    implementation reads the arrays as the user shaped them (after dtype
+    conversion); the kernels call :meth:`kernel_operands`.
+    """
+
+    query: object
+    key: object
+    value: object
+    attn_mask: object
+    is_causal: bool
+    scale: float
+    return_weights: bool
+    batch_shape: tuple
+    dtype: np.dtype
+    backend: str
+
+    @property
+    def n_query(self):
+        return shape_of(self.query)[-2]
+
+    @property
+    def n_features(self):
+        return shape_of(self.query)[-1]
+
+    @property
+    def n_key(self):
+        return shape_of(self.key)[-2]
+
+    @property
+    def value_dim(self):
+        return shape_of(self.value)[-1]
+
+    @property
+    def on_device(self):
+        return any(_cuda.is_device_array(a) for a in (self.query, self.key, self.value))
+
+    @property
+    def is_empty(self):
+        """Whether some dimension is 0, so that there is nothing for a kernel to compute."""
+        return 0 in (
+            math.prod(self.batch_shape),
+            self.n_query,
+            self.n_key,
+            self.n_features,
+            self.value_dim,
+        )
+
+    def output_shape(self):
+        return (*self.batch_shape, self.n_query, self.value_dim)
+
+    def weights_shape(self):
+        return (*self.batch_shape, self.n_query, self.n_key)
+
+    def additive_mask(self):
+        """The mask as a bias of the compute dtype (boolean False becomes ``-inf``), or None."""
+        mask = self.attn_mask
+        if mask is None or mask.dtype != np.bool_:
+            return mask
+        return np.where(mask, 0.0, -np.inf).astype(self.dtype)
+
+    def kernel_operands(self):
+        """The operands as the kernels take them.
+
+        Returns
+        -------
+        query, key, value : arrays of shape ``(batch, rows, features)``
+            Each operand's own batch dimensions flattened (no broadcast copies).
+        mask : array of shape ``(mask_batch, L, S)``, or None
+            Additive bias, broadcast over its last two dimensions only.
+        index : int64 array of shape ``(prod(batch_shape), 4)``
+            For each output batch entry, the batch entry of query, key, value
+            and mask to read.
+        """
+        operands = {"query": self.query, "key": self.key, "value": self.value}
+        mask = self.additive_mask()
+        if mask is not None:
+            mask_batch = shape_of(mask)[:-2]
+            operands["mask"] = np.broadcast_to(mask, (*mask_batch, self.n_query, self.n_key))
+        flat = []
+        columns = []
+        for array in operands.values():
+            batch = shape_of(array)[:-2]
+            flat.append(as_batched_3d(array, math.prod(batch)))
+            columns.append(batch_index(batch, self.batch_shape))
+        if mask is None:
+            flat.append(None)
+            columns.append(np.zeros(math.prod(self.batch_shape), dtype=np.int64))
+        index = np.ascontiguousarray(np.stack(columns, axis=1))
+        return (*flat, index)
+
+    def on_host(self):
+        """The same problem with every operand in host memory."""
+        if not self.on_device:
+            return self
+        return replace(
+            self,
+            query=_cuda.to_host(self.query),
+            key=_cuda.to_host(self.key),
+            value=_cuda.to_host(self.value),
+        )
+
+
+def attention_problem(
+    query, key, value, attn_mask=None, is_causal=False, scale=None, return_weights=False, *, backend
+):
+    """Validate the arguments of an attention call and return its :class:`AttentionProblem`.
+
+    ``backend`` is the resolved backend (``"cpu"``, ``"cuda"`` or
+    ``"reference"``); operands move to host memory unless it is ``"cuda"``.
+    """
+    query = float_operand("query", query)
+    key = float_operand("key", key)
+    value = float_operand("value", value)
+    for name, array, meaning in (
+        ("query", query, "(..., L, E)"),
+        ("key", key, "(..., S, E)"),
+        ("value", value, "(..., S, Ev)"),
+    ):
+        require_ndim(name, array, 2, meaning)
+    if shape_of(query)[-1] != shape_of(key)[-1]:
+        raise ShapeError(
+            f"query and key must have the same last dimension E, got query "
+            f"{tuple(query.shape)} and key {tuple(key.shape)}"
+        )
+    if shape_of(key)[-2] != shape_of(value)[-2]:
+        raise ShapeError(
+            f"key and value must have the same sequence length S (second-to-last "
+            f"dimension), got key {tuple(key.shape)} and value {tuple(value.shape)}"
+        )
+    if shape_of(query)[-1] == 0 and scale is None:
+        raise ShapeError(
+            f"query has E = 0 features (shape {tuple(query.shape)}), so the default "
+            "scale 1/sqrt(E) is undefined; pass scale explicitly"
+        )
+    dtype = np.result_type(query.dtype, key.dtype, value.dtype)
+    query, key, value = (
+        cast_operand(name, a, dtype)
+        for name, a in zip(("query", "key", "value"), (query, key, value), strict=True)
+    )
+    n_query, n_key = shape_of(query)[-2], shape_of(key)[-2]
+    mask = _attention_mask(attn_mask, n_query, n_key, dtype)
+    named_batches = {
+        "query": shape_of(query)[:-2],
+        "key": shape_of(key)[:-2],
+        "value": shape_of(value)[:-2],
+    }
+    if mask is not None:
+        named_batches["attn_mask"] = shape_of(mask)[:-2]
+    batch_shape = broadcast_batch_shapes(named_batches)
+    scale = real("scale", scale, allow_none=True)
+    if scale is None:
+        scale = 1.0 / math.sqrt(shape_of(query)[-1])
+    problem = AttentionProblem(
+        query,
+        key,
+        value,
+        mask,
+        boolean_flag("is_causal", is_causal),
+        scale,
+        boolean_flag("return_weights", return_weights),
+        batch_shape,
+        dtype,
+        backend,
+    )
+    return problem if backend == "cuda" else problem.on_host()
+
+
+def cast_operand(name, array, dtype):
+    """``array`` in ``dtype``: host arrays are converted, device arrays must already match."""
+    if array.dtype == dtype:
+        return array
+    if _cuda.is_device_array(array):
+        raise DTypeError(
+            f"{name} is a {array.dtype} device array but the other operands make the "
+            f"computation {dtype}; give all device operands one dtype"
+        )
+    return array.astype(dtype)
+
+
+def _attention_mask(attn_mask, n_query, n_key, dtype):
+    if attn_mask is None:
+        return None
+    mask = host_array("attn_mask", _cuda.to_host(attn_mask))
+    if mask.dtype != np.bool_:
+        if mask.dtype.kind != "f":
+            raise DTypeError(
+                f"attn_mask must be boolean (True = may attend) or floating (added to "
+                f"the scores), got dtype {mask.dtype}"
+            )
+        mask = mask.astype(dtype, copy=False)
+    if mask.ndim < 2:
+        mask = mask.reshape((1,) * (2 - mask.ndim) + mask.shape)
+    rows, columns = shape_of(mask)[-2:]
+    if rows not in (1, n_query) or columns not in (1, n_key):
+        raise ShapeError(
+            f"attn_mask must broadcast to (..., L, S) = (..., {n_query}, {n_key}), "
+            f"got shape {tuple(np.shape(attn_mask))}"
+        )
+    return mask
+
+
+def output_gradient(problem, grad_output):
+    """Check the gradient of the attention output: the output's shape, cast to its dtype."""
+    grad_output = cast_operand(
+        "grad_output", float_operand("grad_output", grad_output), problem.dtype
+    )
+    if shape_of(grad_output) != problem.output_shape():
+        raise ShapeError(
+            f"grad_output must have the attention output's shape {problem.output_shape()}, "
+            f"got {shape_of(grad_output)}"
+        )
+    return grad_output if problem.backend == "cuda" else _cuda.to_host(grad_output)
+
+
+def saved_forward(problem, output, log_sum_exp):
+    """Check the forward's saved ``(output, log_sum_exp)``, or return None if not given."""
+    if output is None and log_sum_exp is None:
+        return None
+    if output is None or log_sum_exp is None:
+        raise ArgumentError(
+            "output and log_sum_exp come together from the forward pass; pass both or neither"
+        )
+    saved = []
+    for name, array, shape in (
+        ("output", output, problem.output_shape()),
+        ("log_sum_exp", log_sum_exp, (*problem.batch_shape, problem.n_query)),
+    ):
+        array = cast_operand(name, float_operand(name, array), problem.dtype)
+        if shape_of(array) != shape:
+            raise ShapeError(
+                f"{name} must have shape {shape} for these inputs, got {shape_of(array)}"
+            )
+        saved.append(array if problem.backend == "cuda" else _cuda.to_host(array))
+    return tuple(saved)
+
+
+def sum_to_shape(grad, shape):
+    """Sum a gradient over the dimensions its operand was broadcast along."""
+    if shape_of(grad) == shape:
+        return grad
+    grad = _cuda.to_host(grad)
+    leading = grad.ndim - len(shape)
+    grad = grad.sum(axis=tuple(range(leading)))
+    stretched = tuple(i for i, n in enumerate(shape) if n == 1 and grad.shape[i] != 1)
+    return grad.sum(axis=stretched, keepdims=True) if stretched else grad

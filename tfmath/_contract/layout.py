@@ -1,0 +1,46 @@
+"""How operands are laid out for the kernels: batch shapes, broadcast indices, flat views."""
+
+import math
+
+import numpy as np
+
+from tfmath import _cuda
+from tfmath.errors import ShapeError
+
+
+def shape_of(array):
+    """The shape as a plain tuple (the CUDA simulator's shapes reject negative indices)."""
+    return tuple(array.shape)
+
+
+def broadcast_batch_shapes(named_shapes):
+    """Broadcast the leading (batch) shapes of several operands, or name the culprits.
+
+    Parameters
+    ----------
+    named_shapes : dict of str to tuple
+        Each operand's batch shape, keyed by argument name.
+    """
+    try:
+        return np.broadcast_shapes(*named_shapes.values())
+    except ValueError:
+        listing = ", ".join(f"{name} {shape}" for name, shape in named_shapes.items())
+        raise ShapeError(f"batch dimensions do not broadcast: {listing}") from None
+
+
+def batch_index(batch_shape, broadcast_shape):
+    """For each flat index of ``broadcast_shape``, the flat index into ``batch_shape``.
+
+    This lets kernels walk broadcast operands (one key shared by many heads,
+    say) without materialising the broadcast copies.
+    """
+    size = math.prod(batch_shape)
+    own = np.arange(size, dtype=np.int64).reshape(batch_shape)
+    return np.broadcast_to(own, broadcast_shape).ravel()
+
+
+def as_batched_3d(array, batch_size):
+    """View a C-contiguous array of shape ``(*batch, m, n)`` as ``(batch_size, m, n)``."""
+    if not _cuda.is_device_array(array):
+        array = np.ascontiguousarray(array)
+    return array.reshape((batch_size, *shape_of(array)[-2:]))
