@@ -36,8 +36,6 @@ from tfmath.formulas.accounting import ModelConfig
 from tfmath.positional import sinusoidal_encoding
 from tfmath.training.layers import (
     BlockConfig,
-    _norm_backward,
-    _norm_forward,
     decoder_block_backward,
     decoder_block_forward,
     decoder_block_parameters,
@@ -46,6 +44,8 @@ from tfmath.training.layers import (
     encoder_block_backward,
     encoder_block_forward,
     encoder_block_parameters,
+    norm_backward,
+    norm_forward,
     norm_parameters,
     output_projection_backward,
     output_projection_forward,
@@ -215,7 +215,7 @@ def _embed_forward(params, tokens, config, stack, token_types, backend):
         x = x + type_embeddings
         caches["token_types"] = (name, type_cache)
     if config.embedding_norm:
-        x, caches["norm"] = _norm_forward(
+        x, caches["norm"] = norm_forward(
             params.scope(f"{stack}.embed.norm"), x, config.norm, config.norm_eps, backend
         )
     return x, {**caches, "stack": stack, "scale": config.scale_embeddings, "d": config.d_model}
@@ -223,7 +223,7 @@ def _embed_forward(params, tokens, config, stack, token_types, backend):
 
 def _embed_backward(grad_x, cache, grads):
     if "norm" in cache:
-        grad_x, norm_grads = _norm_backward(grad_x, cache["norm"])
+        grad_x, norm_grads = norm_backward(grad_x, cache["norm"])
         _accumulate(grads, norm_grads.prefixed(f"{cache['stack']}.embed.norm"))
     if "positions" in cache:
         # One position row is added to every sequence of the batch.
@@ -267,7 +267,7 @@ def _stack_forward(params, x, config, stack, *, memory=None, masks=None, backend
     final = None
     if config.final_norm:
         final_params = params.scope(f"{stack}.final_norm")
-        x, final = _norm_forward(final_params, x, config.norm, config.norm_eps, backend)
+        x, final = norm_forward(final_params, x, config.norm, config.norm_eps, backend)
     return x, {"layers": caches, "final": final, "stack": stack}
 
 
@@ -276,7 +276,7 @@ def _stack_backward(grad_x, cache, grads):
     cross-attention, of the memory."""
     stack = cache["stack"]
     if cache["final"] is not None:
-        grad_x, norm_grads = _norm_backward(grad_x, cache["final"])
+        grad_x, norm_grads = norm_backward(grad_x, cache["final"])
         _accumulate(grads, norm_grads.prefixed(f"{stack}.final_norm"))
     grad_memory = None
     for i in reversed(range(len(cache["layers"]))):

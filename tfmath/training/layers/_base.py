@@ -1,0 +1,106 @@
+"""What every block shares: the cache of a forward pass, argument checks, linear maps."""
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from tfmath import _cuda
+from tfmath._contract.checks import (
+    float_operand,
+    real,
+    require_ndim,
+)
+from tfmath.errors import DTypeError, ShapeError
+from tfmath.training.params import Parameters
+
+
+@dataclass(frozen=True)
+class Cache:
+    """What a forward pass saved for its backward pass.
+
+    Attributes
+    ----------
+    op : str
+        The block that made it (``"layer_norm"``, ``"multi_head_attention"``, ...).
+    saved : dict
+        Its saved arrays and settings; treat as private.
+    """
+
+    op: str
+    saved: dict
+
+    def of(self, op):
+        """The saved values, after checking this cache comes from ``op``'s forward pass."""
+        if self.op != op:
+            raise ValueError(f"cache comes from {self.op}_forward, but was passed to {op}_backward")
+        return self.saved
+
+
+def _require_cache(cache, op):
+    if not isinstance(cache, Cache):
+        raise TypeError(f"cache must be the Cache returned by {op}_forward, got {type(cache)}")
+    return cache.of(op)
+
+
+def _host_operand(name, value, min_ndim=1, meaning="(..., d)"):
+    """A float32/float64 host array (the compositions multiply with NumPy)."""
+    array = _cuda.to_host(float_operand(name, value))
+    require_ndim(name, array, min_ndim, meaning)
+    return array
+
+
+def _weight(name, value, shape, dtype, meaning):
+    """A parameter array of exactly ``shape`` and ``dtype``, C-contiguous."""
+    array = _cuda.to_host(float_operand(name, value))
+    if array.shape != tuple(shape):
+        raise ShapeError(f"{name} must have shape {tuple(shape)} ({meaning}), got {array.shape}")
+    if array.dtype != dtype:
+        raise DTypeError(
+            f"{name} is {array.dtype} but the input is {dtype}; give parameters and "
+            f"inputs one dtype"
+        )
+    return np.ascontiguousarray(array)
+
+
+def _gradient(name, value, shape, dtype):
+    """An upstream gradient shaped like the forward output, in its dtype."""
+    if isinstance(value, np.ndarray) and value.dtype != dtype and value.size:
+        raise DTypeError(f"{name} must have the forward output's dtype {dtype}, got {value.dtype}")
+    array = np.asarray(_cuda.to_host(float_operand(name, value)), dtype=dtype)
+    if array.shape != tuple(shape):
+        raise ShapeError(
+            f"{name} must have the forward output's shape {tuple(shape)}, got {array.shape}"
+        )
+    return array
+
+
+def _rows(array):
+    """``(..., d)`` viewed as C-contiguous rows ``(n, d)``."""
+    return np.ascontiguousarray(array).reshape(-1, array.shape[-1])
+
+
+def _eps(eps):
+    return real("eps", eps, at_least=0.0)
+
+
+def _features(name, x):
+    if x.shape[-1] == 0:
+        raise ShapeError(f"{name} must have at least one feature (last dimension), got {x.shape}")
+    return x.shape[-1]
+
+
+def _linear(x, weight, bias):
+    y = x @ weight
+    return y if bias is None else y + bias
+
+
+def _linear_backward(grad_y, x, weight, has_bias):
+    """``(grad_x, grad_weight, grad_bias)`` of ``y = x @ weight + bias``."""
+    grad_rows = _rows(grad_y)
+    grad_weight = _rows(x).T @ grad_rows
+    grad_bias = grad_rows.sum(axis=0) if has_bias else None
+    return grad_y @ weight.T, grad_weight, grad_bias
+
+
+def _named_grads(**grads):
+    return Parameters({name: g for name, g in grads.items() if g is not None})
