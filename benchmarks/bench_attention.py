@@ -48,13 +48,13 @@ device), not the copies of ``q``, ``k`` and ``v``.
 only meaningful compared between parameters or commits.
 """
 
-import time
 from typing import ClassVar
 
 import numpy as np
 
 import tfmath
 from tfmath import _cuda
+from tfmath.analysis.timing import best_time
 
 #: Sequence lengths ``n`` (query rows = key rows).
 SEQUENCE_LENGTHS = [128, 256, 512, 1024, 2048, 4096]
@@ -194,25 +194,15 @@ class AttentionThroughput(_AttentionCase):
 
     params: ClassVar[list] = [SEQUENCE_LENGTHS, compiled_backends(), METHODS]
     param_names: ClassVar[list] = ["n", "backend", "method"]
-    #: Timed calls per measurement: at least ``MIN_CALLS``, then more until
-    #: ``MIN_SECONDS`` have passed or ``MAX_CALLS`` were made.
-    MIN_CALLS = 3
-    MAX_CALLS = 1000
-    MIN_SECONDS = 0.5
+    #: Timed calls per measurement (the best is kept; see tfmath.analysis.timing.best_time).
+    REPEATS = 5
 
     def setup(self, n, backend, method):
         self._setup(n, THROUGHPUT_HEAD_DIM, backend, method)
 
     def track_gflops(self, n, backend, method):
-        best = np.inf
-        started = time.perf_counter()
-        for calls in range(1, self.MAX_CALLS + 1):
-            start = time.perf_counter()
-            self.attend()
-            best = min(best, time.perf_counter() - start)
-            if calls >= self.MIN_CALLS and time.perf_counter() - started >= self.MIN_SECONDS:
-                break
-        return attention_flops(n, THROUGHPUT_HEAD_DIM) / best / 1e9
+        seconds = best_time(self.attend, self.REPEATS)
+        return attention_flops(n, THROUGHPUT_HEAD_DIM) / seconds / 1e9
 
     track_gflops.unit = "GFLOP/s"
 

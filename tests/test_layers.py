@@ -396,6 +396,22 @@ def test_attention_matches_head_by_head_loops(any_backend, n_heads, n_kv_heads, 
     assert_close(out, expected, 1e-12)
 
 
+def test_attention_backward_runs_on_the_forwards_backend(any_backend, monkeypatch):
+    # The backward pass must not fall back to another backend's kernels (it once ran the
+    # CPU kernels after a forward on backend="reference").
+    from tfmath import _dispatch
+
+    rng = np.random.default_rng(5)
+    params = random_params(L.attention_parameters(8, 2), rng)
+    x = rng.standard_normal((2, 3, 8))
+    out, cache = L.multi_head_attention_forward(params, x, n_heads=2, backend=any_backend)
+    loaded = []
+    load = _dispatch._load
+    monkeypatch.setattr(_dispatch, "_load", lambda target: loaded.append(target) or load(target))
+    L.multi_head_attention_backward(np.ones_like(out), cache)
+    assert loaded == [_dispatch.target("attention_grad", any_backend)]
+
+
 def test_attention_agrees_with_pytorch_multihead_attention():
     torch = pytest.importorskip("torch")
     rng = np.random.default_rng(5)

@@ -1,6 +1,10 @@
 """The report of ``tfmath reproduce``, its registry, and the command line."""
 
 import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -108,3 +112,44 @@ def test_cli_reports_bad_output_folder(tmp_path, capsys):
     (tmp_path / "precious.txt").write_text("mine")
     assert cli.main(["reproduce", "--out", str(tmp_path)]) == 2
     assert "not a tfmath report" in capsys.readouterr().err
+
+
+_HOLD_A_STAGING_FOLDER = """
+import sys, time
+from pathlib import Path
+from tfmath.report._staging import staging_folder
+with staging_folder(Path(sys.argv[1]), ".tfmath-report", "tfmath\\n") as staging:
+    (staging / "half-written.txt").write_text("...")
+    print(staging, flush=True)
+    time.sleep(600)
+"""
+
+
+def test_staging_folders_of_killed_runs_are_removed_and_live_ones_kept(tmp_path):
+    out = tmp_path / "report"
+    mine = tmp_path / ".report.mine"  # the user's own folder, which merely looks like one
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    runs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _HOLD_A_STAGING_FOLDER, str(out)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    killed, live = runs
+    staged = [Path(run.stdout.readline().strip()) for run in runs]
+    try:
+        killed.send_signal(signal.SIGKILL)
+        killed.wait()
+        build_report(out, RunSettings(backend="cpu"), only=["worked_examples"])
+        assert not staged[0].exists(), "a killed run's staging folder was left"
+        assert staged[1].exists(), "a live run's staging folder was removed"
+        assert (mine / "notes.txt").read_text() == "keep me"
+    finally:
+        live.kill()
+        live.wait()
+    build_report(out, RunSettings(backend="cpu"), only=["worked_examples"])
+    leftovers = sorted(p.name for p in tmp_path.iterdir())
+    assert leftovers == [".report.mine", "report"]

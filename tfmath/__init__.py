@@ -31,7 +31,13 @@ from tfmath._moved import module_getattr as __getattr__  # noqa: F401 (old modul
 from tfmath._version import __version__
 from tfmath.attention import attention_grad, scaled_dot_product_attention, softmax
 from tfmath.efficient import linear_attention, sparse_attention, sparse_attention_mask
-from tfmath.errors import BackendUnavailableError, DTypeError, ShapeError, TfmathError
+from tfmath.errors import (
+    ArgumentError,
+    BackendUnavailableError,
+    DTypeError,
+    ShapeError,
+    TfmathError,
+)
 from tfmath.formulas.accounting import (
     ModelConfig,
     activation_memory_per_layer,
@@ -64,6 +70,7 @@ from tfmath.variance import (
 )
 
 __all__ = [
+    "ArgumentError",
     "BackendInfo",
     "BackendUnavailableError",
     "DTypeError",

@@ -58,7 +58,7 @@ from tfmath._contract.positional import (
     wavelength_base,
 )
 from tfmath._dispatch import implementation, resolve_backend
-from tfmath.errors import DTypeError, ShapeError
+from tfmath.errors import ArgumentError, DTypeError, ShapeError
 
 __all__ = [
     "FrequencyTable",
@@ -427,7 +427,7 @@ def _tokens(tokens, vocab_size):
         low, high = int(array.min()), int(array.max())
         if low < 0 or high >= vocab_size:
             culprit = low if low < 0 else high
-            raise ValueError(
+            raise ArgumentError(
                 f"tokens must lie in 0 .. {vocab_size - 1} (the rows of embedding_matrix), "
                 f"got token {culprit}"
             )
@@ -440,12 +440,12 @@ def _positional_table(positional, n_rows, d_model):
         return positional
     if isinstance(positional, str):
         if positional in ("rotary", "rope", "alibi"):
-            raise ValueError(
+            raise ArgumentError(
                 f"positional={positional!r} is not added to embeddings: RoPE rotates queries "
                 "and keys (tfmath.positional.rotary_embedding) and ALiBi biases the scores "
                 "(tfmath.positional.alibi_bias); use positional=None here"
             )
-        raise ValueError(f"positional must be one of {_POSITIONAL_CHOICES}, got {positional!r}")
+        raise ArgumentError(f"positional must be one of {_POSITIONAL_CHOICES}, got {positional!r}")
     table = float_operand("positional", _cuda.to_host(positional))
     if table.ndim != 2 or table.shape[1] != d_model or table.shape[0] < n_rows:
         raise ShapeError(

@@ -38,7 +38,7 @@ from tfmath._contract.variance import (
     score_sampling,
 )
 from tfmath._dispatch import implementation, resolve_backend, run
-from tfmath.errors import ShapeError
+from tfmath.errors import ArgumentError, ShapeError
 
 __all__ = [
     "DISTRIBUTIONS",
@@ -217,7 +217,7 @@ def sample_variance(samples, confidence=0.95):
     """
     x = np.asarray(samples, dtype=np.float64)
     if x.ndim != 1 or x.size < 2:
-        raise ValueError(f"samples must be 1-D with at least 2 entries, got shape {x.shape}")
+        raise ArgumentError(f"samples must be 1-D with at least 2 entries, got shape {x.shape}")
     z = _normal_quantile(_confidence(confidence))
     n = x.size
     deviations = x - x.mean()
@@ -232,7 +232,7 @@ def sample_variance(samples, confidence=0.95):
 def _confidence(confidence):
     confidence = real("confidence", confidence)
     if not 0.0 < confidence < 1.0:
-        raise ValueError(f"confidence must lie strictly between 0 and 1, got {confidence}")
+        raise ArgumentError(f"confidence must lie strictly between 0 and 1, got {confidence}")
     return confidence
 
 
@@ -476,7 +476,7 @@ def fit_power_law(x, y, standard_error, confidence=0.95):
             f"and {error.shape}"
         )
     if np.unique(x).size < 2 or np.any(x <= 0) or np.any(y <= 0) or np.any(error <= 0):
-        raise ValueError("a power-law fit needs two distinct x and positive x, y and errors")
+        raise ArgumentError("a power-law fit needs two distinct x and positive x, y and errors")
     z = _normal_quantile(_confidence(confidence))
     log_x, log_y, log_error = np.log(x), np.log(y), error / y
     (intercept, slope), covariance = curve_fit(
@@ -583,7 +583,7 @@ def softmax_row_statistics(scores, *, scale=1.0, backend="auto"):
     if n == 0:
         raise ShapeError(f"scores must have rows of length n >= 1, got shape {shape_of(scores)}")
     if not _cuda.is_device_array(scores) and not np.all(np.isfinite(scores)):
-        raise ValueError("scores must be finite (NaN or infinity found)")
+        raise ArgumentError("scores must be finite (NaN or infinity found)")
     scale = real("scale", scale)
     backend = resolve_backend(backend, scores)
     if _cuda.is_device_array(scores) and backend != "cuda":

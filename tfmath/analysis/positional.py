@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tfmath._contract.checks import float_operand, integer
+from tfmath._contract.checks import float_operand, integer, real
 from tfmath._contract.positional import (
     POSITION_LIMIT,
     check_position_range,
@@ -51,7 +51,7 @@ from tfmath._contract.positional import (
 )
 from tfmath._dispatch import implementation, resolve_backend
 from tfmath.attention import scaled_dot_product_attention
-from tfmath.errors import DTypeError, ShapeError
+from tfmath.errors import ArgumentError, ShapeError
 from tfmath.positional import (
     alibi_bias,
     embed,
@@ -164,7 +164,7 @@ class ClosestPair:
 def _even_d_model(d_model, what):
     d_model = integer("d_model", d_model, minimum=1)
     if d_model % 2:
-        raise ValueError(
+        raise ArgumentError(
             f"{what} needs an even d_model, got {d_model}: with odd d_model the last column "
             "sin(omega p) has no cosine partner, so distances depend on the positions "
             "themselves and not only on their offset (use min_pairwise_distance_direct)"
@@ -340,10 +340,10 @@ def first_collision(
     711
     """
     d_model = _even_d_model(d_model, "first_collision")
-    tolerance = _positive("tolerance", tolerance)
+    tolerance = real("tolerance", tolerance, above=0)
     max_positions = integer("max_positions", max_positions, minimum=2)
     if max_positions > POSITION_LIMIT:
-        raise ValueError(f"max_positions must be at most 2**31, got {max_positions}")
+        raise ArgumentError(f"max_positions must be at most 2**31, got {max_positions}")
     for start in range(1, max_positions, BLOCK_POSITIONS):
         count = min(BLOCK_POSITIONS, max_positions - start)
         block = offset_distances(count, d_model, base=base, first_offset=start, backend=backend)
@@ -351,15 +351,6 @@ def first_collision(
         if hits.size:
             return start + int(hits[0]) + 1
     return None
-
-
-def _positive(name, value):
-    if isinstance(value, bool) or not isinstance(value, int | float | np.floating | np.integer):
-        raise DTypeError(f"{name} must be a real number, got {value!r}")
-    value = float(value)
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{name} must be a positive finite number, got {value}")
-    return value
 
 
 def first_collision_two_dimensional(tolerance=FLOAT64_RESOLUTION):
@@ -399,9 +390,9 @@ def first_collision_two_dimensional(tolerance=FLOAT64_RESOLUTION):
     >>> first_collision_two_dimensional(1e-4)
     711
     """
-    tolerance = _positive("tolerance", tolerance)
+    tolerance = real("tolerance", tolerance, above=0)
     if tolerance >= 2:
-        raise ValueError(f"tolerance must be below 2, the largest distance, got {tolerance}")
+        raise ArgumentError(f"tolerance must be below 2, the largest distance, got {tolerance}")
     with decimal.localcontext(decimal.Context(prec=_CONTINUED_FRACTION_DIGITS)):
         pi = decimal_pi()
         alpha = 1 / (2 * pi)
@@ -538,7 +529,7 @@ def rotation_residual(n_positions, shifts, d_model, *, base=10000.0, start=0, ba
 def _shifts(shifts, minimum=None):
     values = [integer("shifts", k, minimum=minimum) for k in np.atleast_1d(shifts).tolist()]
     if not values:
-        raise ValueError("shifts must hold at least one shift, got none")
+        raise ArgumentError("shifts must hold at least one shift, got none")
     return values
 
 
@@ -727,7 +718,7 @@ def permutation_equivariance(
     n_tokens = integer("n_tokens", n_tokens, minimum=2)
     d_model = _even_d_model(d_model, "permutation_equivariance")
     if positional not in _SCHEMES:
-        raise ValueError(f"positional must be one of {_SCHEMES}, got {positional!r}")
+        raise ArgumentError(f"positional must be one of {_SCHEMES}, got {positional!r}")
     rng = np.random.default_rng(integer("seed", seed))
     vocab_size = 4 * n_tokens
     embedding_matrix = rng.standard_normal((vocab_size, d_model)) / math.sqrt(d_model)

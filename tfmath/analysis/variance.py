@@ -27,6 +27,7 @@ import numpy as np
 from tfmath._contract.checks import integer
 from tfmath._contract.variance import dimension_list, stream_seed
 from tfmath.attention import attention_grad, scaled_dot_product_attention, softmax
+from tfmath.errors import ArgumentError
 from tfmath.variance import sample_scores, softmax_row_statistics
 
 __all__ = [
@@ -482,7 +483,9 @@ def temperature_sweep(
     dimensions = dimension_list(d_k)
     scales = np.asarray(scales, dtype=np.float64)
     if scales.ndim != 1 or scales.size < 2 or np.any(scales <= 0) or np.any(np.diff(scales) <= 0):
-        raise ValueError(f"scales must be at least two increasing positive numbers, got {scales}")
+        raise ArgumentError(
+            f"scales must be at least two increasing positive numbers, got {scales}"
+        )
     n_rows = integer("n_rows", n_rows, minimum=2)
     n_keys = integer("n_keys", n_keys, minimum=2)
     shape = (len(dimensions), scales.size)
@@ -562,7 +565,7 @@ def critical_scale_fit(sweep, target_entropy, *, min_d_k=1, confidence=0.95):
     scales = sweep.critical_scales(target_entropy)
     keep = (sweep.d_k >= min_d_k) & np.isfinite(scales)
     if np.count_nonzero(keep) < 3:
-        raise ValueError(
+        raise ArgumentError(
             f"the scale grid brackets the entropy {target_entropy} at only "
             f"{np.count_nonzero(keep)} dimensions >= {min_d_k}; at least 3 are needed"
         )

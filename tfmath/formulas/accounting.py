@@ -18,6 +18,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from tfmath._contract.checks import choice, integer
+from tfmath.errors import ArgumentError, DTypeError
+
 __all__ = [
     "PRESETS",
     "FlopsPerToken",
@@ -38,18 +41,6 @@ OUTPUT_HEADS = ("tied", "untied", "none")
 _ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "swiglu")
 _NORMS = ("layer_norm", "rms_norm")
 _NORM_ORDERS = ("post", "pre")
-
-
-def _positive(name, value, *, allow_zero=False):
-    if isinstance(value, bool) or not isinstance(value, int | np.integer):
-        raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
-    if value < (0 if allow_zero else 1):
-        raise ValueError(f"{name} must be >= {0 if allow_zero else 1}, got {value}")
-
-
-def _one_of(name, value, choices):
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -129,30 +120,32 @@ class ModelConfig:
     source: str = field(default="", compare=False)
 
     def __post_init__(self):
-        _one_of("architecture", self.architecture, ARCHITECTURES)
+        choice("architecture", self.architecture, ARCHITECTURES)
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "n_ctx"):
-            _positive(name, getattr(self, name))
+            integer(name, getattr(self, name), minimum=1)
         for name in ("n_positions", "n_token_types"):
-            _positive(name, getattr(self, name), allow_zero=True)
+            integer(name, getattr(self, name), minimum=0)
         for name in ("n_kv_heads", "d_head", "n_decoder_layers"):
             if getattr(self, name) is not None:
-                _positive(name, getattr(self, name))
+                integer(name, getattr(self, name), minimum=1)
         if self.d_head is None and self.d_model % self.n_heads:
-            raise ValueError(f"n_heads = {self.n_heads} must divide d_model = {self.d_model}")
+            raise ArgumentError(f"n_heads = {self.n_heads} must divide d_model = {self.d_model}")
         if self.n_heads % self.kv_heads:
-            raise ValueError(f"n_kv_heads = {self.kv_heads} must divide n_heads = {self.n_heads}")
-        _one_of("activation", self.activation, _ACTIVATIONS)
-        _one_of("norm", self.norm, _NORMS)
-        _one_of("norm_order", self.norm_order, _NORM_ORDERS)
-        _one_of("position", self.position, POSITIONS)
-        _one_of("output_head", self.output_head, OUTPUT_HEADS)
+            raise ArgumentError(
+                f"n_kv_heads = {self.kv_heads} must divide n_heads = {self.n_heads}"
+            )
+        choice("activation", self.activation, _ACTIVATIONS)
+        choice("norm", self.norm, _NORMS)
+        choice("norm_order", self.norm_order, _NORM_ORDERS)
+        choice("position", self.position, POSITIONS)
+        choice("output_head", self.output_head, OUTPUT_HEADS)
         if (self.position == "learned") != (self.n_positions > 0):
-            raise ValueError(
+            raise ArgumentError(
                 f"n_positions must be > 0 exactly when position is 'learned', got "
                 f"position={self.position!r} and n_positions={self.n_positions}"
             )
         if self.n_decoder_layers is not None and self.architecture != "encoder-decoder":
-            raise ValueError("n_decoder_layers applies to the encoder-decoder architecture only")
+            raise ArgumentError("n_decoder_layers applies to the encoder-decoder architecture only")
 
     @property
     def head_dim(self):
@@ -188,7 +181,7 @@ def _config(config):
         return config
     if isinstance(config, str):
         return preset(config)
-    raise TypeError(f"config must be a ModelConfig or a preset name, got {type(config).__name__}")
+    raise DTypeError(f"config must be a ModelConfig or a preset name, got {type(config).__name__}")
 
 
 def preset(name):
@@ -202,7 +195,7 @@ def preset(name):
     try:
         return PRESETS[name]
     except (KeyError, TypeError):
-        raise ValueError(
+        raise ArgumentError(
             f"config must be one of the presets {sorted(PRESETS)}, got {name!r}"
         ) from None
 
@@ -349,7 +342,7 @@ def count_parameters(config, *, include_embeddings=True):
     6738415616
     """
     if not isinstance(include_embeddings, bool):
-        raise TypeError(f"include_embeddings must be True or False, got {include_embeddings!r}")
+        raise DTypeError(f"include_embeddings must be True or False, got {include_embeddings!r}")
     parts = parameter_breakdown(config)
     if not include_embeddings:
         parts = {k: v for k, v in parts.items() if k not in EMBEDDING_COMPONENTS}
@@ -423,7 +416,7 @@ def flops_per_token(config, *, n_ctx=None):
     """
     c = _config(config)
     n_ctx = c.n_ctx if n_ctx is None else n_ctx
-    _positive("n_ctx", n_ctx)
+    integer("n_ctx", n_ctx, minimum=1)
     n = count_parameters(c, include_embeddings=False)
     n_attention = c.encoder_layers + c.decoder_layers
     if c.architecture == "encoder-decoder":
@@ -456,9 +449,9 @@ def kv_cache_bytes_per_token(config, *, bytes_per_element=2):
         decoded token by token, so it keeps no KV cache.
     """
     c = _config(config)
-    _positive("bytes_per_element", bytes_per_element)
+    integer("bytes_per_element", bytes_per_element, minimum=1)
     if c.architecture == "encoder":
-        raise ValueError(
+        raise ArgumentError(
             f"config {c.name!r} is encoder-only: it is not decoded token by token and keeps "
             "no KV cache"
         )
@@ -510,7 +503,7 @@ def activation_memory_per_layer(
         ("batch_size", batch_size),
         ("bytes_per_element", bytes_per_element),
     ):
-        _positive(name, value)
+        integer(name, value, minimum=1)
     b, p, d = batch_size, bytes_per_element, c.d_model
     q_width, kv_width = c.n_heads * c.head_dim, c.kv_heads * c.head_dim
     k = 2 if c.activation == "swiglu" else 1
@@ -528,8 +521,8 @@ def measure_flop_rate(*, size=1024, repeats=5, dtype=np.float32):
     times, and returns :math:`2\,\text{size}^3` over the fastest run, the rate
     a transformer's dense layers can approach.
     """
-    _positive("size", size)
-    _positive("repeats", repeats)
+    integer("size", size, minimum=1)
+    integer("repeats", repeats, minimum=1)
     rng = np.random.default_rng(0)
     a, b = (rng.standard_normal((size, size)).astype(dtype) for _ in range(2))
     a @ b  # warm-up: threads and caches
@@ -550,7 +543,7 @@ def seconds_per_token(config, flop_rate, *, training=False, n_ctx=None):
     dominates single-token decoding.
     """
     if isinstance(flop_rate, bool) or not isinstance(flop_rate, int | float) or flop_rate <= 0:
-        raise ValueError(f"flop_rate must be a positive number of FLOP/s, got {flop_rate!r}")
+        raise ArgumentError(f"flop_rate must be a positive number of FLOP/s, got {flop_rate!r}")
     flops = flops_per_token(config, n_ctx=n_ctx)
     return (flops.training if training else flops.forward) / flop_rate
 

@@ -2,7 +2,9 @@
 
 The whole report is built in a temporary sibling folder and moved into place
 only when every experiment has succeeded, so a crash or Ctrl-C leaves either
-the previous report or none, never a half-written one.
+the previous report or none, never a half-written one; a run killed outright
+leaves its staging folder, which the next run removes (see
+:mod:`tfmath.report._staging`).
 """
 
 import csv
@@ -17,6 +19,7 @@ from pathlib import Path
 
 from tfmath._version import __version__
 from tfmath.report._registry import RunSettings, registered_experiments
+from tfmath.report._staging import remove_abandoned, staging_folder
 
 #: Present in every report folder; only folders holding it are ever replaced.
 MARKER = ".tfmath-report"
@@ -52,10 +55,9 @@ def build_report(out_dir, settings=None, *, only=None, progress=None):
     _check_replaceable(out_dir)
     experiments = _select(registered_experiments(), only)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    staging.chmod(0o755)  # mkdtemp makes it private; the report is meant to be shared
-    try:
-        (staging / MARKER).write_text(f"tfmath {__version__}\n")
+    for folder in remove_abandoned(out_dir, MARKER):
+        progress(f"removed {folder.name}, left by a report run that did not finish")
+    with staging_folder(out_dir, MARKER, f"tfmath {__version__}\n") as staging:
         sections = []
         for number, exp in enumerate(experiments, start=1):
             progress(f"[{number}/{len(experiments)}] {exp.name}: {exp.title} ...")
@@ -66,9 +68,6 @@ def build_report(out_dir, settings=None, *, only=None, progress=None):
             progress(f"[{number}/{len(experiments)}] {exp.name}: done in {seconds:.1f} s")
         (staging / "index.html").write_text(_index_html(sections, settings), encoding="utf-8")
         _replace(staging, out_dir)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return out_dir / "index.html"
 
 

@@ -32,6 +32,7 @@ import math
 
 import numpy as np
 
+from tfmath.errors import ArgumentError, DTypeError
 from tfmath.formulas.accounting import ModelConfig
 from tfmath.positional import sinusoidal_encoding
 from tfmath.training.layers import (
@@ -67,9 +68,9 @@ __all__ = [
 
 def _model_config(config, architecture=None):
     if not isinstance(config, ModelConfig):
-        raise TypeError(f"config must be a ModelConfig, got {type(config).__name__}")
+        raise DTypeError(f"config must be a ModelConfig, got {type(config).__name__}")
     if architecture is not None and config.architecture != architecture:
-        raise ValueError(
+        raise ArgumentError(
             f"config {config.name!r} is a {config.architecture} model, not a {architecture} one"
         )
     return config
@@ -112,7 +113,7 @@ def model_parameters(config):
     """
     config = _model_config(config)
     if config.pooler:
-        raise ValueError(
+        raise ArgumentError(
             f"config {config.name!r} has a pooler, which tfmath.training.models does not build; "
             "use dataclasses.replace(config, pooler=False)"
         )
@@ -193,7 +194,7 @@ def _embed_forward(params, tokens, config, stack, token_types, backend):
     caches = {"tokens": (table_name, token_cache)}
     if config.position == "learned":
         if length > config.n_positions:
-            raise ValueError(
+            raise ArgumentError(
                 f"tokens has {length} positions but {config.name!r} learns only "
                 f"{config.n_positions}"
             )

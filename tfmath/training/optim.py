@@ -24,23 +24,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tfmath.errors import ShapeError
+from tfmath._contract.checks import real
+from tfmath.errors import ArgumentError, DTypeError, ShapeError
 from tfmath.training.params import Parameters
 
 __all__ = ["Adam", "AdamState", "WarmupSchedule"]
-
-
-def _real(name, value, *, low, low_inclusive=True, high=None):
-    if isinstance(value, bool) or not isinstance(value, int | float | np.integer | np.floating):
-        raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
-    value = float(value)
-    too_low = value < low if low_inclusive else value <= low
-    if not math.isfinite(value) or too_low or (high is not None and value >= high):
-        bound = (
-            f"[{low}, {high})" if high is not None else f"{'>=' if low_inclusive else '>'} {low}"
-        )
-        raise ValueError(f"{name} must be {bound}, got {value}")
-    return value
 
 
 @dataclass(frozen=True)
@@ -76,16 +64,16 @@ class WarmupSchedule:
     warmup: float
 
     def __post_init__(self):
-        object.__setattr__(
-            self, "d_model", _real("d_model", self.d_model, low=0, low_inclusive=False)
-        )
-        object.__setattr__(self, "warmup", _real("warmup", self.warmup, low=1))
+        object.__setattr__(self, "d_model", real("d_model", self.d_model, above=0))
+        object.__setattr__(self, "warmup", real("warmup", self.warmup, at_least=1))
 
     def __call__(self, step):
         r"""The learning rate at ``step`` (a number or an array, each :math:`\ge 1`)."""
         steps = np.asarray(step, dtype=np.float64)
         if steps.size and not np.all(steps >= 1):
-            raise ValueError(f"step must be >= 1 (step^-0.5 is infinite at 0), got {np.min(steps)}")
+            raise ArgumentError(
+                f"step must be >= 1 (step^-0.5 is infinite at 0), got {np.min(steps)}"
+            )
         rate = self.d_model**-0.5 * np.minimum(steps**-0.5, steps * self.warmup**-1.5)
         return rate if rate.ndim else float(rate)
 
@@ -166,10 +154,10 @@ class Adam:
 
     def __post_init__(self):
         if not callable(self.learning_rate):
-            _real("learning_rate", self.learning_rate, low=0)
-        _real("beta1", self.beta1, low=0, high=1)
-        _real("beta2", self.beta2, low=0, high=1)
-        _real("eps", self.eps, low=0)
+            real("learning_rate", self.learning_rate, at_least=0)
+        real("beta1", self.beta1, at_least=0, below=1)
+        real("beta2", self.beta2, at_least=0, below=1)
+        real("eps", self.eps, at_least=0)
 
     def init(self, params):
         """The state before the first step: zero moments, step 0."""
@@ -179,7 +167,7 @@ class Adam:
     def rate(self, step):
         """:math:`\\alpha_t` at step ``step``."""
         rate = self.learning_rate(step) if callable(self.learning_rate) else self.learning_rate
-        return _real("learning_rate", rate, low=0)
+        return real("learning_rate", rate, at_least=0)
 
     def update(self, params, grads, state):
         """One step: new parameters and state (the inputs are not modified).
@@ -220,7 +208,7 @@ class Adam:
 
 def _parameters(name, value):
     if not isinstance(value, Parameters):
-        raise TypeError(
+        raise DTypeError(
             f"{name} must be a tfmath.training.params.Parameters, got {type(value).__name__}"
         )
     return value
@@ -228,7 +216,7 @@ def _parameters(name, value):
 
 def _check_matching(params, grads, state):
     if not isinstance(state, AdamState):
-        raise TypeError(f"state must be an AdamState, got {type(state).__name__}")
+        raise DTypeError(f"state must be an AdamState, got {type(state).__name__}")
     if set(params) != set(grads):
         raise ShapeError(
             f"grads must have the names of params: missing {sorted(set(params) - set(grads))}, "

@@ -32,7 +32,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from tfmath.errors import DTypeError, ShapeError
+from tfmath.errors import ArgumentError, DTypeError, ShapeError
 
 __all__ = ["ParameterSpec", "Parameters"]
 
@@ -53,7 +53,7 @@ class ParameterSpec:
         checked = {}
         for name, (shape, initializer) in dict(entries).items():
             if initializer not in INITIALIZERS:
-                raise ValueError(
+                raise ArgumentError(
                     f"initializer of {name!r} must be one of {INITIALIZERS}, got {initializer!r}"
                 )
             checked[name] = (tuple(int(n) for n in shape), initializer)
@@ -81,7 +81,7 @@ class ParameterSpec:
         for other in others:
             clash = merged.keys() & other.entries.keys()
             if clash:
-                raise ValueError(f"parameter names defined twice: {sorted(clash)}")
+                raise ArgumentError(f"parameter names defined twice: {sorted(clash)}")
             merged.update(other.entries)
         return ParameterSpec(merged)
 
@@ -102,7 +102,7 @@ class ParameterSpec:
         Parameters
         """
         if isinstance(seed, bool) or not isinstance(seed, int | np.integer) or seed < 0:
-            raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+            raise ArgumentError(f"seed must be a non-negative integer, got {seed!r}")
         dtype = np.dtype(dtype)
         if dtype not in (np.float32, np.float64):
             raise DTypeError(f"dtype must be float32 or float64, got {dtype}")
@@ -142,7 +142,7 @@ class Parameters(Mapping):
         checked = {}
         for name, array in dict(arrays or {}).items():
             if not isinstance(name, str) or not name:
-                raise TypeError(f"parameter names must be non-empty strings, got {name!r}")
+                raise DTypeError(f"parameter names must be non-empty strings, got {name!r}")
             array = np.asarray(array)
             if array.dtype not in (np.float32, np.float64):
                 raise DTypeError(
@@ -196,7 +196,7 @@ class Parameters(Mapping):
         for other in others:
             clash = merged.keys() & other.keys()
             if clash:
-                raise ValueError(f"parameter names defined twice: {sorted(clash)}")
+                raise ArgumentError(f"parameter names defined twice: {sorted(clash)}")
             merged.update(other.items())
         return Parameters(merged)
 

@@ -4,6 +4,7 @@ from dataclasses import dataclass
 
 from tfmath._contract.checks import integer
 from tfmath.efficient import default_window, sparse_pattern
+from tfmath.errors import ArgumentError
 
 #: Operations per score in a stable softmax: the running maximum, the
 #: subtraction, the exponential, the sum and the division.
@@ -150,7 +151,7 @@ def variant_cost(variant, n, d, *, heads=1, batch=1, window=None, stride=None, i
     1024
     """
     if variant not in VARIANTS:
-        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+        raise ArgumentError(f"variant must be one of {VARIANTS}, got {variant!r}")
     n, d = integer("n", n, minimum=1), integer("d", d, minimum=1)
     copies = integer("heads", heads, minimum=1) * integer("batch", batch, minimum=1)
     if variant == "rnn":
@@ -224,7 +225,7 @@ def sequential_depth(variant, n, d):
     if variant == "rnn":
         return SequentialDepth(n, n * (log2(2 * d) + 3))
     if variant not in VARIANTS:
-        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+        raise ArgumentError(f"variant must be one of {VARIANTS}, got {variant!r}")
     return SequentialDepth(1, (1 + log2(d)) + (2 * log2(n) + 3) + (1 + log2(n)))
 
 

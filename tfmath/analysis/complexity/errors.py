@@ -8,6 +8,7 @@ import numpy as np
 from tfmath.analysis.complexity.counts import sparse_arguments
 from tfmath.attention import scaled_dot_product_attention
 from tfmath.efficient import linear_attention, sparse_attention, sparse_attention_mask
+from tfmath.errors import ArgumentError
 from tfmath.reference.efficient import feature_map as _feature_map
 
 #: The inputs :func:`structured_inputs` draws.
@@ -50,10 +51,10 @@ def structured_inputs(
     query, key, value : numpy.ndarray, shape (n, d)
     """
     if kind not in INPUT_KINDS:
-        raise ValueError(f"kind must be one of {INPUT_KINDS}, got {kind!r}")
+        raise ArgumentError(f"kind must be one of {INPUT_KINDS}, got {kind!r}")
     smallest_d = {"random": 1, "local": 2, "periodic": 2 * period}[kind]
     if d < smallest_d:
-        raise ValueError(f"kind={kind!r} needs d >= {smallest_d}, got d = {d}")
+        raise ArgumentError(f"kind={kind!r} needs d >= {smallest_d}, got d = {d}")
     rng = np.random.default_rng(seed)
     value = rng.standard_normal((n, d))
     positions = np.arange(n, dtype=np.float64)
@@ -196,7 +197,7 @@ def approximation_error(
                 query, key, value, attn_mask=mask, return_weights=True, backend=backend
             )
     else:
-        raise ValueError(
+        raise ArgumentError(
             f"variant must be 'linear', 'local', 'strided' or 'local+strided', got {variant!r}"
         )
     weights_error = relative_error(weights, exact_weights) if with_weights else None

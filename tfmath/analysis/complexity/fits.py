@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tfmath.errors import ArgumentError
+
 
 @dataclass(frozen=True)
 class ScalingFit:
@@ -78,14 +80,16 @@ def fit_scaling(n, d, y, *, confidence=0.95):
 
     n, d, y = (np.asarray(a, dtype=float).ravel() for a in (n, d, y))
     if not (n.shape == d.shape == y.shape):
-        raise ValueError(f"n, d and y must have the same length, got {n.size}, {d.size}, {y.size}")
+        raise ArgumentError(
+            f"n, d and y must have the same length, got {n.size}, {d.size}, {y.size}"
+        )
     if np.any(n <= 0) or np.any(d <= 0) or np.any(y <= 0):
-        raise ValueError("n, d and y must be positive for a log-log fit")
+        raise ArgumentError("n, d and y must be positive for a log-log fit")
     names = ["n", "d"] if np.unique(d).size > 1 else ["n"]
     columns = [np.ones_like(n), np.log(n)] + ([np.log(d)] if "d" in names else [])
     design = np.stack(columns, axis=1)
     if np.linalg.matrix_rank(design) < design.shape[1]:
-        raise ValueError("the grid needs at least two distinct n (and two d if d varies)")
+        raise ArgumentError("the grid needs at least two distinct n (and two d if d varies)")
     target = np.log(y)
     coefficients, *_ = np.linalg.lstsq(design, target, rcond=None)
     residuals = target - design @ coefficients
@@ -174,7 +178,7 @@ def crossover(measurements, variant, reference, d, *, confidence=0.95, n_boot=20
             by_n.setdefault(m.n, {})[m.routine] = np.asarray(m.times)
     lengths = np.array(sorted(n for n, row in by_n.items() if len(row) == 2), dtype=float)
     if lengths.size < 2:
-        raise ValueError(f"need {variant} and {reference} at two or more lengths with d = {d}")
+        raise ArgumentError(f"need {variant} and {reference} at two or more lengths with d = {d}")
     samples = [(by_n[int(n)][variant], by_n[int(n)][reference]) for n in lengths]
     medians = np.array([[np.median(v), np.median(r)] for v, r in samples])
     length, status = _crossing(lengths, medians)

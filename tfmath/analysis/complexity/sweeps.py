@@ -10,6 +10,7 @@ from tfmath.analysis.complexity.counts import LOCAL_WINDOW, sparse_arguments
 from tfmath.analysis.timing import CLOCKS, measure_peak_bytes, repeat_times
 from tfmath.attention import scaled_dot_product_attention
 from tfmath.efficient import linear_attention, sparse_attention
+from tfmath.errors import ArgumentError
 from tfmath.rnn import elman_rnn
 
 
@@ -78,9 +79,9 @@ def sweep(
     list of Measurement
     """
     if repeats < 1 or warmup < 0:
-        raise ValueError(f"need repeats >= 1 and warmup >= 0, got {repeats} and {warmup}")
+        raise ArgumentError(f"need repeats >= 1 and warmup >= 0, got {repeats} and {warmup}")
     if clock not in CLOCKS:
-        raise ValueError(f"clock must be one of {tuple(CLOCKS)}, got {clock!r}")
+        raise ArgumentError(f"clock must be one of {tuple(CLOCKS)}, got {clock!r}")
     import numba
 
     previous_threads = numba.get_num_threads()
@@ -210,7 +211,7 @@ def workload_factories(names, *, heads=2, dtype=np.float32, backend="cpu", seed=
     factories = {}
     for name in names:
         if name not in WORKLOADS:
-            raise ValueError(f"unknown workload {name!r}; known: {sorted(WORKLOADS)}")
+            raise ArgumentError(f"unknown workload {name!r}; known: {sorted(WORKLOADS)}")
 
         def factory(n, d, workload=WORKLOADS[name]):
             rng = np.random.default_rng([seed, n, d])

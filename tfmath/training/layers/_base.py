@@ -10,7 +10,7 @@ from tfmath._contract.checks import (
     real,
     require_ndim,
 )
-from tfmath.errors import DTypeError, ShapeError
+from tfmath.errors import ArgumentError, DTypeError, ShapeError
 from tfmath.training.params import Parameters
 
 
@@ -32,13 +32,15 @@ class Cache:
     def of(self, op):
         """The saved values, after checking this cache comes from ``op``'s forward pass."""
         if self.op != op:
-            raise ValueError(f"cache comes from {self.op}_forward, but was passed to {op}_backward")
+            raise ArgumentError(
+                f"cache comes from {self.op}_forward, but was passed to {op}_backward"
+            )
         return self.saved
 
 
 def _require_cache(cache, op):
     if not isinstance(cache, Cache):
-        raise TypeError(f"cache must be the Cache returned by {op}_forward, got {type(cache)}")
+        raise DTypeError(f"cache must be the Cache returned by {op}_forward, got {type(cache)}")
     return cache.of(op)
 
 

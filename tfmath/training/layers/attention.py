@@ -11,7 +11,7 @@ from tfmath._contract.checks import (
     integer,
 )
 from tfmath._dispatch import resolve_backend
-from tfmath.errors import ShapeError
+from tfmath.errors import ArgumentError, ShapeError
 from tfmath.training.layers._base import (
     Cache,
     _gradient,
@@ -84,7 +84,7 @@ def attention_parameters(
     n_kv_heads = _kv_heads(n_heads, n_kv_heads)
     if d_head is None:
         if d_model % n_heads:
-            raise ValueError(f"n_heads = {n_heads} must divide d_model = {d_model}")
+            raise ArgumentError(f"n_heads = {n_heads} must divide d_model = {d_model}")
         d_head = d_model // n_heads
     d_head = integer("d_head", d_head, minimum=1)
     d_source = d_model if d_source is None else integer("d_source", d_source, minimum=1)
@@ -108,7 +108,7 @@ def attention_parameters(
 def _kv_heads(n_heads, n_kv_heads):
     n_kv_heads = n_heads if n_kv_heads is None else integer("n_kv_heads", n_kv_heads, minimum=1)
     if n_heads % n_kv_heads:
-        raise ValueError(f"n_kv_heads = {n_kv_heads} must divide n_heads = {n_heads}")
+        raise ArgumentError(f"n_kv_heads = {n_kv_heads} must divide n_heads = {n_heads}")
     return n_kv_heads
 
 

@@ -6,6 +6,7 @@ from tfmath._contract.checks import (
     choice,
     integer,
 )
+from tfmath.errors import DTypeError
 from tfmath.training.layers._base import Cache, _eps, _host_operand, _require_cache
 from tfmath.training.layers.attention import (
     _kv_heads,
@@ -57,7 +58,7 @@ class BlockConfig:
 
 def _block_config(config):
     if not isinstance(config, BlockConfig):
-        raise TypeError(f"config must be a BlockConfig, got {type(config).__name__}")
+        raise DTypeError(f"config must be a BlockConfig, got {type(config).__name__}")
     return config
 
 

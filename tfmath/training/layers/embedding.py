@@ -5,7 +5,7 @@ import numpy as np
 from tfmath._contract.checks import (
     host_array,
 )
-from tfmath.errors import DTypeError
+from tfmath.errors import ArgumentError, DTypeError
 from tfmath.training.layers._base import (
     Cache,
     _gradient,
@@ -23,7 +23,7 @@ def _tokens(name, tokens, n_rows, what):
         raise DTypeError(f"{name} must be integers, got dtype {array.dtype}")
     if array.size and (array.min() < 0 or array.max() >= n_rows):
         bad = array[(array < 0) | (array >= n_rows)].flat[0]
-        raise ValueError(f"{name} must lie in [0, {n_rows}) ({what}), got {bad}")
+        raise ArgumentError(f"{name} must lie in [0, {n_rows}) ({what}), got {bad}")
     return array.astype(np.int64, copy=False)
 
 

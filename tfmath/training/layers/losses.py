@@ -8,7 +8,7 @@ from tfmath._contract.checks import (
     real,
 )
 from tfmath._dispatch import implementation, resolve_backend
-from tfmath.errors import DTypeError, ShapeError
+from tfmath.errors import ArgumentError, DTypeError, ShapeError
 from tfmath.training.layers._base import (
     Cache,
     _features,
@@ -152,7 +152,7 @@ def cross_entropy_forward(
     targets, ignore_index = _targets(targets, logits.shape, ignore_index)
     smoothing = real("label_smoothing", label_smoothing)
     if not 0 <= smoothing <= 1:
-        raise ValueError(f"label_smoothing must lie in [0, 1], got {smoothing}")
+        raise ArgumentError(f"label_smoothing must lie in [0, 1], got {smoothing}")
     reduction = choice("reduction", reduction, REDUCTIONS)
     backend = resolve_backend(backend)
     rows, flat_targets = _rows(logits), np.ascontiguousarray(targets.ravel())
@@ -178,7 +178,7 @@ def cross_entropy_forward(
 
 def _targets(targets, logits_shape, ignore_index):
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int | np.integer):
-        raise TypeError(f"ignore_index must be an integer, got {ignore_index!r}")
+        raise DTypeError(f"ignore_index must be an integer, got {ignore_index!r}")
     array = host_array("targets", targets)
     if array.dtype.kind not in "iu":
         raise DTypeError(f"targets must be integers, got dtype {array.dtype}")
@@ -191,7 +191,7 @@ def _targets(targets, logits_shape, ignore_index):
     n_classes = logits_shape[-1]
     if counted.size and (counted.min() < 0 or counted.max() >= n_classes):
         bad = counted[(counted < 0) | (counted >= n_classes)].flat[0]
-        raise ValueError(
+        raise ArgumentError(
             f"targets must lie in [0, {n_classes}) or equal ignore_index={ignore_index}, got {bad}"
         )
     return array.astype(np.int64), int(ignore_index)

@@ -1,0 +1,221 @@
+"""The package layout as drawn: who may import whom, no import circles, a stable public API.
+
+The imports are read from the source (every ``import`` statement, including
+those inside functions), so a rule broken by a lazy import is caught too.
+"""
+
+import ast
+import importlib
+import re
+from pathlib import Path
+
+import pytest
+
+import tfmath
+from tfmath._moved import MOVED_MODULES
+
+PACKAGE = Path(tfmath.__file__).parent
+ROOT = PACKAGE.parent
+
+#: Bottom to top: a module may import modules of its own layer or of layers below.
+LAYERS = (
+    ("infrastructure", ("tfmath.errors", "tfmath._version", "tfmath._cuda", "tfmath._config")),
+    ("contract", ("tfmath._contract", "tfmath._dispatch")),
+    ("implementations", ("tfmath.kernels", "tfmath.reference")),
+    (
+        "topics",
+        (
+            "tfmath.attention",
+            "tfmath.positional",
+            "tfmath.variance",
+            "tfmath.efficient",
+            "tfmath.rnn",
+            "tfmath.formulas",
+        ),
+    ),
+    ("training", ("tfmath.training",)),
+    ("analysis", ("tfmath.analysis",)),
+    ("tools", ("tfmath.tools", "tfmath.report", "tfmath.experiments")),
+    ("package", ("tfmath._moved", "tfmath.__main__", "tfmath")),
+)
+
+#: What kernels and oracles may import besides their own package.
+IMPLEMENTATION_DEPENDENCIES = (
+    "tfmath._contract",
+    "tfmath._config",
+    "tfmath._cuda",
+    "tfmath.errors",
+)
+
+
+def _module_name(path):
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+MODULES = {_module_name(path): path for path in PACKAGE.rglob("*.py")}
+
+
+def _existing_module(name):
+    """The longest prefix of a dotted name that is a tfmath module."""
+    while name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name
+
+
+def _imports(name):
+    """The tfmath modules that module ``name`` imports, anywhere in its source."""
+    found = set()
+    for node in ast.walk(ast.parse(MODULES[name].read_text())):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tfmath"):
+            for alias in node.names:
+                candidate = f"{node.module}.{alias.name}"
+                found.add(candidate if candidate in MODULES else _existing_module(node.module))
+        elif isinstance(node, ast.Import):
+            found.update(
+                _existing_module(a.name) for a in node.names if a.name.startswith("tfmath")
+            )
+    found.discard(name)
+    return found
+
+
+GRAPH = {name: _imports(name) for name in MODULES}
+
+
+def _layer(name):
+    matches = [
+        (len(prefix), rank)
+        for rank, (_, prefixes) in enumerate(LAYERS)
+        for prefix in prefixes
+        if name == prefix or name.startswith(prefix + ".")
+    ]
+    assert matches, f"{name} belongs to no layer of the drawing; add it to LAYERS"
+    return max(matches)[1]
+
+
+def _within(name, prefixes):
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def test_every_module_sits_in_a_layer():
+    for name in MODULES:
+        _layer(name)
+
+
+def test_nothing_imports_upward():
+    upward = [
+        f"{name} ({LAYERS[_layer(name)][0]}) imports {dep} ({LAYERS[_layer(dep)][0]})"
+        for name, deps in GRAPH.items()
+        for dep in deps
+        if dep != "tfmath" and _layer(dep) > _layer(name)
+    ]
+    assert upward == []
+
+
+@pytest.mark.parametrize(
+    "package", ["tfmath.kernels.cpu", "tfmath.kernels.cuda", "tfmath.reference"]
+)
+def test_kernels_and_oracles_import_only_the_contract_and_their_own_package(package):
+    allowed = (*IMPLEMENTATION_DEPENDENCIES, package)
+    broken = [
+        f"{name} imports {dep}"
+        for name, deps in GRAPH.items()
+        if _within(name, (package,))
+        for dep in deps
+        if not _within(dep, allowed)
+    ]
+    assert broken == []
+
+
+def test_the_contract_imports_only_infrastructure():
+    broken = [
+        f"{name} imports {dep}"
+        for name, deps in GRAPH.items()
+        if _within(name, ("tfmath._contract",))
+        for dep in deps
+        if not _within(dep, ("tfmath._contract", "tfmath._cuda", "tfmath.errors"))
+    ]
+    assert broken == []
+
+
+def test_only_cuda_module_imports_numba_cuda():
+    importers = sorted(
+        name
+        for name, path in MODULES.items()
+        if re.search(
+            r"^\s*(from numba import cuda|import numba\.cuda|from numba\.cuda)",
+            path.read_text(),
+            re.M,
+        )
+    )
+    assert importers == ["tfmath._cuda"]
+
+
+def test_there_is_no_import_circle():
+    circles = []
+    state = {}
+
+    def visit(name, path):
+        state[name] = "open"
+        for dep in sorted(GRAPH[name] - {"tfmath"}):
+            if state.get(dep) == "open":
+                circles.append(" -> ".join([*path[path.index(dep) :], dep]))
+            elif dep not in state:
+                visit(dep, [*path, dep])
+        state[name] = "done"
+
+    for name in sorted(MODULES):
+        if name not in state:
+            visit(name, [name])
+    assert circles == []
+
+
+# -- the public API stays importable -------------------------------------------------------
+
+
+def test_every_name_in_all_is_importable():
+    missing = [name for name in tfmath.__all__ if not hasattr(tfmath, name)]
+    assert missing == []
+
+
+def _resolve(dotted):
+    """Import the longest importable module prefix of ``dotted``, then get the rest."""
+    parts = dotted.split(".")
+    for split in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:split]))
+        except ModuleNotFoundError:
+            continue
+        for attribute in parts[split:]:
+            obj = getattr(obj, attribute)
+        return obj
+    raise ModuleNotFoundError(dotted)
+
+
+def _documented_paths():
+    texts = [p.read_text() for p in (ROOT / "docs").glob("*.rst")]
+    texts.append((ROOT / "README.md").read_text())
+    paths = set()
+    for text in texts:
+        paths.update(re.findall(r"\btfmath(?:\.[A-Za-z_][A-Za-z0-9_]*)+", text))
+        # autosummary entries are relative to ``.. currentmodule:: tfmath``
+        for block in re.findall(r"\.\. autosummary::\n((?:   .*\n|\n)+)", text):
+            paths.update(
+                f"tfmath.{entry.strip()}"
+                for entry in block.splitlines()
+                if entry.strip() and not entry.strip().startswith(":")
+            )
+    return sorted(paths)
+
+
+@pytest.mark.parametrize("dotted", _documented_paths())
+def test_every_dotted_path_in_the_docs_is_importable(dotted):
+    _resolve(dotted)
+
+
+@pytest.mark.parametrize(("old", "new"), sorted(MOVED_MODULES.items()))
+def test_the_flat_layouts_module_paths_import_as_the_moved_modules(old, new):
+    assert importlib.import_module(old) is importlib.import_module(new)
+    assert getattr(tfmath, old.removeprefix("tfmath.")) is importlib.import_module(new)
