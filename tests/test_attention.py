@@ -499,13 +499,22 @@ def test_cpu_backward_parts_keep_every_thread_busy():
     assert backward_parts(n_batch=1, n_key_tiles=1) == 1
 
 
-def test_flash_is_the_default_without_weights(monkeypatch):
-    from tfmath.attention import _attention_routine
+def test_auto_picks_the_method_by_shape():
+    from tfmath._contract.attention import attention_problem
+    from tfmath.attention import DECODE_MAX_QUERIES, DECODE_MIN_KEYS, _attention_routine
 
-    assert _attention_routine("auto", False, False) == "flash_attention"
-    assert _attention_routine("auto", False, True) == "flash_attention"
-    assert _attention_routine("auto", True, False) == "naive_attention"
-    assert _attention_routine("naive", False, False) == "naive_attention"
+    def routine(n_query, n_key, return_weights=False, method="auto"):
+        q, k = np.ones((n_query, 4)), np.ones((n_key, 4))
+        problem = attention_problem(q, k, k, return_weights=return_weights, backend="cpu")
+        return _attention_routine(problem, method, False)
+
+    assert routine(64, 64) == "flash_attention"
+    assert routine(64, 64, return_weights=True) == "naive_attention"
+    assert routine(64, 64, method="naive") == "naive_attention"
+    assert routine(DECODE_MAX_QUERIES, DECODE_MIN_KEYS) == "decode_attention"
+    assert routine(DECODE_MAX_QUERIES + 1, DECODE_MIN_KEYS) == "flash_attention"
+    assert routine(1, DECODE_MIN_KEYS - 1) == "flash_attention"
+    assert routine(64, 64, method="decode") == "decode_attention"
 
 
 @pytest.mark.parametrize(

@@ -39,6 +39,7 @@ ROUTINES = {
     "softmax": "attention",
     "naive_attention": "attention",
     "flash_attention": "flash_attention",
+    "decode_attention": "decode",
     "attention_grad": "flash_attention",
     # tfmath.efficient
     "linear_attention": "efficient",

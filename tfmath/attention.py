@@ -26,7 +26,15 @@ from tfmath.errors import ArgumentError
 
 __all__ = ["attention_grad", "scaled_dot_product_attention", "softmax"]
 
-_METHODS = ("auto", "naive", "flash")
+_METHODS = ("auto", "naive", "flash", "decode")
+
+#: ``method="auto"`` decodes (few queries against many keys, FlashDecoding) when a
+#: batch entry has at most this many query rows and at least ``DECODE_MIN_KEYS``
+#: keys. The tiled flash kernel pads a query tile to 8 rows and transposes the
+#: values once per call, which costs more than it saves below these sizes; the
+#: thresholds come from ``tfmath bench attention --matrix`` (see docs/flash_attention.rst).
+DECODE_MAX_QUERIES = 16
+DECODE_MIN_KEYS = 256
 
 
 def softmax(x, axis=-1, *, backend="auto"):
@@ -135,12 +143,18 @@ def scaled_dot_product_attention(
         with nothing to attend): what the flash forward keeps for the
         backward. Pass it, with the output, to :func:`attention_grad` to spare
         the backward a second forward pass. Flash method only.
-    method : {"auto", "naive", "flash"}, optional
+    method : {"auto", "naive", "flash", "decode"}, optional
         ``"naive"`` forms each row of weights in full; ``"flash"`` sweeps
         key/value tiles with an online softmax (FlashAttention) and never
         holds more than a tile of scores, so memory stays :math:`O((L+S)d)`;
-        it cannot return the weights. ``"auto"`` is flash unless
-        ``return_weights=True``. Both give the same result to rounding.
+        ``"decode"`` is the flash method for few queries against many keys
+        (FlashDecoding): query heads that share a key/value head are stacked,
+        and the keys are split across threads and merged exactly. Flash and
+        decode cannot return the weights. ``"auto"`` is naive with
+        ``return_weights=True``, decode for at most
+        :data:`DECODE_MAX_QUERIES` query rows against at least
+        :data:`DECODE_MIN_KEYS` keys, and flash otherwise. All give the same
+        result to rounding.
     backend : {"auto", "cpu", "cuda", "reference"}, optional
         Which implementation runs (see :func:`tfmath.backends`).
 
@@ -209,11 +223,13 @@ def forward(problem, method="auto", *, return_log_sum_exp=False):
     What :func:`scaled_dot_product_attention` runs after validation; the blocks
     of :mod:`tfmath.training.layers` call it with the problems they build.
     """
-    routine = _attention_routine(method, problem.return_weights, return_log_sum_exp)
+    routine = _attention_routine(problem, method, return_log_sum_exp)
     return run(routine, problem)
 
 
-def _attention_routine(method, return_weights, return_log_sum_exp):
+def _attention_routine(problem, method, return_log_sum_exp):
+    """The routine ``method`` names for this problem (``"auto"`` chooses by shape)."""
+    return_weights = problem.return_weights
     if not isinstance(method, str) or method not in _METHODS:
         raise ArgumentError(f"method must be one of {_METHODS}, got {method!r}")
     if return_weights and return_log_sum_exp:
@@ -221,10 +237,10 @@ def _attention_routine(method, return_weights, return_log_sum_exp):
             "return_weights and return_log_sum_exp come from different methods "
             "(naive and flash); ask for one of them"
         )
-    if method == "flash" and return_weights:
+    if method in ("flash", "decode") and return_weights:
         raise ArgumentError(
-            "method='flash' never forms the attention weights, so it cannot return them; "
-            "use method='naive' (or 'auto') with return_weights=True"
+            f"method={method!r} never forms the attention weights, so it cannot return "
+            "them; use method='naive' (or 'auto') with return_weights=True"
         )
     if method == "naive" and return_log_sum_exp:
         raise ArgumentError(
@@ -232,6 +248,12 @@ def _attention_routine(method, return_weights, return_log_sum_exp):
         )
     if method == "naive" or return_weights:
         return "naive_attention"
+    if method == "decode" or (
+        method == "auto"
+        and problem.n_query <= DECODE_MAX_QUERIES
+        and problem.n_key >= DECODE_MIN_KEYS
+    ):
+        return "decode_attention"
     return "flash_attention"
 
 

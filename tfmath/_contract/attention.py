@@ -74,38 +74,32 @@ class AttentionProblem:
     def weights_shape(self):
         return (*self.batch_shape, self.n_query, self.n_key)
 
-    def additive_mask(self):
-        """The mask as a bias of the compute dtype (boolean False becomes ``-inf``), or None."""
-        mask = self.attn_mask
-        if mask is None or mask.dtype != np.bool_:
-            return mask
-        return np.where(mask, 0.0, -np.inf).astype(self.dtype)
-
     def kernel_operands(self):
-        """The operands as the kernels take them.
+        """The operands as the kernels take them, without copies of broadcast data.
 
         Returns
         -------
         query, key, value : arrays of shape ``(batch, rows, features)``
-            Each operand's own batch dimensions flattened (no broadcast copies).
-        mask : array of shape ``(mask_batch, L, S)``, or None
-            Additive bias, broadcast over its last two dimensions only.
+            Each operand's own batch dimensions flattened.
+        mask : array of shape ``(mask_batch, L or 1, S or 1)``, or None
+            The mask as the user gave it (boolean or floating), its batch
+            dimensions flattened and its last two dimensions left unbroadcast:
+            a key-padding mask stays ``(B, 1, S)``. :func:`dense_additive_mask`
+            expands it for kernels that want one bias per score.
         index : int64 array of shape ``(prod(batch_shape), 4)``
             For each output batch entry, the batch entry of query, key, value
             and mask to read.
         """
-        operands = {"query": self.query, "key": self.key, "value": self.value}
-        mask = self.additive_mask()
-        if mask is not None:
-            mask_batch = shape_of(mask)[:-2]
-            operands["mask"] = np.broadcast_to(mask, (*mask_batch, self.n_query, self.n_key))
+        operands = [self.query, self.key, self.value]
+        if self.attn_mask is not None:
+            operands.append(self.attn_mask)
         flat = []
         columns = []
-        for array in operands.values():
+        for array in operands:
             batch = shape_of(array)[:-2]
             flat.append(as_batched_3d(array, math.prod(batch)))
             columns.append(batch_index(batch, self.batch_shape))
-        if mask is None:
+        if self.attn_mask is None:
             flat.append(None)
             columns.append(np.zeros(math.prod(self.batch_shape), dtype=np.int64))
         index = np.ascontiguousarray(np.stack(columns, axis=1))
@@ -186,6 +180,17 @@ def attention_problem(
         backend,
     )
     return problem if backend == "cuda" else problem.on_host()
+
+
+def dense_additive_mask(mask, n_query, n_key, dtype):
+    """A mask from :meth:`AttentionProblem.kernel_operands` as one bias per score:
+    ``(mask_batch, L, S)`` in ``dtype``, boolean False as ``-inf`` (a copy; None stays None)."""
+    if mask is None:
+        return None
+    if mask.dtype == np.bool_:
+        mask = np.where(mask, 0.0, -np.inf)
+    dense = np.broadcast_to(mask.astype(dtype, copy=False), (mask.shape[0], n_query, n_key))
+    return np.ascontiguousarray(dense)
 
 
 def cast_operand(name, array, dtype):

@@ -45,8 +45,9 @@ def naive_attention(problem):
     """
     weights = attention_weights(problem)
     value = problem.value
-    output = weights @ value
-    if not np.all(np.isfinite(value)):
+    if np.all(np.isfinite(value)):
+        output = weights @ value
+    else:
         output = _sum_over_attended(weights, value)
     output = np.broadcast_to(output, problem.output_shape()).astype(problem.dtype)
     return output, (weights.astype(problem.dtype) if problem.return_weights else None)

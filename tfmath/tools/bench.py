@@ -244,3 +244,46 @@ def print_attention_report(quick=False, backend="cpu", out=print):
         out(f"first call in a fresh process (L=1024, H=8): {cold * 1e3:.0f} ms compiling "
             f"(cold), {warm * 1e3:.0f} ms from the kernel cache (warm); "
             f"any later call: {second * 1e3:.0f} ms")  # fmt: skip
+
+
+def matrix_rows(workloads, repeats=2, rounds=ROUNDS):
+    """Time every workload, tfmath against PyTorch in alternating rounds:
+    rows ``(workload, case, tfmath seconds, torch seconds or None)``."""
+    torch = optional_torch()
+    rng = np.random.default_rng(0)
+    rows = []
+    for item in workloads:
+        case = item.build(rng, torch)
+        contenders = {"tfmath": case.tfmath}
+        if case.torch is not None:
+            contenders["torch"] = case.torch
+        times = interleaved_best_times(contenders, repeats, rounds)
+        rows.append((item, case, times["tfmath"], times.get("torch")))
+        del case, contenders  # free this row's inputs before the next row's
+    return rows
+
+
+def print_matrix_report(out=print):
+    """``tfmath bench attention --matrix``: every workload of
+    :data:`tfmath.tools.workloads.MATRIX`, tfmath against PyTorch, with the roofs."""
+    from tfmath.tools.workloads import MATRIX, read_bandwidth
+
+    roof = gemm_roof()
+    bandwidth = read_bandwidth()
+    out(f"float32 GEMM roof (NumPy matmul 2048x2048): {roof:.1f} GFLOP/s; read "
+        f"bandwidth (NumPy sum over 512 MB, one core): {bandwidth / 1e9:.1f} GB/s")  # fmt: skip
+    out(
+        f"backend=cpu; best of {ROUNDS} rounds that take tfmath and torch in turn, "
+        "2 calls each; ratio = torch time / tfmath time (> 1: tfmath faster)"
+    )
+    out(f"{'workload':<34} {'tfmath ms':>10} {'torch ms':>10} {'ratio':>6}  rate")
+    for item, case, seconds, torch_seconds in matrix_rows(MATRIX):
+        if case.flops is not None:
+            rate = case.flops / seconds / 1e9
+            rate_text = f"{rate:7.1f} GFLOP/s ({100 * rate / roof:.0f}% of GEMM roof)"
+        else:
+            rate = case.bytes_read / seconds
+            rate_text = f"{rate / 1e9:7.1f} GB/s ({100 * rate / bandwidth:.0f}% of read bandwidth)"
+        torch_text = "n/a" if torch_seconds is None else f"{torch_seconds * 1e3:.2f}"
+        ratio = "" if torch_seconds is None else f"{torch_seconds / seconds:.2f}"
+        out(f"{item.name:<34} {seconds * 1e3:>10.2f} {torch_text:>10} {ratio:>6}  {rate_text}")

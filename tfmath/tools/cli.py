@@ -62,6 +62,12 @@ def _parser():
     bench.add_argument("topic", choices=("attention",), help="what to benchmark")
     bench.add_argument("--quick", action="store_true", help="shorter sequences only")
     bench.add_argument(
+        "--matrix",
+        action="store_true",
+        help="the workload matrix (head sizes, masks, float64, short sequences, decoding, "
+        "long causal, training steps) against PyTorch, instead of the length sweep",
+    )
+    bench.add_argument(
         "--backend",
         default="cpu",
         choices=("cpu", "cuda"),
@@ -72,7 +78,14 @@ def _parser():
 
 
 def _bench(args):
-    from tfmath.tools.bench import print_attention_report
+    from tfmath.tools.bench import print_attention_report, print_matrix_report
+
+    if args.matrix:
+        if args.backend != "cpu":
+            print("tfmath bench: --matrix runs on the CPU only", file=sys.stderr)
+            return 2
+        print_matrix_report()
+        return 0
 
     if args.backend == "cuda":
         from tfmath import _cuda

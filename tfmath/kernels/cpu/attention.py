@@ -10,6 +10,7 @@ import numba
 import numpy as np
 
 from tfmath._config import cpu_kernel
+from tfmath._contract.attention import dense_additive_mask
 from tfmath.kernels.cpu.exp2 import exp2_in_place
 
 #: Query rows per parallel task: enough to amortise the task's scratch
@@ -118,10 +119,11 @@ def _attention_kernel(query, key, value, mask, index, is_causal, scale, out, wei
 
 
 def naive_attention(problem):
-    """Run the CPU attention kernel on a validated :class:`~tfmath.attention.AttentionProblem`."""
+    """The naive CPU kernel on a validated attention problem: ``(output, weights or None)``."""
     query, key, value, mask, index = problem.kernel_operands()
     n_batch = index.shape[0]
     dtype = problem.dtype
+    mask = dense_additive_mask(mask, problem.n_query, problem.n_key, dtype)
     out = np.empty((n_batch, problem.n_query, problem.value_dim), dtype=dtype)
     weights_shape = (n_batch, problem.n_query, problem.n_key)
     weights = np.empty(weights_shape if problem.return_weights else (1, 0, 0), dtype=dtype)

@@ -68,6 +68,9 @@ LN2 = 0.6931471805599453
 SOFTMAX_HEADROOM = 16.0
 #: Key tiles the backward pass holds while it sweeps the query tiles once.
 KEY_TILES_PER_SWEEP = 4
+#: What a mask does to a (key tile, query tile) block of scores (see :func:`mask_operand`):
+#: forbids every pair (the block is skipped), changes some, or leaves all as they are.
+MASKED, PARTIAL, OPEN = 0, 1, 2
 
 
 def query_tile_size(n_query):
@@ -83,18 +86,15 @@ def key_tile_size(n_features, n_values):
 
 
 @cpu_kernel
-def _mask_tile(scores, mask, m, has_mask, is_causal, first_key, first_row, n_key, n_query):
+def _mask_tile(scores, bias, m, kind, is_causal, first_key, first_row, n_key, n_query):
     """Mask a transposed tile of base-2 scores, ``scores[j, i]`` for key j and query i:
-    add the bias, and write -inf where the key is beyond the sequence, above the
-    causal diagonal, or masked with -inf (even over a NaN score)."""
+    add the bias of a ``PARTIAL`` block, and write -inf where the key is beyond the
+    sequence, above the causal diagonal, or has a bias of -inf (even over a NaN score)."""
     key_tile, query_tile = scores.shape
     n_keys = min(key_tile, n_key - first_key)
     n_rows = min(query_tile, n_query - first_row)
-    if has_mask:
-        for j in range(n_keys):
-            for i in range(n_rows):
-                bias = mask[m, first_key + j, first_row + i]
-                scores[j, i] = -np.inf if bias == -np.inf else scores[j, i] + bias
+    if kind == PARTIAL:
+        _add_bias(scores, bias, m, first_key, first_row, n_keys, n_rows)
     for j in range(n_keys, key_tile):
         scores[j, :] = -np.inf
     if is_causal:
@@ -104,14 +104,123 @@ def _mask_tile(scores, mask, m, has_mask, is_causal, first_key, first_row, n_key
 
 
 @cpu_kernel
+def _add_bias(scores, bias, m, first_key, first_row, n_keys, n_rows):
+    """``scores[j, i] += bias`` with -inf forcing -inf (over a NaN score too), for a
+    bias of shape ``(mask_batch, S or 1, L or 1)``; one loop per layout, so that a
+    key-padding mask (one bias per key) costs a broadcast add, not a gather per score."""
+    if bias.shape[2] == 1:
+        _add_key_bias(scores, bias[m, :, 0], first_key if bias.shape[1] > 1 else -1, n_keys, n_rows)
+    elif bias.shape[1] == 1:
+        for j in range(n_keys):
+            _add_row_bias(scores[j], bias[m, 0, first_row : first_row + n_rows])
+    else:
+        for j in range(n_keys):
+            _add_row_bias(scores[j], bias[m, first_key + j, first_row : first_row + n_rows])
+
+
+@cpu_kernel
+def _add_row_bias(scores, bias):
+    """``scores[i] += bias[i]``, or -inf where the bias is -inf, along one key's row."""
+    prefer_wide_vectors()
+    for i in range(bias.shape[0]):
+        b = bias[i]
+        total = scores[i] + b
+        scores[i] = total if b != -np.inf else -np.inf
+
+
+@cpu_kernel
+def _add_key_bias(scores, bias, first_key, n_keys, n_rows):
+    """One bias per key (``first_key`` < 0: one bias for every key), added to every row."""
+    prefer_wide_vectors()
+    for j in range(n_keys):
+        b = bias[0] if first_key < 0 else bias[first_key + j]
+        if b == -np.inf:
+            scores[j, :n_rows] = -np.inf
+        elif b != 0:
+            for i in range(n_rows):
+                scores[j, i] += b
+
+
+@cpu_kernel
 def _score_tile(
     scores, key_rows, query_columns, score_scale,
-    mask, m, has_mask, is_causal, first_key, first_row, n_key, n_query,
+    bias, m, kind, is_causal, first_key, first_row, n_key, n_query,
 ):  # fmt: skip
     """A transposed tile of base-2 scores, ``scores[j, i]`` for key j and query i,
     masked (see :func:`_mask_tile`)."""
     gemm(score_scale, key_rows, query_columns, 0, scores)
-    _mask_tile(scores, mask, m, has_mask, is_causal, first_key, first_row, n_key, n_query)
+    _mask_tile(scores, bias, m, kind, is_causal, first_key, first_row, n_key, n_query)
+
+
+@cpu_kernel
+def _block_kind(tile_kinds, m, key_block, query_block):
+    """The kind of a (key tile, query tile) block, for masks broadcast along either axis."""
+    return tile_kinds[
+        m,
+        key_block if tile_kinds.shape[1] > 1 else 0,
+        query_block if tile_kinds.shape[2] > 1 else 0,
+    ]
+
+
+@cpu_kernel(parallel=True)
+def _prepare_bias(mask, is_boolean, key_tile, query_tile, bias, tile_kinds):
+    """From a mask ``(mask_batch, L or 1, S or 1)``, boolean (as bytes) or additive:
+    ``bias``, its transpose in base-2 units (boolean False as -inf), and
+    ``tile_kinds[m, t, r]``, whether block (key tile t, query tile r) is all -inf
+    (MASKED), all 0 (OPEN) or anything else (PARTIAL). One pass, a block per task
+    (its transpose stays in cache), counting rather than and-ing so the loop
+    vectorises; one block per axis along which the mask is broadcast."""
+    n_masks, n_key_blocks, n_query_blocks = tile_kinds.shape
+    key_span = key_tile if bias.shape[1] > 1 else 1
+    row_span = query_tile if bias.shape[2] > 1 else 1
+    allowed, forbidden = bias.dtype.type(0), bias.dtype.type(-np.inf)
+    for task in numba.prange(n_masks * n_key_blocks * n_query_blocks):
+        prefer_wide_vectors()
+        m = task // (n_key_blocks * n_query_blocks)
+        t = task // n_query_blocks % n_key_blocks
+        r = task % n_query_blocks
+        keys = range(t * key_span, min((t + 1) * key_span, bias.shape[1]))
+        rows = range(r * row_span, min((r + 1) * row_span, bias.shape[2]))
+        n_masked = 0
+        n_open = 0
+        for j in keys:
+            for i in rows:
+                value = mask[m, i, j]
+                if is_boolean:
+                    b = allowed if value else forbidden
+                else:
+                    b = bias.dtype.type(value * LOG2E)
+                bias[m, j, i] = b
+                n_masked += b == forbidden
+                n_open += b == allowed
+        size = len(keys) * len(rows)
+        tile_kinds[m, t, r] = MASKED if n_masked == size else (OPEN if n_open == size else PARTIAL)
+
+
+def mask_operand(mask, dtype, key_tile, query_tile):
+    """The mask as the CPU flash kernels read it: ``(bias, tile_kinds)``.
+
+    ``bias`` is the mask in base-2 units (boolean False as -inf), transposed to
+    ``(mask_batch, S or 1, L or 1)`` so the kernels read it along query rows: a
+    copy the size of the mask as given, never of its broadcast to every head.
+    ``tile_kinds`` says, per block of the kernels' tiles, whether the mask
+    forbids it whole (the kernels skip it: a key-padding mask costs what the
+    unpadded lengths would), leaves it open, or must be applied score by score.
+    Without a mask both are one-element placeholders of an open block.
+    """
+    if mask is None:
+        return np.zeros((1, 1, 1), dtype=dtype), np.full((1, 1, 1), OPEN, dtype=np.int8)
+    n_masks, mask_rows, mask_keys = mask.shape
+    n_key_blocks = -(-mask_keys // key_tile)
+    n_query_blocks = -(-mask_rows // query_tile)
+    bias = np.empty((n_masks, mask_keys, mask_rows), dtype=dtype)
+    tile_kinds = np.empty((n_masks, n_key_blocks, n_query_blocks), dtype=np.int8)
+    is_boolean = mask.dtype == np.bool_
+    _prepare_bias(
+        mask.view(np.uint8) if is_boolean else mask, is_boolean, key_tile, query_tile, bias,
+        tile_kinds,
+    )  # fmt: skip
+    return bias, tile_kinds
 
 
 @cpu_kernel
@@ -255,13 +364,12 @@ def _accumulate_values(value_columns, value_tiles, value_tile_finite, v, t, weig
 
 @cpu_kernel(parallel=True)
 def _forward_kernel(
-    query_tiles, key_tiles, value_tiles, value_columns, value_tile_finite, mask, index,
-    is_causal, n_query, n_key, scale, out, log_sum_exp,
+    query_tiles, key_tiles, value_tiles, value_columns, value_tile_finite, bias, tile_kinds,
+    index, is_causal, n_query, n_key, scale, out, log_sum_exp,
 ):  # fmt: skip
     n_batch, n_query_tiles, query_tile = out.shape[0], out.shape[1], out.shape[2]
     n_key_tiles, key_tile = key_tiles.shape[1], key_tiles.shape[2]
     n_values = value_tiles.shape[3]
-    has_mask = mask.shape[1] != 0
     dtype = out.dtype
     # Scores in base 2, so that the exponential is 2^x.
     score_scale = scale * LOG2E
@@ -285,10 +393,13 @@ def _forward_kernel(
             last_row = min(first_row + query_tile, n_query) - 1
             n_tiles = min(n_key_tiles, last_row // key_tile + 1)
         for t in range(n_tiles):
+            kind = _block_kind(tile_kinds, m, t, tile)
+            if kind == MASKED:
+                continue
             first_key = t * key_tile
             _score_tile(
                 scores, key_tiles[k, t], query_columns, score_scale,
-                mask, m, has_mask, is_causal, first_key, first_row, n_key, n_query,
+                bias, m, kind, is_causal, first_key, first_row, n_key, n_query,
             )  # fmt: skip
             if _has_reference_maximum(running_max):
                 if _softmax_tile_against_reference(scores, running_max, running_sum, new_max):
@@ -298,7 +409,7 @@ def _forward_kernel(
                 # Refused, after the single pass overwrote the scores.
                 _score_tile(
                     scores, key_tiles[k, t], query_columns, score_scale,
-                    mask, m, has_mask, is_causal, first_key, first_row, n_key, n_query,
+                    bias, m, kind, is_causal, first_key, first_row, n_key, n_query,
                 )  # fmt: skip
             _softmax_tile(scores, running_max, running_sum, rescale, new_max)
             # A loop, not an array expression, which cost a sixth of the kernel.
@@ -331,7 +442,7 @@ def _probabilities_and_score_gradients(scores, grad_probabilities, shift, delta)
 @cpu_kernel(parallel=True)
 def _backward_kernel(
     query_tiles, key_tiles, value_tiles, grad_tiles,
-    probability_shift, delta, mask, index, is_causal, n_query, n_key, scale,
+    probability_shift, delta, bias, tile_kinds, index, is_causal, n_query, n_key, scale,
     grad_query_parts, grad_key, grad_value,
 ):  # fmt: skip
     """One task per (batch entry, part of its key sweeps); part ``c`` of
@@ -351,7 +462,6 @@ def _backward_kernel(
     )
     n_key_tiles, key_tile = key_tiles.shape[1], key_tiles.shape[2]
     n_features, n_values = key_tiles.shape[3], value_tiles.shape[3]
-    has_mask = mask.shape[1] != 0
     dtype = grad_key.dtype
     score_scale = scale * LOG2E
     n_parts = grad_query_parts.shape[0]
@@ -380,10 +490,13 @@ def _backward_kernel(
                 for t in range(sweep_start, sweep_end):
                     if is_causal and last_row < t * key_tile:
                         continue  # the whole tile lies above the diagonal
+                    kind = _block_kind(tile_kinds, m, t, tile)
+                    if kind == MASKED:
+                        continue
                     first_row = tile * query_tile
                     _score_tile(
                         probabilities, key_tiles[k, t], query_columns[tile], score_scale,
-                        mask, m, has_mask, is_causal, t * key_tile, first_row, n_key, n_query,
+                        bias, m, kind, is_causal, t * key_tile, first_row, n_key, n_query,
                     )  # fmt: skip
                     gemm(1, value_tiles[v, t], grad_columns[tile], 0, grad_scores)
                     _probabilities_and_score_gradients(
@@ -430,14 +543,6 @@ def _row_tiles(array, tile):
     return padded.reshape(batch, n_tiles, tile, features)
 
 
-def _transposed_mask(mask, dtype):
-    """The additive mask in base-2 units, transposed to ``(mask_batch, S, L)`` so the
-    kernels read it along query rows, or an empty placeholder."""
-    if mask is None:
-        return np.empty((1, 0, 0), dtype=dtype)
-    return np.ascontiguousarray((mask * dtype.type(LOG2E)).transpose(0, 2, 1))
-
-
 def flash_forward(problem):
     """Tiled forward pass: returns ``(output, log_sum_exp)`` of shapes
     ``(n_batch, L, Ev)`` and ``(n_batch, L)`` (``-inf`` for rows with nothing to attend)."""
@@ -453,10 +558,11 @@ def flash_forward(problem):
     n_batch, n_query_tiles = index.shape[0], query_tiles.shape[1]
     out = np.empty((n_batch, n_query_tiles, query_tile, problem.value_dim), dtype=dtype)
     log_sum_exp = np.empty((n_batch, n_query_tiles, query_tile), dtype=dtype)
+    bias, tile_kinds = mask_operand(mask, dtype, key_tile, query_tile)
     with serial_blas():
         _forward_kernel(
             query_tiles, _row_tiles(key, key_tile), value_tiles, value_columns, value_tile_finite,
-            _transposed_mask(mask, dtype), index, problem.is_causal, problem.n_query,
+            bias, tile_kinds, index, problem.is_causal, problem.n_query,
             problem.n_key, problem.scale, out, log_sum_exp,
         )  # fmt: skip
     n_query = problem.n_query
@@ -510,12 +616,13 @@ def attention_grad(problem, grad_output, saved=None):
     )
     grad_key = np.empty((n_batch, n_key_tiles, key_tile, problem.n_features), dtype=dtype)
     grad_value = np.empty((n_batch, n_key_tiles, key_tile, problem.value_dim), dtype=dtype)
+    bias, tile_kinds = mask_operand(mask, dtype, key_tile, query_tile)
     with serial_blas():
         _backward_kernel(
             query_tiles, key_tiles, _row_tiles(value, key_tile), grad_tiles,
             probability_shift.reshape(n_batch, n_query_tiles, query_tile),
             padded_delta.reshape(n_batch, n_query_tiles, query_tile),
-            _transposed_mask(mask, dtype), index, problem.is_causal,
+            bias, tile_kinds, index, problem.is_causal,
             problem.n_query, problem.n_key, problem.scale, grad_query_parts, grad_key, grad_value,
         )  # fmt: skip
     return (

@@ -24,6 +24,7 @@ import math
 import numpy as np
 
 from tfmath import _cuda
+from tfmath._contract.attention import dense_additive_mask
 from tfmath.kernels.cuda.attention import SHARED_MEMORY_BYTES, _query_tile
 
 cuda = _cuda.numba_cuda()
@@ -381,13 +382,14 @@ def _launch(kernel, dtype, n_blocks, shape, tile_width, state_width, *args):
         kernel[n_blocks, (rows, splits), 0, shared_elements * dtype.itemsize](*args)
 
 
-def _mask_or_empty(mask, dtype):
-    return np.empty((1, 0, 0), dtype=dtype) if mask is None else mask
+def _mask_or_empty(mask, problem):
+    mask = dense_additive_mask(mask, problem.n_query, problem.n_key, problem.dtype)
+    return np.empty((1, 0, 0), dtype=problem.dtype) if mask is None else mask
 
 
 def _device_operands(problem):
     query, key, value, mask, index = problem.kernel_operands()
-    mask = _mask_or_empty(mask, problem.dtype)
+    mask = _mask_or_empty(mask, problem)
     return tuple(_cuda.to_device(a) for a in (query, key, value, mask, index))
 
 

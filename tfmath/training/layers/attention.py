@@ -6,10 +6,7 @@ import numpy as np
 
 from tfmath import _cuda, attention
 from tfmath._contract.attention import attention_problem
-from tfmath._contract.checks import (
-    boolean_flag,
-    integer,
-)
+from tfmath._contract.checks import boolean_flag, host_array, integer
 from tfmath._dispatch import resolve_backend
 from tfmath.errors import ArgumentError, ShapeError
 from tfmath.training.layers._base import (
@@ -232,13 +229,20 @@ def multi_head_attention_forward(
     query = split_heads(_linear(x, weights["w_q"], weights["b_q"]), layout.n_heads)
     key = split_heads(_linear(source, weights["w_k"], weights["b_k"]), layout.n_kv_heads)
     value = split_heads(_linear(source, weights["w_v"], weights["b_v"]), layout.n_kv_heads)
-    key, value = (np.repeat(t, layout.group, axis=-3) for t in (key, value))
+    # Grouped-query attention by broadcasting, never by copying keys and values:
+    # query heads (..., h_kv, group, L, d) against key/value heads (..., h_kv, 1, S, d).
     # The heads are valid by construction; only the user's mask is checked, once.
     problem = attention_problem(
-        query, key, value, attn_mask, is_causal, backend=resolve_backend(backend, x, attn_mask)
+        _group_heads(query, layout),
+        key[..., None, :, :],
+        value[..., None, :, :],
+        _grouped_mask(attn_mask, layout),
+        is_causal,
+        backend=resolve_backend(backend, x, attn_mask),
     )
     heads, log_sum_exp = attention.forward(problem, return_log_sum_exp=True)
-    heads, log_sum_exp = _cuda.to_host(heads), _cuda.to_host(log_sum_exp)
+    heads = _cuda.to_host(heads).reshape(query.shape)
+    log_sum_exp = _cuda.to_host(log_sum_exp)
     concat = merge_heads(heads)
     out = _linear(concat, weights["w_o"], weights["b_o"])
     saved = {
@@ -283,16 +287,20 @@ def multi_head_attention_backward(grad_out, cache):
     )
     # The forward's problem (and so its backend), output and log-sum-exp: no second
     # validation, and no second forward pass.
+    # A shared key/value head's gradient is summed over its query heads, as the
+    # gradient of any broadcast operand is (see tfmath.attention.gradients).
     problem = saved["problem"]
+    heads = saved["heads"]
     grad_query, grad_key, grad_value = (
         _cuda.to_host(g)
         for g in attention.gradients(
             problem,
-            split_heads(grad_concat, layout.n_heads),
-            (saved["heads"], saved["log_sum_exp"]),
+            _group_heads(split_heads(grad_concat, layout.n_heads), layout),
+            (_group_heads(heads, layout), saved["log_sum_exp"]),
         )
     )
-    grad_key, grad_value = (_sum_groups(g, layout) for g in (grad_key, grad_value))
+    grad_query = grad_query.reshape(heads.shape)
+    grad_key, grad_value = (g[..., 0, :, :] for g in (grad_key, grad_value))
     source = x if saved["source"] is None else saved["source"]
     grad_x, grad_w_q, grad_b_q = _linear_backward(
         merge_heads(grad_query), x, weights["w_q"], has_bias
@@ -319,8 +327,26 @@ def multi_head_attention_backward(grad_out, cache):
     return grad_x, grad_source, grads
 
 
-def _sum_groups(grad, layout):
-    """Sum the gradients of the query heads that share each key/value head (GQA)."""
-    *batch, _, length, d_head = grad.shape
-    grouped = grad.reshape(*batch, layout.n_kv_heads, layout.group, length, d_head)
-    return grouped.sum(axis=-3)
+def _group_heads(heads, layout):
+    """``(..., h, L, d)`` as ``(..., h_kv, group, L, d)``: head ``i`` in group ``i // group``."""
+    *batch, _, length, d_head = heads.shape
+    return heads.reshape(*batch, layout.n_kv_heads, layout.group, length, d_head)
+
+
+def _grouped_mask(attn_mask, layout):
+    """A mask broadcastable to ``(..., h, L, S)`` as one for the grouped heads,
+    ``(..., h_kv, group, L, S)``: its heads axis split, or given a size-1 axis."""
+    if attn_mask is None:
+        return None
+    mask = host_array("attn_mask", _cuda.to_host(attn_mask))
+    if mask.ndim < 3:
+        return mask
+    heads = mask.shape[-3]
+    if heads not in (1, layout.n_heads):
+        raise ShapeError(
+            f"attn_mask must broadcast to (..., n_heads, L, S) with n_heads = {layout.n_heads}, "
+            f"got shape {mask.shape}"
+        )
+    if heads == 1:
+        return mask[..., None, :, :]
+    return mask.reshape(*mask.shape[:-3], layout.n_kv_heads, layout.group, *mask.shape[-2:])

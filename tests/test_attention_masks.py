@@ -1,0 +1,229 @@
+"""Masks inside the CPU flash kernels, and the decoding kernel, against the NumPy reference.
+
+The kernels skip (key tile, query tile) blocks that a mask forbids whole and
+apply it score by score in the others, so the tests shrink the tiles (to 16
+keys and 8 queries) to put many blocks, whole and partial, into small problems.
+"""
+
+import numpy as np
+import pytest
+from _tolerances import assert_close, attention_tolerance
+from hypothesis import given
+from hypothesis import strategies as st
+
+import tfmath
+from tfmath._contract.attention import attention_problem
+from tfmath.kernels.cpu import decode, flash_attention
+
+DTYPES = [np.float32, np.float64]
+#: Mask layouts: the shape of the mask for batch B, heads H, L queries and S keys.
+LAYOUTS = {
+    "L,S": lambda b, h, n_query, n_key: (n_query, n_key),
+    "key padding B,1,1,S": lambda b, h, n_query, n_key: (b, 1, 1, n_key),
+    "B,1,L,S": lambda b, h, n_query, n_key: (b, 1, n_query, n_key),
+    "B,H,L,S": lambda b, h, n_query, n_key: (b, h, n_query, n_key),
+    "query rows B,H,L,1": lambda b, h, n_query, n_key: (b, h, n_query, 1),
+}
+
+
+@pytest.fixture(autouse=True)
+def small_tiles(monkeypatch):
+    monkeypatch.setattr(flash_attention, "key_tile_size", lambda n_features, n_values: 16)
+    monkeypatch.setattr(flash_attention, "query_tile_size", lambda n_query: 8)
+    monkeypatch.setattr(decode, "key_tile_size", lambda: 16)
+
+
+def _mask(rng, layout, kind, shape, n_key, padding, empty_rows):
+    """A mask of ``shape``: random, or key padding of ``padding`` keys; ``empty_rows``
+    forbids every key of some query rows."""
+    if layout.startswith("key padding"):
+        allowed = np.broadcast_to(np.arange(n_key) < n_key - padding, shape).copy()
+    else:
+        allowed = rng.random(shape) < 0.6
+    if empty_rows and shape[-2] > 1:
+        allowed[..., rng.random(shape[-2]) < 0.3, :] = False
+    if kind == "bool":
+        return allowed
+    bias = rng.standard_normal(shape) * 2
+    return np.where(allowed, bias, -np.inf)
+
+
+@st.composite
+def masked_problems(draw, max_query=20, min_key=1, max_key=70):
+    dtype = draw(st.sampled_from(DTYPES))
+    batch, heads = draw(st.integers(1, 2)), draw(st.integers(1, 3))
+    n_query = draw(st.integers(1, max_query))
+    n_key = draw(st.integers(min_key, max_key))
+    n_features, n_values = draw(st.integers(1, 8)), draw(st.integers(1, 6))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    layout = draw(st.sampled_from(sorted(LAYOUTS)))
+    kind = draw(st.sampled_from(["bool", "float"]))
+    padding = draw(st.integers(0, n_key))
+    mask = _mask(
+        rng,
+        layout,
+        kind,
+        LAYOUTS[layout](batch, heads, n_query, n_key),
+        n_key,
+        padding,
+        draw(st.booleans()),
+    )
+    if kind == "float":
+        mask = mask.astype(dtype)
+    return {
+        "query": rng.standard_normal((batch, heads, n_query, n_features)).astype(dtype),
+        "key": rng.standard_normal((batch, heads, n_key, n_features)).astype(dtype),
+        "value": rng.standard_normal((batch, heads, n_key, n_values)).astype(dtype),
+        "attn_mask": mask,
+        "is_causal": draw(st.booleans()),
+    }
+
+
+def _tolerance(inputs):
+    dtype = inputs["query"].dtype
+    return attention_tolerance(dtype, inputs["query"].shape[-1], inputs["key"].shape[-2])
+
+
+def _check_forward(inputs, method):
+    output, log_sum_exp = tfmath.scaled_dot_product_attention(
+        **inputs, method=method, return_log_sum_exp=True, backend="cpu"
+    )
+    expected, expected_lse = tfmath.scaled_dot_product_attention(
+        **inputs, method="flash", return_log_sum_exp=True, backend="reference"
+    )
+    assert output.dtype == expected.dtype
+    assert_close(output, expected, _tolerance(inputs))
+    assert_close(log_sum_exp, expected_lse, _tolerance(inputs))
+
+
+@given(inputs=masked_problems())
+def test_flash_forward_with_every_mask_layout(inputs):
+    _check_forward(inputs, "flash")
+
+
+@given(inputs=masked_problems(max_query=8, min_key=20, max_key=300))
+def test_decode_with_every_mask_layout(inputs):
+    _check_forward(inputs, "decode")
+
+
+@given(inputs=masked_problems(max_query=12, max_key=40))
+def test_flash_backward_with_every_mask_layout(inputs):
+    rng = np.random.default_rng(0)
+    shape = (*inputs["query"].shape[:-1], inputs["value"].shape[-1])
+    grad_output = rng.standard_normal(shape).astype(inputs["query"].dtype)
+    expected = tfmath.attention_grad(**inputs, grad_output=grad_output, backend="reference")
+    grads = tfmath.attention_grad(**inputs, grad_output=grad_output, backend="cpu")
+    for grad, want in zip(grads, expected, strict=True):
+        assert_close(grad, want, 4 * _tolerance(inputs))
+
+
+@pytest.mark.parametrize("n_query", [1, 2, 5, 8])
+@pytest.mark.parametrize("group", [1, 2, 4, 8])
+def test_decode_grouped_query_heads_share_keys_and_values(n_query, group):
+    # Grouped-query attention by broadcasting: query (B, h_kv, group, L, d) against
+    # key and value (B, h_kv, 1, S, d), never a copy of keys and values per query head.
+    rng = np.random.default_rng(100 * group + n_query)
+    query = rng.standard_normal((2, 3, group, n_query, 16))
+    key = rng.standard_normal((2, 3, 1, 1000, 16))
+    value = rng.standard_normal((2, 3, 1, 1000, 8))
+    padding = rng.random((2, 1, 1, 1, 1000)) < 0.9
+    for mask in (None, padding):
+        output = tfmath.scaled_dot_product_attention(
+            query, key, value, mask, method="decode", backend="cpu"
+        )
+        expected = tfmath.scaled_dot_product_attention(query, key, value, mask, backend="reference")
+        assert_close(output, expected, attention_tolerance(np.float64, 16, 1000))
+
+
+def test_masked_blocks_are_skipped_and_open_blocks_left_alone():
+    # One block per (key tile, query tile): all False -> MASKED, all True -> OPEN,
+    # mixed or a non-zero bias -> PARTIAL; a key-padding mask has one query block.
+    mask = np.ones((1, 16, 48), dtype=bool)
+    mask[:, :8, 16:32] = False
+    mask[:, 3, 40] = False
+    _, kinds = flash_attention.mask_operand(mask, np.dtype(np.float32), 16, 8)
+    expected = np.full((1, 3, 2), flash_attention.OPEN)
+    expected[0, 1, 0] = flash_attention.MASKED
+    expected[0, 2, 0] = flash_attention.PARTIAL
+    np.testing.assert_array_equal(kinds, expected)
+    padding = np.arange(48)[None, None, :] < 20
+    _, kinds = flash_attention.mask_operand(padding, np.dtype(np.float32), 16, 8)
+    np.testing.assert_array_equal(kinds[0, :, 0], [flash_attention.OPEN, flash_attention.PARTIAL,
+                                                   flash_attention.MASKED])  # fmt: skip
+
+
+def test_garbage_behind_a_key_padding_mask_is_never_read():
+    rng = np.random.default_rng(7)
+    query = rng.standard_normal((2, 2, 20, 4))
+    key, value = rng.standard_normal((2, 2, 50, 4)), rng.standard_normal((2, 2, 50, 3))
+    padding = np.arange(50)[None, None, None, :] < np.array([37, 50])[:, None, None, None]
+    key[0, :, 37:], value[0, :, 37:] = np.nan, np.inf
+    expected = tfmath.scaled_dot_product_attention(query, key, value, padding, backend="reference")
+    assert np.all(np.isfinite(expected))
+    for method in ("flash", "decode"):
+        output = tfmath.scaled_dot_product_attention(
+            query, key, value, padding, method=method, backend="cpu"
+        )
+        assert_close(output, expected, attention_tolerance(np.float64, 4, 50))
+    grads = tfmath.attention_grad(query, key, value, np.ones((2, 2, 20, 3)), padding)
+    assert all(np.all(np.isfinite(g[1])) for g in grads)
+
+
+@pytest.mark.parametrize("layout", ["key padding B,1,1,S", "B,H,L,S"])
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_gradient_with_a_mask_matches_finite_differences(layout, kind):
+    rng = np.random.default_rng(31)
+    query, key = rng.standard_normal((1, 2, 5, 3)), rng.standard_normal((1, 2, 20, 3))
+    value = rng.standard_normal((1, 2, 20, 2))
+    mask = _mask(rng, layout, kind, LAYOUTS[layout](1, 2, 5, 20), 20, 6, False)
+    weights = rng.standard_normal((1, 2, 5, 2))  # loss = sum(weights * attention)
+
+    def loss(q, k, v):
+        output = tfmath.scaled_dot_product_attention(q, k, v, mask, backend="reference")
+        return np.sum(weights * output)
+
+    grads = tfmath.attention_grad(query, key, value, weights, mask, backend="cpu")
+    step = 1e-6
+    for position, (array, grad) in enumerate(zip((query, key, value), grads, strict=True)):
+        numeric = np.zeros_like(array)
+        for index in np.ndindex(array.shape):
+            arrays = [query.copy(), key.copy(), value.copy()]
+            arrays[position][index] += step
+            upper = loss(*arrays)
+            arrays[position][index] -= 2 * step
+            numeric[index] = (upper - loss(*arrays)) / (2 * step)
+        # Central differences err by O(step^2) plus O(eps / step) of rounding.
+        assert_close(grad, numeric, 1e-8)
+
+
+def test_gradient_with_masks_matches_torch_autograd():
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(32)
+    query, key = rng.standard_normal((2, 3, 70, 8)), rng.standard_normal((2, 3, 90, 8))
+    value, grad_output = rng.standard_normal((2, 3, 90, 5)), rng.standard_normal((2, 3, 70, 5))
+    padding = np.arange(90)[None, None, None, :] < np.array([90, 61])[:, None, None, None]
+    alibi = -0.5 * np.abs(np.arange(70)[:, None] - np.arange(90)[None, :])[None, None]
+    for mask, is_causal in ((padding, False), (padding, True), (alibi, False)):
+        tensors = [torch.from_numpy(a.copy()).requires_grad_() for a in (query, key, value)]
+        # PyTorch takes a mask or is_causal, not both: give it their conjunction.
+        causal = np.tril(np.ones((70, 90), dtype=bool)) if is_causal else True
+        torch_mask = mask & causal if mask.dtype == bool else mask
+        torch.nn.functional.scaled_dot_product_attention(
+            *tensors, attn_mask=torch.from_numpy(torch_mask)
+        ).backward(torch.from_numpy(grad_output))
+        grads = tfmath.attention_grad(
+            query, key, value, grad_output, mask, is_causal, backend="cpu"
+        )
+        for grad, tensor in zip(grads, tensors, strict=True):
+            assert_close(grad, tensor.grad.numpy(), 1e-12)
+
+
+def test_key_padding_mask_is_not_broadcast_to_every_query():
+    # The kernels receive the mask as given, one row of keys per batch entry.
+    rng = np.random.default_rng(9)
+    query = rng.standard_normal((3, 4, 200, 8)).astype(np.float32)
+    padding = rng.random((3, 1, 1, 300)) < 0.5
+    key = rng.standard_normal((3, 4, 300, 8)).astype(np.float32)
+    problem = attention_problem(query, key, key, padding, backend="cpu")
+    mask = problem.kernel_operands()[3]
+    assert mask.shape == (3, 1, 300)
