@@ -67,3 +67,27 @@ def test_bench_on_cuda_without_a_gpu_says_why(monkeypatch, capsys):
 def test_attention_rows_on_a_gpu():
     rows = bench.attention_rows([64], heads=1, head_dim=8, repeats=1, backend="cuda")
     assert all(seconds > 0 for *_, seconds, _ in rows)
+
+
+def test_matrix_rows_time_tfmath_and_torch_on_every_kind_of_workload():
+    from tfmath.tools import workloads as w
+
+    tiny = [
+        w.Workload("forward", w.forward(1, 2, 32, 8, mask=w.key_padding)),
+        w.Workload("alibi", w.forward(1, 2, 32, 8, mask=w.alibi)),
+        w.Workload("decode", w.decoding(1, 4, 2, 64, 8)),
+        w.Workload("step", w.training_step(1, 2, 32, 8, mask=w.additive)),
+    ]
+    rows = bench.matrix_rows(tiny, repeats=1, rounds=1)
+    assert [row[0].name for row in rows] == [w.name for w in tiny]
+    has_torch = bench.optional_torch() is not None
+    for _, case, seconds, torch_seconds in rows:
+        assert seconds > 0 and (torch_seconds is not None) == has_torch
+        assert (case.flops is None) != (case.bytes_read is None)
+
+
+def test_matrix_workload_names_are_unique():
+    from tfmath.tools.workloads import MATRIX
+
+    names = [w.name for w in MATRIX]
+    assert len(names) == len(set(names))

@@ -412,6 +412,17 @@ def test_attention_backward_runs_on_the_forwards_backend(any_backend, monkeypatc
     assert loaded == [_dispatch.target("attention_grad", any_backend)]
 
 
+def test_grouped_query_attention_does_not_copy_keys_and_values():
+    rng = np.random.default_rng(6)
+    params = random_params(L.attention_parameters(8, 4, n_kv_heads=2), rng)
+    x = rng.standard_normal((3, 5, 8))
+    _, cache = L.multi_head_attention_forward(params, x, n_heads=4, n_kv_heads=2)
+    problem = cache.saved["problem"]
+    # Two key/value heads, broadcast over each group of two query heads.
+    assert problem.query.shape == (3, 2, 2, 5, 2)
+    assert problem.key.shape == problem.value.shape == (3, 2, 1, 5, 2)
+
+
 def test_attention_agrees_with_pytorch_multihead_attention():
     torch = pytest.importorskip("torch")
     rng = np.random.default_rng(5)

@@ -1,0 +1,53 @@
+"""asv benchmarks of the attention workload matrix, the rows of ``tfmath bench attention --matrix``.
+
+Every row of :data:`tfmath.tools.workloads.MATRIX` (head sizes, causal,
+key-padding and additive masks, float64, many short sequences, decoding with
+multi-head, grouped-query and multi-query attention, a long causal sequence,
+training steps) is timed (``time_``), and tracked as a ratio measured in the
+same run: PyTorch's time over tfmath's (``track_``, when PyTorch is
+importable), and the rate against the machine's roof (GFLOP/s against NumPy's
+float32 GEMM rate, or for decoding GB/s against one core's read bandwidth).
+
+Run with ``asv run -E existing --quick --bench Matrix``.
+"""
+
+from typing import ClassVar
+
+import numpy as np
+
+from tfmath.analysis.timing import best_time, interleaved_best_times
+from tfmath.tools.bench import gemm_roof, optional_torch
+from tfmath.tools.workloads import MATRIX, read_bandwidth, workload
+
+SEED = 0
+
+
+class Matrix:
+    params: ClassVar = [[w.name for w in MATRIX]]
+    param_names: ClassVar = ["workload"]
+    timeout = 900
+    number = 1
+    repeat = (2, 3, 30.0)
+
+    def setup(self, name):
+        self.case = workload(name).build(np.random.default_rng(SEED), optional_torch())
+        self.case.tfmath()  # compile, or load from the cache, before any timing
+
+    def time_tfmath(self, name):
+        self.case.tfmath()
+
+    def track_torch_time_over_tfmath_time(self, name):
+        if self.case.torch is None:
+            raise NotImplementedError("PyTorch is not installed")
+        times = interleaved_best_times({"torch": self.case.torch, "tfmath": self.case.tfmath}, 2)
+        return times["torch"] / times["tfmath"]
+
+    track_torch_time_over_tfmath_time.unit = "ratio"
+
+    def track_fraction_of_roof(self, name):
+        seconds = best_time(self.case.tfmath, 2)
+        if self.case.flops is not None:
+            return self.case.flops / seconds / 1e9 / gemm_roof()
+        return self.case.bytes_read / seconds / read_bandwidth()
+
+    track_fraction_of_roof.unit = "fraction"
