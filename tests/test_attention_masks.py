@@ -28,7 +28,7 @@ LAYOUTS = {
 
 @pytest.fixture(autouse=True)
 def small_tiles(monkeypatch):
-    monkeypatch.setattr(flash_attention, "key_tile_size", lambda n_features, n_values: 16)
+    monkeypatch.setattr(flash_attention, "key_tile_size", lambda n_features, n_values, n_key: 16)
     monkeypatch.setattr(flash_attention, "query_tile_size", lambda n_query: 8)
     monkeypatch.setattr(decode, "key_tile_size", lambda: 16)
 

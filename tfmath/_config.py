@@ -23,6 +23,7 @@ package). They go to :func:`kernel_cache`'s folder instead, one subfolder per
 version of the kernel sources.
 """
 
+import contextlib
 import functools
 import hashlib
 import os
@@ -155,8 +156,12 @@ def _cached_kernel_sources_digest():
 
 
 @functools.cache
-def _kernel_function_cache_class():
+def _kernel_function_cache_class(variant):
     """Numba's function cache, located in :func:`kernel_cache`'s folder.
+
+    ``variant`` names a subfolder for the serial twin of a parallel kernel
+    (see :func:`cpu_kernel`): Numba keys a cached entry by the function's name,
+    line and signature, not by its compiler flags, so the two must not share files.
 
     Numba would write next to the source file (``__pycache__``), and it stamps
     a cached function with its own file only; tfmath's kernels call kernels in
@@ -171,7 +176,7 @@ def _kernel_function_cache_class():
         def __init__(self, py_func, py_file):
             self._lineno = py_func.__code__.co_firstlineno
             subfolder = Path(py_file).resolve().parent.relative_to(KERNELS_FOLDER.resolve())
-            self._cache_path = str(kernel_cache().folder / subfolder)
+            self._cache_path = str(kernel_cache().folder / subfolder / variant)
 
         def get_cache_path(self):
             return self._cache_path
@@ -197,7 +202,7 @@ def _kernel_function_cache_class():
     return KernelFunctionCache
 
 
-def _attach_kernel_cache(dispatcher):
+def _attach_kernel_cache(dispatcher, variant=""):
     """Cache a kernel's compiled code in the kernel cache, if it is on and writable.
 
     Functions compiled with :func:`cpu_kernel` outside ``tfmath/kernels`` (in
@@ -208,28 +213,50 @@ def _attach_kernel_cache(dispatcher):
         return
     try:
         # What numba.njit(cache=True) does, with tfmath's cache class.
-        dispatcher._cache = _kernel_function_cache_class()(dispatcher.py_func)
+        dispatcher._cache = _kernel_function_cache_class(variant)(dispatcher.py_func)
     except OSError:
         pass  # the folder went away or became read-only: compile without caching
+
+
+#: Work (elements, or score-feature products, as each kernel counts it) below which
+#: :func:`sized` picks a parallel kernel's serial twin. Waking Numba's thread pool
+#: and sharing out the loop costs about 10 us on the 2-core development machine
+#: (AMD EPYC, OpenMP layer), about what one core needs for this much work; see
+#: ``tfmath bench attention --small``.
+PARALLEL_MIN_WORK = 2**15
 
 
 def cpu_kernel(function=None, *, parallel=False):
     """Compile ``function`` as a tfmath CPU kernel (``numba.njit`` with tfmath's options).
 
     Used bare (``@cpu_kernel``) for serial kernels and helpers, or as
-    ``@cpu_kernel(parallel=True)`` for kernels with a ``prange`` loop.
-    Compilation is lazy: it happens on the first call for each signature.
+    ``@cpu_kernel(parallel=True)`` for kernels with a ``prange`` loop; such a
+    kernel also carries ``.serial``, the same function compiled without
+    threads (``prange`` runs as ``range``), for problems too small to share out
+    (see :func:`sized`). Compilation is lazy: it happens on the first call for
+    each signature.
     """
     numba = _configure_numba()
 
-    def decorate(func):
+    def compile_(func, parallel, variant):
         dispatcher = numba.njit(
             fastmath=set(FASTMATH_FLAGS), parallel=parallel, nogil=True, error_model="numpy"
         )(func)
-        _attach_kernel_cache(dispatcher)
+        _attach_kernel_cache(dispatcher, variant)
+        return dispatcher
+
+    def decorate(func):
+        dispatcher = compile_(func, parallel, "")
+        if parallel:
+            dispatcher.serial = compile_(func, False, "serial")
         return dispatcher
 
     return decorate if function is None else decorate(function)
+
+
+def sized(kernel, work):
+    """``kernel``, or its serial twin when ``work`` is below :data:`PARALLEL_MIN_WORK`."""
+    return kernel if work >= PARALLEL_MIN_WORK else kernel.serial
 
 
 @functools.cache
@@ -240,6 +267,13 @@ def _blas_controller():
     return ThreadpoolController()
 
 
+@functools.cache
+def _blas_libraries():
+    """threadpoolctl's controller of each BLAS library loaded, found once per process."""
+    return tuple(_blas_controller().select(user_api="blas").lib_controllers)
+
+
+@contextlib.contextmanager
 def serial_blas():
     """A context in which BLAS runs on the calling thread only.
 
@@ -247,9 +281,19 @@ def serial_blas():
     :func:`tfmath.kernels.cpu.blas.gemm`) already keep every core busy; if
     BLAS started its own threads inside them, the cores would be oversubscribed
     many times over, and OpenBLAS would print a warning per call under Numba's
-    OpenMP threading layer.
+    OpenMP threading layer. The libraries are found once; entering and leaving
+    the context costs a few calls into each (threadpoolctl's ``limit`` would
+    inspect every loaded library again on every call).
     """
-    return _blas_controller().limit(limits=1, user_api="blas")
+    libraries = _blas_libraries()
+    previous = [library.get_num_threads() for library in libraries]
+    for library in libraries:
+        library.set_num_threads(1)
+    try:
+        yield
+    finally:
+        for library, threads in zip(libraries, previous, strict=True):
+            library.set_num_threads(threads)
 
 
 def threading_layer():

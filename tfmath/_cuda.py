@@ -117,6 +117,10 @@ def numba_dtype(dtype):
 
 def is_device_array(array):
     """Whether ``array`` lives in GPU memory (a Numba device array or any CUDA array)."""
+    if type(array) is np.ndarray or array is None:
+        return False  # the common case, answered at once
+    if isinstance(array, np.ndarray | np.generic | list | tuple | int | float):
+        return False
     if hasattr(array, "__cuda_array_interface__"):
         return True
     # The simulator's device arrays carry no __cuda_array_interface__; they can

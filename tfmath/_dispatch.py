@@ -72,12 +72,19 @@ ROUTINES = {
 
 def target(routine, backend):
     """Where ``routine`` is implemented on ``backend``, as ``"module:function"``."""
-    return f"{BACKEND_PACKAGES[backend]}.{ROUTINES[routine]}:{routine}"
+    return _TARGETS[routine, backend]
+
+
+_TARGETS = {
+    (routine, backend): f"{package}.{module}:{routine}"
+    for routine, module in ROUTINES.items()
+    for backend, package in BACKEND_PACKAGES.items()
+}
 
 
 def implementation(routine, backend):
     """The callable implementing ``routine`` on ``backend`` (imported on first use)."""
-    return _load(target(routine, backend))
+    return _load(_TARGETS[routine, backend])
 
 
 @functools.cache
@@ -124,13 +131,12 @@ def resolve_backend(backend, *arrays):
     BackendUnavailableError
         For an unknown name, or for ``"cuda"`` on a machine that cannot run it.
     """
-    if not isinstance(backend, str) or backend not in _CHOICES:
-        raise BackendUnavailableError(f"backend must be one of {_CHOICES}, got {backend!r}")
-    on_device = any(_cuda.is_device_array(a) for a in arrays if a is not None)
-    if backend == "auto":
-        if on_device or _cuda.status().real_gpu:
+    if type(backend) is str and backend == "auto":
+        if _cuda.status().real_gpu or any(map(_cuda.is_device_array, arrays)):
             return "cuda"
         return "cpu"
+    if not isinstance(backend, str) or backend not in _CHOICES:
+        raise BackendUnavailableError(f"backend must be one of {_CHOICES}, got {backend!r}")
     if backend == "cuda" and not _cuda.status().usable:
         raise BackendUnavailableError(
             f"backend='cuda' cannot run here: {_cuda.status().reason}. "

@@ -80,21 +80,27 @@ def softmax(x, axis=-1, *, backend="auto"):
         raise ArgumentError(f"axis {axis} is out of range for x of shape {tuple(x.shape)}")
     backend = resolve_backend(backend, x)
     axis = axis % x.ndim
-    if _cuda.is_device_array(x) and backend != "cuda":
-        x = _cuda.to_host(x)
-    if _cuda.is_device_array(x) and axis != x.ndim - 1:
+    if axis == x.ndim - 1 and backend != "cuda" and type(x) is np.ndarray and x.size:
+        # The common case: host rows along the last axis, with nothing to move.
+        rows = np.ascontiguousarray(x).reshape(-1, x.shape[-1])
+        return implementation("softmax", backend)(rows).reshape(x.shape)
+    on_device = _cuda.is_device_array(x)
+    if on_device and backend != "cuda":
+        x, on_device = _cuda.to_host(x), False
+    if on_device and axis != x.ndim - 1:
         raise ArgumentError(
             f"softmax of a device array runs along its last axis only, got axis={axis} "
             f"for shape {tuple(x.shape)}; move the axis on the device first"
         )
     if x.size == 0:
         return x.copy()
-    moved = x if _cuda.is_device_array(x) else np.ascontiguousarray(np.moveaxis(x, axis, -1))
+    last = axis == x.ndim - 1
+    moved = x if on_device or last else np.moveaxis(x, axis, -1)
+    if not on_device:
+        moved = np.ascontiguousarray(moved)
     rows = moved.reshape(-1, shape_of(moved)[-1])
     result = implementation("softmax", backend)(rows).reshape(moved.shape)
-    if _cuda.is_device_array(result):
-        return result
-    return np.moveaxis(result, -1, axis)
+    return result if on_device or last else np.moveaxis(result, -1, axis)
 
 
 def scaled_dot_product_attention(

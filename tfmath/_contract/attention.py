@@ -5,8 +5,9 @@ attention routine on every backend (naive, flash, its gradient, linear and
 sparse attention) receives it.
 """
 
+import functools
 import math
-from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import numpy as np
 
@@ -16,14 +17,15 @@ from tfmath._contract.layout import as_batched_3d, batch_index, broadcast_batch_
 from tfmath.errors import ArgumentError, DTypeError, ShapeError
 
 
-@dataclass(frozen=True)
-class AttentionProblem:
+class AttentionProblem(NamedTuple):
     """Validated inputs of one attention call, as every backend receives them.
 
     The operands live where ``backend`` runs: in host memory for ``"cpu"`` and
-    ``"reference"``; for ``"cuda"``, where the user put them. The reference
-    implementation reads the arrays as the user shaped them (after dtype
-    conversion); the kernels call :meth:`kernel_operands`.
+    ``"reference"``; for ``"cuda"``, where the user put them (``on_device``).
+    The reference implementation reads the arrays as the user shaped them
+    (after dtype conversion); the kernels call :meth:`kernel_operands`. A
+    named tuple, immutable and cheap to build: small problems are built by the
+    thousand.
     """
 
     query: object
@@ -36,26 +38,11 @@ class AttentionProblem:
     batch_shape: tuple
     dtype: np.dtype
     backend: str
-
-    @property
-    def n_query(self):
-        return shape_of(self.query)[-2]
-
-    @property
-    def n_features(self):
-        return shape_of(self.query)[-1]
-
-    @property
-    def n_key(self):
-        return shape_of(self.key)[-2]
-
-    @property
-    def value_dim(self):
-        return shape_of(self.value)[-1]
-
-    @property
-    def on_device(self):
-        return any(_cuda.is_device_array(a) for a in (self.query, self.key, self.value))
+    on_device: bool
+    n_query: int
+    n_key: int
+    n_features: int
+    value_dim: int
 
     @property
     def is_empty(self):
@@ -90,30 +77,41 @@ class AttentionProblem:
             For each output batch entry, the batch entry of query, key, value
             and mask to read.
         """
-        operands = [self.query, self.key, self.value]
+        query, key, value = self.query, self.key, self.value
+        if self.attn_mask is None and not self.on_device:
+            batch = query.shape[:-2]
+            if batch == key.shape[:-2] == value.shape[:-2]:
+                # No broadcasting: each operand's entries are the output's. The short
+                # path of small problems, which come by the thousand.
+                n_batch = math.prod(batch)
+                return (
+                    np.ascontiguousarray(query).reshape(n_batch, self.n_query, self.n_features),
+                    np.ascontiguousarray(key).reshape(n_batch, self.n_key, self.n_features),
+                    np.ascontiguousarray(value).reshape(n_batch, self.n_key, self.value_dim),
+                    None,
+                    _identity_indices(n_batch),
+                )
+        operands = [query, key, value]
         if self.attn_mask is not None:
             operands.append(self.attn_mask)
-        flat = []
-        columns = []
-        for array in operands:
-            batch = shape_of(array)[:-2]
-            flat.append(as_batched_3d(array, math.prod(batch)))
-            columns.append(batch_index(batch, self.batch_shape))
+        batches = tuple(shape_of(array)[:-2] for array in operands)
+        flat = [
+            as_batched_3d(array, math.prod(batch))
+            for array, batch in zip(operands, batches, strict=True)
+        ]
         if self.attn_mask is None:
             flat.append(None)
-            columns.append(np.zeros(math.prod(self.batch_shape), dtype=np.int64))
-        index = np.ascontiguousarray(np.stack(columns, axis=1))
-        return (*flat, index)
+        return (*flat, _batch_indices(batches, self.batch_shape))
 
     def on_host(self):
         """The same problem with every operand in host memory."""
         if not self.on_device:
             return self
-        return replace(
-            self,
+        return self._replace(
             query=_cuda.to_host(self.query),
             key=_cuda.to_host(self.key),
             value=_cuda.to_host(self.value),
+            on_device=False,
         )
 
 
@@ -128,45 +126,46 @@ def attention_problem(
     query = float_operand("query", query)
     key = float_operand("key", key)
     value = float_operand("value", value)
-    for name, array, meaning in (
-        ("query", query, "(..., L, E)"),
-        ("key", key, "(..., S, E)"),
-        ("value", value, "(..., S, Ev)"),
-    ):
-        require_ndim(name, array, 2, meaning)
-    if shape_of(query)[-1] != shape_of(key)[-1]:
+    require_ndim("query", query, 2, "(..., L, E)")
+    require_ndim("key", key, 2, "(..., S, E)")
+    require_ndim("value", value, 2, "(..., S, Ev)")
+    query_shape, key_shape, value_shape = shape_of(query), shape_of(key), shape_of(value)
+    if query_shape[-1] != key_shape[-1]:
         raise ShapeError(
             f"query and key must have the same last dimension E, got query "
-            f"{tuple(query.shape)} and key {tuple(key.shape)}"
+            f"{query_shape} and key {key_shape}"
         )
-    if shape_of(key)[-2] != shape_of(value)[-2]:
+    if key_shape[-2] != value_shape[-2]:
         raise ShapeError(
             f"key and value must have the same sequence length S (second-to-last "
-            f"dimension), got key {tuple(key.shape)} and value {tuple(value.shape)}"
+            f"dimension), got key {key_shape} and value {value_shape}"
         )
-    if shape_of(query)[-1] == 0 and scale is None:
+    if query_shape[-1] == 0 and scale is None:
         raise ShapeError(
-            f"query has E = 0 features (shape {tuple(query.shape)}), so the default "
+            f"query has E = 0 features (shape {query_shape}), so the default "
             "scale 1/sqrt(E) is undefined; pass scale explicitly"
         )
-    dtype = np.result_type(query.dtype, key.dtype, value.dtype)
-    query, key, value = (
-        cast_operand(name, a, dtype)
-        for name, a in zip(("query", "key", "value"), (query, key, value), strict=True)
-    )
-    n_query, n_key = shape_of(query)[-2], shape_of(key)[-2]
-    mask = _attention_mask(attn_mask, n_query, n_key, dtype)
-    named_batches = {
-        "query": shape_of(query)[:-2],
-        "key": shape_of(key)[:-2],
-        "value": shape_of(value)[:-2],
-    }
-    if mask is not None:
-        named_batches["attn_mask"] = shape_of(mask)[:-2]
-    batch_shape = broadcast_batch_shapes(named_batches)
-    scale = real("scale", scale, allow_none=True)
+    dtype = query.dtype
+    if not dtype == key.dtype == value.dtype:
+        dtype = np.result_type(query.dtype, key.dtype, value.dtype)
+        query = cast_operand("query", query, dtype)
+        key = cast_operand("key", key, dtype)
+        value = cast_operand("value", value, dtype)
+    mask = _attention_mask(attn_mask, query_shape[-2], key_shape[-2], dtype)
+    batch_shape = query_shape[:-2]
+    if mask is not None or not batch_shape == key_shape[:-2] == value_shape[:-2]:
+        named_batches = {
+            "query": batch_shape,
+            "key": key_shape[:-2],
+            "value": value_shape[:-2],
+        }
+        if mask is not None:
+            named_batches["attn_mask"] = shape_of(mask)[:-2]
+        batch_shape = broadcast_batch_shapes(named_batches)
     if scale is None:
-        scale = 1.0 / math.sqrt(shape_of(query)[-1])
+        scale = 1.0 / math.sqrt(query_shape[-1])
+    else:
+        scale = real("scale", scale)
     problem = AttentionProblem(
         query,
         key,
@@ -178,8 +177,36 @@ def attention_problem(
         batch_shape,
         dtype,
         backend,
+        any(map(_cuda.is_device_array, (query, key, value))),
+        query_shape[-2],
+        key_shape[-2],
+        query_shape[-1],
+        value_shape[-1],
     )
     return problem if backend == "cuda" else problem.on_host()
+
+
+@functools.lru_cache(maxsize=256)
+def _batch_indices(batches, batch_shape):
+    """For each flat entry of ``batch_shape``, the flat entry of query, key, value and
+    mask (0 without a mask) to read; read-only, cached per shape combination, as
+    calls repeat with the same shapes."""
+    columns = [batch_index(batch, batch_shape) for batch in batches]
+    if len(columns) == 3:
+        columns.append(np.zeros(math.prod(batch_shape), dtype=np.int64))
+    index = np.ascontiguousarray(np.stack(columns, axis=1))
+    index.flags.writeable = False
+    return index
+
+
+@functools.lru_cache(maxsize=64)
+def _identity_indices(n_batch):
+    """The index of a problem without broadcasting: entry ``b`` reads entry ``b`` of
+    query, key and value (and mask 0)."""
+    index = np.zeros((n_batch, 4), dtype=np.int64)
+    index[:, :3] = np.arange(n_batch)[:, None]
+    index.flags.writeable = False
+    return index
 
 
 def dense_additive_mask(mask, n_query, n_key, dtype):

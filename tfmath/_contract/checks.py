@@ -25,9 +25,10 @@ def integer(name, value, *, minimum=None, allow_none=False):
     """An integer argument as a Python ``int`` (booleans refused), at least ``minimum``."""
     if value is None and allow_none:
         return None
-    if isinstance(value, bool | np.bool_) or not isinstance(value, numbers.Integral):
-        raise DTypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
-    value = int(value)
+    if type(value) is not int:
+        if isinstance(value, bool | np.bool_) or not isinstance(value, numbers.Integral):
+            raise DTypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
+        value = int(value)
     if minimum is not None and value < minimum:
         raise ArgumentError(f"{name} must be at least {minimum}, got {value}")
     return value
@@ -40,18 +41,18 @@ def real(name, value, *, above=None, at_least=None, below=None, allow_none=False
     """
     if value is None and allow_none:
         return None
-    if isinstance(value, bool | np.bool_) or not isinstance(value, numbers.Real):
-        raise DTypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
-    value = float(value)
+    if type(value) is not float:
+        if isinstance(value, bool | np.bool_) or not isinstance(value, numbers.Real):
+            raise DTypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
+        value = float(value)
     if not math.isfinite(value):
         raise ArgumentError(f"{name} must be finite, got {value}")
-    for holds, bound in (
-        (above is None or value > above, f"greater than {above}"),
-        (at_least is None or value >= at_least, f"at least {at_least}"),
-        (below is None or value < below, f"less than {below}"),
-    ):
-        if not holds:
-            raise ArgumentError(f"{name} must be {bound}, got {value}")
+    if above is not None and not value > above:
+        raise ArgumentError(f"{name} must be greater than {above}, got {value}")
+    if at_least is not None and not value >= at_least:
+        raise ArgumentError(f"{name} must be at least {at_least}, got {value}")
+    if below is not None and not value < below:
+        raise ArgumentError(f"{name} must be less than {below}, got {value}")
     return value
 
 
@@ -66,6 +67,8 @@ def choice(name, value, choices):
 
 def boolean_flag(name, value):
     """Check a flag is a real ``bool`` (``is_causal="no"`` would otherwise be truthy)."""
+    if value is True or value is False:
+        return value
     if not isinstance(value, bool | np.bool_):
         raise DTypeError(f"{name} must be True or False, got {value!r}")
     return bool(value)
@@ -98,6 +101,8 @@ def float_operand(name, value):
     complex, float16 and other arrays are refused rather than silently cast,
     because a cast is a choice of precision the caller should make.
     """
+    if type(value) is np.ndarray and value.dtype in KERNEL_DTYPES:
+        return value  # the common case, with nothing to convert or refuse
     if _cuda.is_device_array(value):
         array = _cuda.as_device_array(value)
         _check_kernel_dtype(name, np.dtype(array.dtype))

@@ -10,7 +10,8 @@ from tfmath.errors import ShapeError
 
 def shape_of(array):
     """The shape as a plain tuple (the CUDA simulator's shapes reject negative indices)."""
-    return tuple(array.shape)
+    shape = array.shape
+    return shape if type(shape) is tuple else tuple(shape)
 
 
 def broadcast_batch_shapes(named_shapes):
@@ -41,6 +42,9 @@ def batch_index(batch_shape, broadcast_shape):
 
 def as_batched_3d(array, batch_size):
     """View a C-contiguous array of shape ``(*batch, m, n)`` as ``(batch_size, m, n)``."""
+    if type(array) is np.ndarray:
+        array = np.ascontiguousarray(array)
+        return array.reshape(batch_size, *array.shape[-2:])
     if not _cuda.is_device_array(array):
         array = np.ascontiguousarray(array)
     return array.reshape((batch_size, *shape_of(array)[-2:]))

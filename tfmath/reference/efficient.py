@@ -1,7 +1,5 @@
 r"""NumPy oracles for linear attention and sparse attention, written from the definitions."""
 
-import dataclasses
-
 import numpy as np
 
 from tfmath._contract.efficient import ELU_PLUS_ONE
@@ -73,6 +71,6 @@ def sparse_attention(problem, pattern):
     vectorised definition of each pattern; the kernels never form it.
     """
     mask = pattern.mask(problem.n_query, problem.n_key)
-    masked = dataclasses.replace(problem, attn_mask=mask, return_weights=False)
+    masked = problem._replace(attn_mask=mask, return_weights=False)
     output, _ = naive_attention(masked)
     return output

@@ -247,19 +247,16 @@ def print_attention_report(quick=False, backend="cpu", out=print):
 
 
 def matrix_rows(workloads, repeats=2, rounds=ROUNDS):
-    """Time every workload, tfmath against PyTorch in alternating rounds:
-    rows ``(workload, case, tfmath seconds, torch seconds or None)``."""
+    """Time every workload, tfmath against its peers in alternating rounds:
+    rows ``(workload, case, {contender: seconds per call})``."""
     torch = optional_torch()
     rng = np.random.default_rng(0)
     rows = []
     for item in workloads:
         case = item.build(rng, torch)
-        contenders = {"tfmath": case.tfmath}
-        if case.torch is not None:
-            contenders["torch"] = case.torch
-        times = interleaved_best_times(contenders, repeats, rounds)
-        rows.append((item, case, times["tfmath"], times.get("torch")))
-        del case, contenders  # free this row's inputs before the next row's
+        times = interleaved_best_times(case.repeated().contenders(), repeats, rounds)
+        rows.append((item, case, {name: t / case.calls for name, t in times.items()}))
+        del case  # free this row's inputs before the next row's
     return rows
 
 
@@ -277,7 +274,8 @@ def print_matrix_report(out=print):
         "2 calls each; ratio = torch time / tfmath time (> 1: tfmath faster)"
     )
     out(f"{'workload':<34} {'tfmath ms':>10} {'torch ms':>10} {'ratio':>6}  rate")
-    for item, case, seconds, torch_seconds in matrix_rows(MATRIX):
+    for item, case, times in matrix_rows(MATRIX):
+        seconds, torch_seconds = times["tfmath"], times.get("torch")
         if case.flops is not None:
             rate = case.flops / seconds / 1e9
             rate_text = f"{rate:7.1f} GFLOP/s ({100 * rate / roof:.0f}% of GEMM roof)"
@@ -287,3 +285,61 @@ def print_matrix_report(out=print):
         torch_text = "n/a" if torch_seconds is None else f"{torch_seconds * 1e3:.2f}"
         ratio = "" if torch_seconds is None else f"{torch_seconds / seconds:.2f}"
         out(f"{item.name:<34} {seconds * 1e3:>10.2f} {torch_text:>10} {ratio:>6}  {rate_text}")
+
+
+_ALONE = """
+import sys, numpy as np
+from tfmath.analysis.timing import best_time
+from tfmath.tools.workloads import workload
+name, contender = sys.argv[1], sys.argv[2]
+torch = None
+if contender == "torch":
+    import torch
+case = workload(name).build(np.random.default_rng(0), torch)
+call = case.repeated().contenders()[contender]
+print(best_time(call, 5) / case.calls)
+"""
+
+
+def alone_seconds(name, contender):
+    """Seconds per call of one contender of a workload, in a fresh process that loads only
+    its own library (so no other library's thread pool is there to interfere)."""
+    result = subprocess.run(
+        [sys.executable, "-c", _ALONE, name, contender],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    return float(result.stdout.split()[-1])
+
+
+def print_small_report(out=print):
+    """``tfmath bench attention --small``: the per-call cost of small problems, tfmath
+    against PyTorch (and NumPy where it is the peer), each library alone in its own
+    process, then both loaded and called in turn in one process."""
+    from tfmath.tools.workloads import SMALL
+
+    has_torch = optional_torch() is not None
+    out("per-call times in microseconds; ratio = tfmath time / peer time (<= 2 is the goal; "
+        "for softmax, <= 1 against NumPy)")  # fmt: skip
+    header = ["alone: tfmath", "torch", "ratio", "together: tfmath", "torch", "ratio", "numpy"]
+    widths = [13, 8, 6, 17, 8, 6, 8, 6]
+    columns = [f"{title:>{width}}" for title, width in zip([*header, "ratio"], widths, strict=True)]
+    out(f"{'workload':<22} " + " ".join(columns))
+    together = {item.name: times for item, _, times in matrix_rows(SMALL, repeats=1)}
+    for item in SMALL:
+        alone = {"tfmath": alone_seconds(item.name, "tfmath")}
+        if has_torch:
+            alone["torch"] = alone_seconds(item.name, "torch")
+        both = together[item.name]
+        cells = [f"{item.name:<22}", _microseconds(alone, "tfmath", 13)]
+        cells += [_microseconds(alone, "torch", 8), _ratio(alone, "torch")]
+        cells += [_microseconds(both, "tfmath", 17), _microseconds(both, "torch", 8)]
+        cells += [_ratio(both, "torch"), _microseconds(both, "numpy", 8), _ratio(both, "numpy")]
+        out(" ".join(cells))
+
+
+def _microseconds(times, name, width):
+    return f"{times[name] * 1e6:>{width}.1f}" if name in times else f"{'n/a':>{width}}"
+
+
+def _ratio(times, peer):
+    return f"{times['tfmath'] / times[peer]:>6.2f}" if peer in times else f"{'':>6}"

@@ -68,6 +68,12 @@ def _parser():
         "long causal, training steps) against PyTorch, instead of the length sweep",
     )
     bench.add_argument(
+        "--small",
+        action="store_true",
+        help="per-call cost of small problems against PyTorch, each library alone and both "
+        "in one process",
+    )
+    bench.add_argument(
         "--backend",
         default="cpu",
         choices=("cpu", "cuda"),
@@ -78,13 +84,13 @@ def _parser():
 
 
 def _bench(args):
-    from tfmath.tools.bench import print_attention_report, print_matrix_report
+    from tfmath.tools.bench import print_attention_report, print_matrix_report, print_small_report
 
-    if args.matrix:
+    if args.matrix or args.small:
         if args.backend != "cpu":
-            print("tfmath bench: --matrix runs on the CPU only", file=sys.stderr)
+            print("tfmath bench: --matrix and --small run on the CPU only", file=sys.stderr)
             return 2
-        print_matrix_report()
+        (print_matrix_report if args.matrix else print_small_report)()
         return 0
 
     if args.backend == "cuda":

@@ -12,8 +12,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tfmath.attention import attention_grad, scaled_dot_product_attention
+from tfmath.attention import attention_grad, scaled_dot_product_attention, softmax
 from tfmath.positional import alibi_bias
+from tfmath.training.layers import layer_norm
 
 
 @dataclass(frozen=True)
@@ -30,12 +31,45 @@ class Case:
         Floating-point operations of one call (compute-bound rows).
     bytes_read : float or None
         Bytes of keys and values one call must read (decoding rows).
+    calls : int
+        Calls per timing, for calls too short to time one by one (see :meth:`repeated`).
+    numpy : callable or None
+        The computation in plain NumPy, where that is the peer to beat.
     """
 
     tfmath: Callable
     torch: Callable | None
     flops: float | None = None
     bytes_read: float | None = None
+    calls: int = 1
+    numpy: Callable | None = None
+
+    def repeated(self):
+        """The case with each contender making ``calls`` calls per timing (tiny calls
+        are timed in batches, which a timer resolves; divide the time by ``calls``)."""
+        if self.calls == 1:
+            return self
+        return Case(
+            _loop(self.tfmath, self.calls),
+            None if self.torch is None else _loop(self.torch, self.calls),
+            self.flops,
+            self.bytes_read,
+            self.calls,
+            None if self.numpy is None else _loop(self.numpy, self.calls),
+        )
+
+    def contenders(self):
+        """The calls to time, by name: tfmath and whichever peers the case has."""
+        peers = {"torch": self.torch, "numpy": self.numpy}
+        return {"tfmath": self.tfmath, **{k: v for k, v in peers.items() if v is not None}}
+
+
+def _loop(call, count):
+    def calls():
+        for _ in range(count):
+            call()
+
+    return calls
 
 
 @dataclass(frozen=True)
@@ -57,7 +91,7 @@ def _attention_flops(batch_heads, n_query, n_key, d, is_causal, backward=False):
     return flops / 2 if is_causal and n_query == n_key else flops
 
 
-def forward(batch, heads, length, d, *, is_causal=False, dtype=np.float32, mask=None):
+def forward(batch, heads, length, d, *, is_causal=False, dtype=np.float32, mask=None, calls=1):
     """Self-attention forward, ``(batch, heads, length, d)``; ``mask(rng)`` gives the mask."""
 
     def build(rng, torch):
@@ -77,7 +111,7 @@ def forward(batch, heads, length, d, *, is_causal=False, dtype=np.float32, mask=
                 return sdpa(*tensors, attn_mask=torch_mask, is_causal=is_causal)
 
         flops = _attention_flops(batch * heads, length, length, d, is_causal)
-        return Case(call, torch_call, flops=flops)
+        return Case(call, torch_call, flops=flops, calls=calls)
 
     return build
 
@@ -180,6 +214,116 @@ MATRIX = (
 )
 
 
+def softmax_row(n, *, calls=1000):
+    """Softmax of ``n`` float32 values: tfmath, PyTorch, and NumPy's three lines."""
+
+    def build(rng, torch):
+        x = rng.standard_normal(n).astype(np.float32)
+
+        def call():
+            return softmax(x)
+
+        torch_call = None
+        if torch is not None:
+            tensor = torch.from_numpy(x)
+
+            def torch_call():
+                return torch.softmax(tensor, -1)
+
+        return Case(call, torch_call, flops=5 * n, calls=calls, numpy=lambda: numpy_softmax(x))
+
+    return build
+
+
+def numpy_softmax(x):
+    """Softmax the way most people first write it in NumPy (the peer of :func:`softmax_row`)."""
+    e = np.exp(x - x.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def layer_norm_rows(rows, d, *, calls=1000):
+    """LayerNorm of ``(rows, d)`` float32."""
+
+    def build(rng, torch):
+        x = rng.standard_normal((rows, d)).astype(np.float32)
+        weight, bias = np.ones(d, np.float32), np.zeros(d, np.float32)
+
+        def call():
+            return layer_norm(x, weight, bias)
+
+        torch_call = None
+        if torch is not None:
+            tensors = [torch.from_numpy(a) for a in (x, weight, bias)]
+
+            def torch_call():
+                return torch.nn.functional.layer_norm(tensors[0], (d,), *tensors[1:])
+
+        return Case(call, torch_call, flops=8 * rows * d, calls=calls)
+
+    return build
+
+
+def tiny_model_step(d_model=16, context=16, batch=8, vocab=32, *, calls=20):
+    """Forward and backward of a one-layer pre-LN decoder (tfmath's blocks), and the same
+    model in PyTorch: token and position embeddings, one block with two heads and a
+    ReLU feed-forward of width 4 d, a final LayerNorm, the tied head, cross-entropy."""
+
+    def build(rng, torch):
+        from tfmath.training import language_model_config
+        from tfmath.training.layers import cross_entropy_backward, cross_entropy_forward
+        from tfmath.training.models import decoder_only_backward, decoder_only_forward, init_model
+
+        config = language_model_config(d_model, 1, vocab_size=vocab, context=context)
+        params = init_model(config, seed=0, dtype=np.float32)
+        tokens = rng.integers(0, vocab, size=(batch, context + 1))
+
+        def call():
+            logits, cache = decoder_only_forward(params, tokens[:, :-1], config)
+            _, loss_cache = cross_entropy_forward(logits, tokens[:, 1:])
+            return decoder_only_backward(cross_entropy_backward(np.float32(1), loss_cache), cache)
+
+        torch_call = None if torch is None else _torch_tiny_step(torch, config, tokens)
+        flops = 6 * batch * context * 12 * d_model**2
+        return Case(call, torch_call, flops=flops, calls=calls)
+
+    return build
+
+
+def _torch_tiny_step(torch, config, tokens):
+    nn = torch.nn
+    torch.manual_seed(0)
+    d = config.d_model
+    embed = nn.Embedding(config.vocab_size, d)
+    positions = nn.Parameter(torch.zeros(config.n_ctx, d))
+    block = nn.TransformerEncoderLayer(
+        d, config.n_heads, 4 * d, dropout=0.0, batch_first=True, norm_first=True
+    )
+    final_norm = nn.LayerNorm(d)
+    inputs, targets = (torch.from_numpy(t) for t in (tokens[:, :-1], tokens[:, 1:]))
+    length = inputs.shape[1]
+    causal = nn.Transformer.generate_square_subsequent_mask(length)
+
+    def step():
+        x = embed(inputs) + positions[:length]
+        x = final_norm(block(x, src_mask=causal, is_causal=True))
+        logits = x @ embed.weight.T
+        nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
+        ).backward()
+
+    return step
+
+
+#: The small problems of ``tfmath bench attention --small``: per-call cost, not throughput.
+SMALL = (
+    Workload("sdpa (1,1,16,16)", forward(1, 1, 16, 16, calls=1000)),
+    Workload("sdpa (8,4,64,32)", forward(8, 4, 64, 32, calls=20)),
+    Workload("softmax of 256", softmax_row(256)),
+    Workload("layer_norm (32,64)", layer_norm_rows(32, 64)),
+    Workload("tiny model fwd+bwd", tiny_model_step()),
+)
+
+
 def read_bandwidth(megabytes=512):
     """Bytes per second one core reads: the best of a few NumPy sums over ``megabytes``."""
     from tfmath.analysis.timing import best_time
@@ -189,8 +333,8 @@ def read_bandwidth(megabytes=512):
 
 
 def workload(name):
-    """The workload of :data:`MATRIX` called ``name``."""
-    matching = [w for w in MATRIX if w.name == name]
+    """The workload of :data:`MATRIX` or :data:`SMALL` called ``name``."""
+    matching = [w for w in (*MATRIX, *SMALL) if w.name == name]
     if not matching:
         raise KeyError(f"no workload {name!r}; known: {[w.name for w in MATRIX]}")
     return matching[0]

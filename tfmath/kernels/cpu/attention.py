@@ -9,7 +9,7 @@ task's score buffer stays in cache.
 import numba
 import numpy as np
 
-from tfmath._config import cpu_kernel
+from tfmath._config import cpu_kernel, sized
 from tfmath._contract.attention import dense_additive_mask
 from tfmath.kernels.cpu.exp2 import exp2_in_place
 
@@ -28,13 +28,13 @@ def balanced_tile(k, n_tiles):
 
 @cpu_kernel
 def _softmax_inplace(row):
-    """Replace ``row`` by its softmax.
+    """Replace ``row`` by its softmax; return its log-sum-exp.
 
-    All ``-inf`` gives zeros and any NaN gives a NaN row. The maximum skips NaN
-    (``>`` is false for it), but a NaN then reaches the sum through the
-    exponential and so every entry, except in an otherwise all ``-inf`` row,
-    which is checked for explicitly. The exponential is the vectorised base-2
-    one, on scores pre-multiplied by log2(e).
+    All ``-inf`` gives zeros (log-sum-exp ``-inf``) and any NaN gives a NaN row.
+    The maximum skips NaN (``>`` is false for it), but a NaN then reaches the
+    sum through the exponential and so every entry, except in an otherwise all
+    ``-inf`` row, which is checked for explicitly. The exponential is the
+    vectorised base-2 one, on scores pre-multiplied by log2(e).
     """
     row_max = -np.inf
     for j in range(row.shape[0]):
@@ -46,13 +46,15 @@ def _softmax_inplace(row):
             if row[j] != row[j]:
                 fill = np.nan
         row[:] = fill
-        return
+        return -np.inf if fill == 0 else np.nan
     for j in range(row.shape[0]):
         row[j] = (row[j] - row_max) * LOG2E
     exp2_in_place(row)
-    inverse = 1 / np.sum(row)
+    total = np.sum(row)
+    inverse = 1 / total
     for j in range(row.shape[0]):
         row[j] *= inverse
+    return row_max + np.log(total)
 
 
 @cpu_kernel(parallel=True)
@@ -64,16 +66,18 @@ def _softmax_rows_kernel(x, out):
 
 def softmax(x):
     """Softmax of each row of a C-contiguous float32/float64 2-D array."""
-    out = np.empty_like(x)
-    _softmax_rows_kernel(x, out)
+    out = np.empty(x.shape, x.dtype)
+    sized(_softmax_rows_kernel, x.size)(x, out)
     return out
 
 
 @cpu_kernel
 def _scores_row(query_row, keys, mask_row, has_mask, scale, n_visible, scores):
-    """``scores[j] = scale * q.k_j + mask[j]`` for the visible keys; masked keys get -inf."""
+    """``scores[j] = scale * q.k_j + mask[j]`` for the visible keys; masked keys get -inf.
+    A mask row of length 1 applies to every key."""
+    per_key = mask_row.shape[0] > 1
     for j in range(n_visible):
-        bias = mask_row[j] if has_mask else 0
+        bias = (mask_row[j] if per_key else mask_row[0]) if has_mask else 0
         if bias == -np.inf:
             scores[j] = -np.inf
             continue

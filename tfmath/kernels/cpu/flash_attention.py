@@ -53,7 +53,13 @@ import numba
 import numpy as np
 
 from tfmath._config import cpu_kernel, serial_blas
-from tfmath.kernels.cpu.attention import LOG2E, balanced_tile
+from tfmath.kernels.cpu.attention import (
+    LOG2E,
+    _scores_row,
+    _softmax_inplace,
+    _weighted_sum,
+    balanced_tile,
+)
 from tfmath.kernels.cpu.blas import gemm
 from tfmath.kernels.cpu.exp2 import exp2_scalar
 from tfmath.kernels.cpu.vector_width import prefer_wide_vectors
@@ -78,11 +84,12 @@ def query_tile_size(n_query):
     return min(QUERY_TILE, max(8, -(-n_query // 8) * 8))
 
 
-def key_tile_size(n_features, n_values):
-    """Keys per tile: the largest multiple of 16, at most 128, within ``TILE_PRODUCT_LIMIT``."""
+def key_tile_size(n_features, n_values, n_key):
+    """Keys per tile: the largest multiple of 16, at most 128, within ``TILE_PRODUCT_LIMIT``,
+    and no larger than the keys rounded up to 16 (a tile of padding is wasted work)."""
     widest = max(n_features, n_values, 1)
     size = TILE_PRODUCT_LIMIT // (QUERY_TILE * widest) // 16 * 16
-    return max(16, min(128, size))
+    return max(16, min(128, size, -(-n_key // 16) * 16))
 
 
 @cpu_kernel
@@ -548,7 +555,7 @@ def flash_forward(problem):
     ``(n_batch, L, Ev)`` and ``(n_batch, L)`` (``-inf`` for rows with nothing to attend)."""
     query, key, value, mask, index = problem.kernel_operands()
     dtype = problem.dtype
-    key_tile = key_tile_size(problem.n_features, problem.value_dim)
+    key_tile = key_tile_size(problem.n_features, problem.value_dim, problem.n_key)
     query_tile = query_tile_size(problem.n_query)
     query_tiles = _row_tiles(query, query_tile)
     value_tiles = _row_tiles(value, key_tile)
@@ -571,10 +578,58 @@ def flash_forward(problem):
     return output, log_sum_exp.reshape(n_batch, padded_rows)[:, :n_query]
 
 
+#: Below this many score-feature products (batch * L * S * (E + Ev)), the forward
+#: runs on the calling thread, a row at a time: starting the thread pool and
+#: laying out tiles costs more than the tiled kernel saves (crossover measured
+#: with tfmath bench attention --small).
+SERIAL_WORK = 2**17
+
+
+@cpu_kernel
+def _rows_forward(query, key, value, mask, index, is_causal, scale, out, log_sum_exp):
+    """Each row's scores, softmax and weighted sum in turn, on the calling thread.
+    ``mask`` is additive, ``(mask_batch, L or 1, S or 1)``, or None."""
+    n_batch, n_query, n_key = out.shape[0], query.shape[1], key.shape[1]
+    scores = np.empty(n_key, dtype=out.dtype)
+    for b in range(n_batch):
+        q, k, v, m = index[b, 0], index[b, 1], index[b, 2], index[b, 3]
+        for i in range(n_query):
+            n_visible = min(i + 1, n_key) if is_causal else n_key
+            if mask is None:
+                _scores_row(query[q, i], key[k], scores, False, scale, n_visible, scores)
+            else:
+                mask_row = mask[m, i if mask.shape[1] > 1 else 0]
+                _scores_row(query[q, i], key[k], mask_row, True, scale, n_visible, scores)
+            log_sum_exp[b, i] = _softmax_inplace(scores[:n_visible])
+            _weighted_sum(scores, value[v], n_visible, out[b, i])
+
+
+def _small_forward(problem):
+    """The forward of a problem below ``SERIAL_WORK``: ``(output, log_sum_exp)`` flat."""
+    query, key, value, mask, index = problem.kernel_operands()
+    dtype = problem.dtype
+    if mask is not None:
+        mask = np.where(mask, 0, -np.inf) if mask.dtype == np.bool_ else mask
+        mask = mask.astype(dtype, copy=False)
+    out = np.empty((index.shape[0], problem.n_query, problem.value_dim), dtype=dtype)
+    log_sum_exp = np.empty(out.shape[:2], dtype=dtype)
+    # The scale as a Python float: building a NumPy scalar costs more than the kernel
+    # saves by multiplying in the input's precision on problems this small.
+    _rows_forward(
+        query, key, value, mask, index, problem.is_causal, problem.scale, out, log_sum_exp
+    )
+    return out, log_sum_exp
+
+
+def _is_small(problem):
+    work = problem.n_query * problem.n_key * (problem.n_features + problem.value_dim)
+    return work * math.prod(problem.batch_shape) < SERIAL_WORK
+
+
 def flash_attention(problem):
     """The flash forward: the output, ``batch_shape + (L, Ev)``, and the log-sum-exp of
     each row, ``batch_shape + (L,)``."""
-    output, log_sum_exp = flash_forward(problem)
+    output, log_sum_exp = (_small_forward if _is_small(problem) else flash_forward)(problem)
     return (
         output.reshape(problem.output_shape()),
         log_sum_exp.reshape((*problem.batch_shape, problem.n_query)),
@@ -595,7 +650,7 @@ def attention_grad(problem, grad_output, saved=None):
     else:
         output = saved[0].reshape(n_batch, problem.n_query, problem.value_dim)
         log_sum_exp = saved[1].reshape(n_batch, problem.n_query)
-    key_tile = key_tile_size(problem.n_features, problem.value_dim)
+    key_tile = key_tile_size(problem.n_features, problem.value_dim, problem.n_key)
     query_tile = query_tile_size(problem.n_query)
     grad_output = np.ascontiguousarray(grad_output, dtype=dtype).reshape(output.shape)
     delta = np.einsum("bie,bie->bi", grad_output, output)

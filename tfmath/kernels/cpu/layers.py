@@ -13,7 +13,7 @@ import math
 import numba
 import numpy as np
 
-from tfmath._config import cpu_kernel
+from tfmath._config import cpu_kernel, sized
 
 RELU, GELU, GELU_TANH, SWIGLU = 0, 1, 2, 3
 _SQRT_2_OVER_PI = math.sqrt(2 / math.pi)
@@ -51,7 +51,7 @@ def layer_norm(x, weight, bias, eps):
     y = np.empty_like(x)
     mean = np.empty(x.shape[0], dtype=x.dtype)
     rstd = np.empty(x.shape[0], dtype=x.dtype)
-    _layer_norm_kernel(x, weight, bias, x.dtype.type(eps), y, mean, rstd)
+    sized(_layer_norm_kernel, x.size)(x, weight, bias, x.dtype.type(eps), y, mean, rstd)
     return y, mean, rstd
 
 
@@ -91,8 +91,8 @@ def layer_norm_backward(grad_y, x, weight, mean, rstd):
     grad_x = np.empty_like(x)
     grad_weight = np.empty_like(weight)
     grad_bias = np.empty_like(weight)
-    _layer_norm_grad_x(grad_y, x, weight, mean, rstd, grad_x)
-    _layer_norm_grad_params(grad_y, x, mean, rstd, grad_weight, grad_bias)
+    sized(_layer_norm_grad_x, x.size)(grad_y, x, weight, mean, rstd, grad_x)
+    sized(_layer_norm_grad_params, x.size)(grad_y, x, mean, rstd, grad_weight, grad_bias)
     return grad_x, grad_weight, grad_bias
 
 
@@ -113,7 +113,7 @@ def rms_norm(x, weight, eps):
     """RMSNorm of each row; returns ``(y, rstd)``."""
     y = np.empty_like(x)
     rstd = np.empty(x.shape[0], dtype=x.dtype)
-    _rms_norm_kernel(x, weight, x.dtype.type(eps), y, rstd)
+    sized(_rms_norm_kernel, x.size)(x, weight, x.dtype.type(eps), y, rstd)
     return y, rstd
 
 
@@ -144,8 +144,8 @@ def rms_norm_backward(grad_y, x, weight, rstd):
     """Gradients of :func:`rms_norm`: ``(grad_x, grad_weight)``."""
     grad_x = np.empty_like(x)
     grad_weight = np.empty_like(weight)
-    _rms_norm_grad_x(grad_y, x, weight, rstd, grad_x)
-    _rms_norm_grad_weight(grad_y, x, rstd, grad_weight)
+    sized(_rms_norm_grad_x, x.size)(grad_y, x, weight, rstd, grad_x)
+    sized(_rms_norm_grad_weight, x.size)(grad_y, x, rstd, grad_weight)
     return grad_x, grad_weight
 
 
@@ -192,7 +192,7 @@ def ffn_activation(h, code):
     """The FFN nonlinearity of each row (SwiGLU halves the width)."""
     width = h.shape[1] // 2 if code == SWIGLU else h.shape[1]
     out = np.empty((h.shape[0], width), dtype=h.dtype)
-    _activation_kernel(h, code, out)
+    sized(_activation_kernel, h.size)(h, code, out)
     return out
 
 
@@ -214,7 +214,7 @@ def _activation_grad_kernel(grad_out, h, code, grad_h):
 def ffn_activation_backward(grad_out, h, code):
     """Gradient of :func:`ffn_activation` with respect to ``h``."""
     grad_h = np.empty_like(h)
-    _activation_grad_kernel(grad_out, h, code, grad_h)
+    sized(_activation_grad_kernel, h.size)(grad_out, h, code, grad_h)
     return grad_h
 
 
@@ -246,7 +246,7 @@ def _log_softmax_kernel(x, y):
 def log_softmax(x):
     """Log-softmax of each row."""
     y = np.empty_like(x)
-    _log_softmax_kernel(x, y)
+    sized(_log_softmax_kernel, x.size)(x, y)
     return y
 
 
@@ -264,7 +264,7 @@ def _log_softmax_grad_kernel(grad_y, y, grad_x):
 def log_softmax_backward(grad_y, y):
     """Gradient of :func:`log_softmax` from the output ``y``."""
     grad_x = np.empty_like(y)
-    _log_softmax_grad_kernel(grad_y, y, grad_x)
+    sized(_log_softmax_grad_kernel, y.size)(grad_y, y, grad_x)
     return grad_x
 
 
@@ -287,7 +287,9 @@ def cross_entropy(logits, targets, label_smoothing, ignore_index):
     """Per-row cross-entropy with label smoothing; returns ``(loss, row_max, log_sum)``."""
     loss, row_max, log_sum = (np.empty(logits.shape[0], dtype=logits.dtype) for _ in range(3))
     smoothing = logits.dtype.type(label_smoothing)
-    _cross_entropy_kernel(logits, targets, smoothing, ignore_index, loss, row_max, log_sum)
+    sized(_cross_entropy_kernel, logits.size)(
+        logits, targets, smoothing, ignore_index, loss, row_max, log_sum
+    )
     return loss, row_max, log_sum
 
 
@@ -313,7 +315,7 @@ def cross_entropy_backward(
     """Gradient of :func:`cross_entropy` with respect to the logits."""
     grad = np.empty_like(logits)
     smoothing = logits.dtype.type(label_smoothing)
-    _cross_entropy_grad_kernel(
+    sized(_cross_entropy_grad_kernel, logits.size)(
         grad_loss, logits, targets, row_max, log_sum, smoothing, ignore_index, grad
     )
     return grad
