@@ -23,3 +23,20 @@ def assert_close(actual, expected, tolerance):
     expected = np.asarray(expected)
     assert actual.shape == expected.shape, (actual.shape, expected.shape)
     np.testing.assert_allclose(actual, expected, rtol=tolerance, atol=tolerance, equal_nan=True)
+
+
+#: Unit roundoff (half the spacing of numbers just above 1) of the half-precision formats.
+UNIT_ROUNDOFF = {"float16": 2.0**-11, "bfloat16": 2.0**-8}
+
+
+def half_tolerance(dtype, n_terms):
+    """Tolerance for a half-precision result computed in float32 and rounded once.
+
+    Against a float64 reference from the same (rounded) inputs, rounded to the
+    same format: the two can round a value near a boundary to neighbouring
+    half-precision numbers, 2 u apart at most (u = 2^-11 for float16, 2^-8 for
+    bfloat16), plus float32 accumulation over ``n_terms`` terms, which is far
+    smaller. Accumulating in half precision instead would err by up to
+    ``n_terms * u``.
+    """
+    return 2 * UNIT_ROUNDOFF[np.dtype(dtype).name] + attention_tolerance(np.float32, 0, n_terms)

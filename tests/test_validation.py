@@ -22,7 +22,6 @@ BAD_ATTENTION_CALLS = [
     ((Q, K, np.ones(5)), tfmath.ShapeError, ["value", "(5,)"]),
     ((Q.astype(np.int64), K, V), tfmath.DTypeError, ["query", "int64"]),
     ((Q, K.astype(np.complex128), V), tfmath.DTypeError, ["key", "complex128"]),
-    ((Q, K, V.astype(np.float16)), tfmath.DTypeError, ["value", "float16"]),
     ((Q, K, V.astype(bool)), tfmath.DTypeError, ["value", "bool"]),
     ((Q, K, V, np.ones((3, 5), np.int32)), tfmath.DTypeError, ["attn_mask", "int32"]),
     ((np.ones((3, 0)), np.ones((5, 0)), V[0]), tfmath.ShapeError, ["E = 0", "scale"]),
@@ -102,3 +101,14 @@ RAGGED = [[0, 1], [2]]
 )
 def test_ragged_nested_lists_are_refused_by_name(kernels_must_not_run, call, name):
     assert_refused(call, tfmath.ShapeError, [name, "rectangular"])
+
+
+def test_half_precision_is_refused_where_it_is_not_supported(kernels_must_not_run):
+    # float16 and bfloat16 are for attention, softmax and the blocks; the RNN and the
+    # positional encodings compute in float32 or float64 only.
+    x = np.ones((3, 2), dtype=np.float16)
+    assert_refused(
+        lambda: tfmath.elman_rnn(x, np.ones((4, 2)), np.eye(4), backend="cpu"),
+        tfmath.DTypeError,
+        ["inputs", "float16", "float32 or float64"],
+    )

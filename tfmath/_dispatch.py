@@ -20,7 +20,10 @@ import functools
 import importlib
 from dataclasses import dataclass
 
+import numpy as np
+
 from tfmath import _cuda
+from tfmath._contract.checks import is_half
 from tfmath.errors import BackendUnavailableError
 
 BACKENDS = ("cpu", "cuda", "reference")
@@ -56,6 +59,9 @@ ROUTINES = {
     # tfmath.variance
     "score_samples": "variance",
     "softmax_row_statistics": "variance",
+    # half-precision storage: widening to the compute dtype and rounding back
+    "widen": "half",
+    "narrow": "half",
     # tfmath.training.layers
     "layer_norm": "layers",
     "layer_norm_backward": "layers",
@@ -100,11 +106,36 @@ def run(routine, problem, *args):
     reference gives its (empty, zero or uniform) answer by definition, so it
     runs there whatever the backend: kernels never see empty shapes. Its
     result moves to the device when the problem's operands live there.
+
+    Half-precision operands (and arrays among ``args``) are widened first, by
+    the backend's ``widen``: to float32 for the kernels, which accumulate in
+    float32, and to float64 for the reference. Rounding results back to half
+    precision is left to the caller, which knows which results are outputs.
     """
-    if not problem.is_empty or problem.backend == "reference":
-        return implementation(routine, problem.backend)(problem, *args)
+    backend = problem.backend
+    if getattr(problem, "needs_widening", False):
+        widen = implementation("widen", backend)
+        problem = problem.widened(widen)
+        args = _widen_arrays(args, widen)
+    if not problem.is_empty or backend == "reference":
+        return implementation(routine, backend)(problem, *args)
     result = implementation(routine, "reference")(problem.on_host(), *_on_host(args))
     return _on_device(result) if problem.on_device else result
+
+
+def narrowed(problem, array):
+    """A result of :func:`run` in the problem's dtype, when that is half precision:
+    outputs come back in the operands' precision, as PyTorch returns them."""
+    if not is_half(problem.dtype):
+        return array
+    return implementation("narrow", problem.backend)(array, problem.dtype)
+
+
+def _widen_arrays(value, widen):
+    if isinstance(value, tuple | list):
+        return type(value)(_widen_arrays(v, widen) for v in value)
+    dtype = getattr(value, "dtype", None)
+    return widen(value) if dtype is not None and is_half(np.dtype(dtype)) else value
 
 
 def _on_host(value):

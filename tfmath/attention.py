@@ -19,9 +19,16 @@ from tfmath._contract.attention import (
     saved_forward,
     sum_to_shape,
 )
-from tfmath._contract.checks import boolean_flag, float_operand, integer, require_ndim
+from tfmath._contract.checks import (
+    boolean_flag,
+    compute_dtype,
+    float_operand,
+    integer,
+    is_half,
+    require_ndim,
+)
 from tfmath._contract.layout import shape_of
-from tfmath._dispatch import implementation, resolve_backend, run
+from tfmath._dispatch import implementation, narrowed, resolve_backend, run
 from tfmath.errors import ArgumentError
 
 __all__ = ["attention_grad", "scaled_dot_product_attention", "softmax"]
@@ -37,7 +44,7 @@ DECODE_MAX_QUERIES = 16
 DECODE_MIN_KEYS = 256
 
 
-def softmax(x, axis=-1, *, backend="auto"):
+def softmax(x, axis=-1, *, accumulate=None, backend="auto"):
     r"""Numerically stable softmax along one axis.
 
     .. math:: \operatorname{softmax}(x)_j = \frac{e^{x_j - m}}{\sum_k e^{x_k - m}},
@@ -49,9 +56,16 @@ def softmax(x, axis=-1, *, backend="auto"):
     Parameters
     ----------
     x : array_like
-        Logits, float32 or float64 (nested Python sequences become float64).
+        Logits: float16, bfloat16, float32 or float64 (nested Python sequences
+        become float64).
     axis : int, optional
         The axis to normalise over. Default: the last.
+    accumulate : {None, "float32", "input"}, optional
+        For float16 and bfloat16 ``x``: ``None`` and ``"float32"`` compute in
+        float32 and round the result to ``x``'s dtype, as PyTorch does;
+        ``"input"`` rounds every exponential and every partial sum to ``x``'s
+        precision, which the NumPy reference emulates (``backend="reference"``),
+        to measure what float32 accumulation buys.
     backend : {"auto", "cpu", "cuda", "reference"}, optional
         Which implementation runs (see :func:`tfmath.backends`).
 
@@ -73,13 +87,23 @@ def softmax(x, axis=-1, *, backend="auto"):
     >>> tfmath.softmax([0.0, 0.0, float("-inf")], backend="reference")
     array([0.5, 0.5, 0. ])
     """
-    x = float_operand("x", x)
+    x = float_operand("x", x, half=True)
     require_ndim("x", x, 1, "(the axis to normalise over)")
     axis = integer("axis", axis)
     if not -x.ndim <= axis < x.ndim:
         raise ArgumentError(f"axis {axis} is out of range for x of shape {tuple(x.shape)}")
     backend = resolve_backend(backend, x)
-    axis = axis % x.ndim
+    dtype = np.dtype(x.dtype)
+    widen = is_half(dtype) and compute_dtype(dtype, accumulate, backend) != dtype
+    if accumulate is not None and not widen:
+        compute_dtype(dtype, accumulate, backend)  # checks the argument
+    if widen:
+        x = implementation("widen", backend)(x)
+    result = _softmax_along(x, axis % x.ndim, backend)
+    return implementation("narrow", backend)(result, dtype) if widen else result
+
+
+def _softmax_along(x, axis, backend):
     if axis == x.ndim - 1 and backend != "cuda" and type(x) is np.ndarray and x.size:
         # The common case: host rows along the last axis, with nothing to move.
         rows = np.ascontiguousarray(x).reshape(-1, x.shape[-1])
@@ -114,6 +138,7 @@ def scaled_dot_product_attention(
     return_weights=False,
     return_log_sum_exp=False,
     method="auto",
+    accumulate=None,
     backend="auto",
 ):
     r"""Exact scaled dot-product attention, with the semantics of PyTorch's function.
@@ -211,6 +236,7 @@ def scaled_dot_product_attention(
         is_causal,
         scale,
         return_weights,
+        accumulate=accumulate,
         backend=resolve_backend(backend, query, key, value, attn_mask),
     )
     return_log_sum_exp = boolean_flag("return_log_sum_exp", return_log_sum_exp)
@@ -230,7 +256,14 @@ def forward(problem, method="auto", *, return_log_sum_exp=False):
     of :mod:`tfmath.training.layers` call it with the problems they build.
     """
     routine = _attention_routine(problem, method, return_log_sum_exp)
-    return run(routine, problem)
+    output, extra = run(routine, problem)
+    if not is_half(problem.dtype):
+        return output, extra
+    # Outputs come back in the operands' half precision; the log-sum-exp, which the
+    # backward pass needs accurately, in the compute dtype, as PyTorch keeps it.
+    if extra is None or problem.return_weights:
+        return narrowed(problem, output), None if extra is None else narrowed(problem, extra)
+    return narrowed(problem, output), extra.astype(problem.compute_dtype)
 
 
 def _attention_routine(problem, method, return_log_sum_exp):
@@ -350,6 +383,6 @@ def gradients(problem, grad_output, saved=None):
     """
     grads = run("attention_grad", problem, grad_output, saved)
     return tuple(
-        sum_to_shape(grad, shape_of(operand))
+        narrowed(problem, sum_to_shape(grad, shape_of(operand)))
         for grad, operand in zip(grads, (problem.query, problem.key, problem.value), strict=True)
     )

@@ -25,7 +25,7 @@ import math
 from tfmath._contract.attention import attention_problem
 from tfmath._contract.checks import choice, integer, real
 from tfmath._contract.efficient import FEATURE_MAPS, PATTERNS, SparsePattern, sparse_pattern
-from tfmath._dispatch import resolve_backend, run
+from tfmath._dispatch import narrowed, resolve_backend, run
 
 __all__ = [
     "FEATURE_MAPS",
@@ -123,7 +123,7 @@ def linear_attention(
     problem = attention_problem(
         query, key, value, None, is_causal, 1.0, backend=resolve_backend(backend, query, key, value)
     )
-    return run("linear_attention", problem, feature_code, eps)
+    return narrowed(problem, run("linear_attention", problem, feature_code, eps))
 
 
 # --- sparse attention ---------------------------------------------------------------------
@@ -230,7 +230,7 @@ def sparse_attention(
         backend=resolve_backend(backend, query, key, value),
     )
     sparsity.check_lengths(problem.n_query, problem.n_key)
-    return run("sparse_attention", problem, sparsity)
+    return narrowed(problem, run("sparse_attention", problem, sparsity))
 
 
 def sparse_attention_mask(

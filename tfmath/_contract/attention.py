@@ -12,7 +12,16 @@ from typing import NamedTuple
 import numpy as np
 
 from tfmath import _cuda
-from tfmath._contract.checks import boolean_flag, float_operand, host_array, real, require_ndim
+from tfmath._contract.checks import (
+    boolean_flag,
+    compute_dtype,
+    float_operand,
+    host_array,
+    is_half,
+    real,
+    require_ndim,
+    result_dtype,
+)
 from tfmath._contract.layout import as_batched_3d, batch_index, broadcast_batch_shapes, shape_of
 from tfmath.errors import ArgumentError, DTypeError, ShapeError
 
@@ -26,6 +35,12 @@ class AttentionProblem(NamedTuple):
     (after dtype conversion); the kernels call :meth:`kernel_operands`. A
     named tuple, immutable and cheap to build: small problems are built by the
     thousand.
+
+    ``dtype`` is the operands' dtype, and ``compute_dtype`` the one products
+    and sums accumulate in: float32 for float16 and bfloat16 operands (unless
+    ``accumulate="input"``), the operands' own otherwise. Operands in half
+    precision are widened by :func:`tfmath._dispatch.run` before an
+    implementation sees them (see :meth:`widened`).
     """
 
     query: object
@@ -43,6 +58,7 @@ class AttentionProblem(NamedTuple):
     n_key: int
     n_features: int
     value_dim: int
+    compute_dtype: np.dtype
 
     @property
     def is_empty(self):
@@ -103,6 +119,25 @@ class AttentionProblem(NamedTuple):
             flat.append(None)
         return (*flat, _batch_indices(batches, self.batch_shape))
 
+    @property
+    def needs_widening(self):
+        """Whether the operands are half precision, to be computed in float32 or more."""
+        return is_half(self.dtype) and self.compute_dtype != self.dtype
+
+    def widened(self, widen):
+        """The problem with half-precision operands (and mask) converted by ``widen``."""
+        mask = self.attn_mask
+        if mask is not None and is_half(mask.dtype):
+            mask = widen(mask)
+        query = widen(self.query)
+        return self._replace(
+            query=query,
+            key=widen(self.key),
+            value=widen(self.value),
+            attn_mask=mask,
+            dtype=np.dtype(query.dtype),
+        )
+
     def on_host(self):
         """The same problem with every operand in host memory."""
         if not self.on_device:
@@ -116,16 +151,26 @@ class AttentionProblem(NamedTuple):
 
 
 def attention_problem(
-    query, key, value, attn_mask=None, is_causal=False, scale=None, return_weights=False, *, backend
+    query,
+    key,
+    value,
+    attn_mask=None,
+    is_causal=False,
+    scale=None,
+    return_weights=False,
+    *,
+    accumulate=None,
+    backend,
 ):
     """Validate the arguments of an attention call and return its :class:`AttentionProblem`.
 
     ``backend`` is the resolved backend (``"cpu"``, ``"cuda"`` or
     ``"reference"``); operands move to host memory unless it is ``"cuda"``.
+    ``accumulate`` is checked by :func:`compute_dtype`.
     """
-    query = float_operand("query", query)
-    key = float_operand("key", key)
-    value = float_operand("value", value)
+    query = float_operand("query", query, half=True)
+    key = float_operand("key", key, half=True)
+    value = float_operand("value", value, half=True)
     require_ndim("query", query, 2, "(..., L, E)")
     require_ndim("key", key, 2, "(..., S, E)")
     require_ndim("value", value, 2, "(..., S, Ev)")
@@ -147,11 +192,12 @@ def attention_problem(
         )
     dtype = query.dtype
     if not dtype == key.dtype == value.dtype:
-        dtype = np.result_type(query.dtype, key.dtype, value.dtype)
+        dtype = result_dtype(query.dtype, key.dtype, value.dtype)
         query = cast_operand("query", query, dtype)
         key = cast_operand("key", key, dtype)
         value = cast_operand("value", value, dtype)
-    mask = _attention_mask(attn_mask, query_shape[-2], key_shape[-2], dtype)
+    accumulation = compute_dtype(dtype, accumulate, backend)
+    mask = _attention_mask(attn_mask, query_shape[-2], key_shape[-2], accumulation)
     batch_shape = query_shape[:-2]
     if mask is not None or not batch_shape == key_shape[:-2] == value_shape[:-2]:
         named_batches = {
@@ -182,6 +228,7 @@ def attention_problem(
         key_shape[-2],
         query_shape[-1],
         value_shape[-1],
+        accumulation,
     )
     return problem if backend == "cuda" else problem.on_host()
 
@@ -237,7 +284,7 @@ def _attention_mask(attn_mask, n_query, n_key, dtype):
         return None
     mask = host_array("attn_mask", _cuda.to_host(attn_mask))
     if mask.dtype != np.bool_:
-        if mask.dtype.kind != "f":
+        if mask.dtype.kind != "f" and not is_half(mask.dtype):
             raise DTypeError(
                 f"attn_mask must be boolean (True = may attend) or floating (added to "
                 f"the scores), got dtype {mask.dtype}"
@@ -257,7 +304,7 @@ def _attention_mask(attn_mask, n_query, n_key, dtype):
 def output_gradient(problem, grad_output):
     """Check the gradient of the attention output: the output's shape, cast to its dtype."""
     grad_output = cast_operand(
-        "grad_output", float_operand("grad_output", grad_output), problem.dtype
+        "grad_output", float_operand("grad_output", grad_output, half=True), problem.dtype
     )
     if shape_of(grad_output) != problem.output_shape():
         raise ShapeError(
@@ -276,11 +323,17 @@ def saved_forward(problem, output, log_sum_exp):
             "output and log_sum_exp come together from the forward pass; pass both or neither"
         )
     saved = []
-    for name, array, shape in (
-        ("output", output, problem.output_shape()),
-        ("log_sum_exp", log_sum_exp, (*problem.batch_shape, problem.n_query)),
+    # The log-sum-exp of half-precision attention is kept in the compute dtype, float32.
+    for name, array, shape, dtype in (
+        ("output", output, problem.output_shape(), problem.dtype),
+        (
+            "log_sum_exp",
+            log_sum_exp,
+            (*problem.batch_shape, problem.n_query),
+            problem.compute_dtype,
+        ),
     ):
-        array = cast_operand(name, float_operand(name, array), problem.dtype)
+        array = cast_operand(name, float_operand(name, array, half=True), dtype)
         if shape_of(array) != shape:
             raise ShapeError(
                 f"{name} must have shape {shape} for these inputs, got {shape_of(array)}"

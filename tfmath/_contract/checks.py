@@ -19,6 +19,56 @@ from tfmath.errors import ArgumentError, DTypeError, ShapeError
 
 #: The floating dtypes the kernels are compiled for.
 KERNEL_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+#: Half-precision dtypes, by name (bfloat16 is ``ml_dtypes.bfloat16``, which tfmath
+#: recognises without importing): stored in 16 bits, computed in float32.
+HALF_DTYPE_NAMES = ("float16", "bfloat16")
+
+
+def is_half(dtype):
+    """Whether ``dtype`` is float16 or bfloat16."""
+    return dtype.name in HALF_DTYPE_NAMES
+
+
+#: What ``accumulate=`` may ask for: the default (None), float32, or the input's precision.
+ACCUMULATIONS = (None, "float32", "input")
+
+
+def compute_dtype(dtype, accumulate, backend):
+    """The dtype that products and sums of ``dtype`` operands accumulate in.
+
+    ``accumulate=None`` or ``"float32"`` accumulate half precision in float32,
+    as PyTorch does; ``"input"`` keeps every partial result in the input's
+    precision, which only the NumPy reference emulates (an experiment on what
+    float32 accumulation buys, not a fast path). float32 and float64 operands
+    accumulate in their own precision.
+    """
+    if accumulate not in ACCUMULATIONS or not (accumulate is None or isinstance(accumulate, str)):
+        raise ArgumentError(f"accumulate must be one of {ACCUMULATIONS}, got {accumulate!r}")
+    if not is_half(dtype):
+        if accumulate == "float32" and dtype != np.float32:
+            raise ArgumentError(
+                f"accumulate='float32' would round {dtype} operands; leave accumulate=None"
+            )
+        return dtype
+    if backend == "cuda" and dtype.name == "bfloat16":
+        raise DTypeError("bfloat16 runs on backend='cpu' and 'reference'; on the GPU use float16")
+    if accumulate != "input":
+        return np.dtype(np.float32)
+    if backend != "reference":
+        raise ArgumentError(
+            f"accumulate='input' ({dtype} partial sums) is emulated by the NumPy reference "
+            "only: pass backend='reference'"
+        )
+    return dtype
+
+
+def result_dtype(*dtypes):
+    """The dtype of a computation on operands of ``dtypes``, as NumPy promotes them,
+    except that float16 with bfloat16 (which NumPy cannot promote) gives float32."""
+    try:
+        return np.result_type(*dtypes)
+    except TypeError:
+        return np.dtype(np.float32)
 
 
 def integer(name, value, *, minimum=None, allow_none=False):
@@ -92,38 +142,40 @@ def host_array(name, value, dtype=None):
         raise DTypeError(f"{name} could not be read as an array: {error}") from None
 
 
-def float_operand(name, value):
-    """Return ``value`` as a float32 or float64 array (host or device), or raise.
+def float_operand(name, value, *, half=False):
+    """Return ``value`` as a floating array (host or device) the routine can take, or raise.
 
-    Arrays keep their dtype when it is float32 or float64. Nested Python
-    sequences are converted by NumPy, and ones of integers or booleans become
-    float64 (as ``np.array(value, dtype=float)`` would). Integer, boolean,
-    complex, float16 and other arrays are refused rather than silently cast,
-    because a cast is a choice of precision the caller should make.
+    Arrays keep their dtype when it is float32 or float64 (or, with
+    ``half=True``, for routines that take half precision, float16 or bfloat16).
+    Nested Python sequences are converted by NumPy, and ones of integers or
+    booleans become float64 (as ``np.array(value, dtype=float)`` would).
+    Integer, boolean, complex and other arrays are refused rather than silently
+    cast, because a cast is a choice of precision the caller should make.
     """
     if type(value) is np.ndarray and value.dtype in KERNEL_DTYPES:
         return value  # the common case, with nothing to convert or refuse
     if _cuda.is_device_array(value):
         array = _cuda.as_device_array(value)
-        _check_kernel_dtype(name, np.dtype(array.dtype))
+        _check_dtype(name, np.dtype(array.dtype), half)
         return array
     array = host_array(name, value)
     if not isinstance(value, np.ndarray | np.generic) and array.dtype.kind in "biu":
         array = array.astype(np.float64)
-    _check_kernel_dtype(name, array.dtype)
+    _check_dtype(name, array.dtype, half)
     return array
 
 
-def _check_kernel_dtype(name, dtype):
-    if dtype in KERNEL_DTYPES:
+def _check_dtype(name, dtype, half):
+    if dtype in KERNEL_DTYPES or (half and is_half(dtype)):
         return
+    accepted = "float16, bfloat16, float32 or float64" if half else "float32 or float64"
     if dtype.kind == "c":
         hint = "complex data has no ordering, so softmax is undefined for it"
-    elif dtype.kind == "f":
+    elif dtype.kind == "f" or is_half(dtype):
         hint = f"cast it with .astype(np.float32) if {dtype} precision is enough"
     else:
         hint = "cast it explicitly, for example with .astype(np.float64)"
-    raise DTypeError(f"{name} must have dtype float32 or float64, got {dtype} ({hint})")
+    raise DTypeError(f"{name} must have dtype {accepted}, got {dtype} ({hint})")
 
 
 def require_ndim(name, array, minimum, meaning):

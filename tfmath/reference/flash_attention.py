@@ -6,7 +6,9 @@ only what is kept for the backward pass differs.
 
 import numpy as np
 
+from tfmath._contract.checks import is_half
 from tfmath.reference.attention import attention_weights, masked_scores, naive_attention
+from tfmath.reference.half import widen
 
 
 def flash_attention(problem):
@@ -27,6 +29,11 @@ def flash_attention(problem):
     log_sum_exp : numpy.ndarray, shape ``batch_shape + (L,)``
     """
     output, _ = naive_attention(problem)
+    if is_half(problem.dtype):
+        # accumulate="input" emulates the output; the log-sum-exp, auxiliary, is
+        # computed from the same half-precision operands in float64.
+        _, log_sum_exp = flash_attention(problem.widened(widen))
+        return output, log_sum_exp.astype(problem.dtype)
     scores = masked_scores(problem)
     if problem.n_key == 0:
         return output, np.full((*problem.batch_shape, problem.n_query), -np.inf, problem.dtype)

@@ -32,6 +32,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from tfmath._contract.checks import is_half
 from tfmath.errors import ArgumentError, DTypeError, ShapeError
 
 __all__ = ["ParameterSpec", "Parameters"]
@@ -128,12 +129,12 @@ class Parameters(Mapping):
     Parameters
     ----------
     arrays : dict of str to array_like, optional
-        Each value becomes a float32 or float64 array.
+        Each value becomes a float16, bfloat16, float32 or float64 array.
 
     Raises
     ------
     DTypeError
-        For arrays that are not float32 or float64.
+        For arrays of any other dtype.
     """
 
     __slots__ = ("_arrays",)
@@ -144,9 +145,10 @@ class Parameters(Mapping):
             if not isinstance(name, str) or not name:
                 raise DTypeError(f"parameter names must be non-empty strings, got {name!r}")
             array = np.asarray(array)
-            if array.dtype not in (np.float32, np.float64):
+            if array.dtype not in (np.float32, np.float64) and not is_half(array.dtype):
                 raise DTypeError(
-                    f"parameter {name!r} must be float32 or float64, got {array.dtype}"
+                    f"parameter {name!r} must be float16, bfloat16, float32 or float64, "
+                    f"got {array.dtype}"
                 )
             checked[name] = array
         self._arrays = checked

@@ -1,5 +1,6 @@
 """What every block shares: the cache of a forward pass, argument checks, linear maps."""
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -7,6 +8,7 @@ import numpy as np
 from tfmath import _cuda
 from tfmath._contract.checks import (
     float_operand,
+    is_half,
     real,
     require_ndim,
 )
@@ -36,6 +38,52 @@ class Cache:
                 f"cache comes from {self.op}_forward, but was passed to {op}_backward"
             )
         return self.saved
+
+
+def half_precision(block):
+    """Let ``block`` take float16 and bfloat16 arrays, and :class:`Parameters` of them.
+
+    They are widened to float32, the block computes in float32 (as PyTorch's
+    half-precision layers accumulate), and its array results, parameter
+    gradients included, are rounded back to that half precision. Blocks
+    called inside another block see float32 already, so only the outermost
+    call converts. Caches hold float32.
+    """
+
+    @functools.wraps(block)
+    def wrapper(*args, **kwargs):
+        dtype = next(filter(None, map(_half_dtype, (*args, *kwargs.values()))), None)
+        if dtype is None:
+            return block(*args, **kwargs)
+        args = tuple(_widened(a) for a in args)
+        kwargs = {name: _widened(value) for name, value in kwargs.items()}
+        return _narrowed(block(*args, **kwargs), dtype)
+
+    return wrapper
+
+
+def _half_dtype(value):
+    """The half-precision dtype of an array argument, or of a Parameters' arrays, or None."""
+    if isinstance(value, Parameters):
+        return next(filter(None, map(_half_dtype, value.values())), None)
+    dtype = getattr(value, "dtype", None)
+    return np.dtype(dtype) if dtype is not None and is_half(np.dtype(dtype)) else None
+
+
+def _widened(value):
+    if isinstance(value, Parameters):
+        return Parameters({name: _widened(array) for name, array in value.items()})
+    return value.astype(np.float32) if _half_dtype(value) is not None else value
+
+
+def _narrowed(value, dtype):
+    if isinstance(value, tuple):
+        return tuple(_narrowed(v, dtype) for v in value)
+    if isinstance(value, Parameters):
+        return Parameters({name: _narrowed(array, dtype) for name, array in value.items()})
+    if isinstance(value, np.ndarray | np.generic) and value.dtype == np.float32:
+        return value.astype(dtype)
+    return value
 
 
 def _require_cache(cache, op):

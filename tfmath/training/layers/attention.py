@@ -18,10 +18,12 @@ from tfmath.training.layers._base import (
     _named_grads,
     _require_cache,
     _weight,
+    half_precision,
 )
 from tfmath.training.params import ParameterSpec
 
 
+@half_precision
 def split_heads(x, n_heads):
     """``(..., L, h d_k) -> (..., h, L, d_k)``: seed 000's ``view`` then ``transpose(1, 2)``.
 
@@ -41,6 +43,7 @@ def split_heads(x, n_heads):
     return np.swapaxes(x.reshape(*batch, length, n_heads, width // n_heads), -3, -2)
 
 
+@half_precision
 def merge_heads(x):
     """``(..., n_heads, L, d_k) -> (..., L, n_heads * d_k)``: seed 000's "concatenate heads"."""
     *batch, n_heads, length, d_k = x.shape
@@ -153,6 +156,7 @@ def _attention_weights(params, d_model, d_source, n_heads, n_kv_heads, dtype):
     return weights, layout
 
 
+@half_precision
 def multi_head_attention_forward(
     params,
     x,
@@ -258,6 +262,7 @@ def multi_head_attention_forward(
     return out, Cache("multi_head_attention", saved)
 
 
+@half_precision
 def multi_head_attention_backward(grad_out, cache):
     r"""Gradients of :func:`multi_head_attention_forward`.
 

@@ -7,7 +7,7 @@ from tfmath._contract.checks import (
     integer,
 )
 from tfmath.errors import DTypeError
-from tfmath.training.layers._base import Cache, _eps, _host_operand, _require_cache
+from tfmath.training.layers._base import Cache, _eps, _host_operand, _require_cache, half_precision
 from tfmath.training.layers.attention import (
     _kv_heads,
     attention_parameters,
@@ -139,6 +139,7 @@ def _feed_forward(params, config, backend):
     return forward
 
 
+@half_precision
 def encoder_block_forward(params, x, config, *, attn_mask=None, is_causal=False, backend="auto"):
     r"""One encoder layer: self-attention then the FFN, each in a residual and a norm.
 
@@ -175,6 +176,7 @@ def encoder_block_forward(params, x, config, *, attn_mask=None, is_causal=False,
     return y, Cache("encoder_block", {"attention": attention_cache, "ffn": ffn_cache})
 
 
+@half_precision
 def encoder_block_backward(grad_y, cache):
     """Gradients of :func:`encoder_block_forward`: ``(grad_x, grads)``, with ``grads`` named as
     the forward's ``params``."""
@@ -189,6 +191,7 @@ def encoder_block_backward(grad_y, cache):
     return grad_x, grads
 
 
+@half_precision
 def decoder_block_forward(
     params, x, memory, config, *, self_attn_mask=None, memory_mask=None, backend="auto"
 ):
@@ -251,6 +254,7 @@ def _cross_attention_backward(grad, cache):
     return grad_x, (grads, grad_memory)
 
 
+@half_precision
 def decoder_block_backward(grad_y, cache):
     """Gradients of :func:`decoder_block_forward`: ``(grad_x, grad_memory, grads)``, with
     ``grads`` named as the forward's ``params``."""

@@ -14,6 +14,7 @@ from tfmath.training.layers._base import (
     _linear_backward,
     _require_cache,
     _weight,
+    half_precision,
 )
 
 
@@ -27,6 +28,7 @@ def _tokens(name, tokens, n_rows, what):
     return array.astype(np.int64, copy=False)
 
 
+@half_precision
 def embedding_forward(table, tokens):
     r"""Token embedding lookup, :math:`x_i = E[t_i]` (seeds 002 and 003).
 
@@ -58,6 +60,7 @@ def embedding_forward(table, tokens):
     return table[tokens], Cache("embedding", saved)
 
 
+@half_precision
 def embedding_backward(grad_out, cache):
     r"""Gradient of :func:`embedding_forward` with respect to the table.
 
@@ -72,6 +75,7 @@ def embedding_backward(grad_out, cache):
     return grad_table
 
 
+@half_precision
 def output_projection_forward(x, weight, bias=None):
     r"""Logits over the vocabulary, :math:`z = x W^\top + b`.
 
@@ -100,6 +104,7 @@ def output_projection_forward(x, weight, bias=None):
     return logits, Cache("output_projection", {"x": x, "weight": weight, "bias": bias is not None})
 
 
+@half_precision
 def output_projection_backward(grad_logits, cache):
     r"""Gradients of :func:`output_projection_forward`:
     :math:`\bar x = \bar z W`, :math:`\bar W = \bar z^\top x`, :math:`\bar b = \sum \bar z`.

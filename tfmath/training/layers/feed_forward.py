@@ -18,6 +18,7 @@ from tfmath.training.layers._base import (
     _require_cache,
     _rows,
     _weight,
+    half_precision,
 )
 from tfmath.training.params import ParameterSpec
 
@@ -25,6 +26,7 @@ from tfmath.training.params import ParameterSpec
 ACTIVATIONS = {"relu": 0, "gelu": 1, "gelu_tanh": 2, "swiglu": 3}
 
 
+@half_precision
 def ffn_activation(h, activation="gelu", *, backend="auto"):
     r"""The feed-forward network's nonlinearity, elementwise (ReLU, GELU) or gated (SwiGLU).
 
@@ -68,6 +70,7 @@ def ffn_activation(h, activation="gelu", *, backend="auto"):
     return ffn_activation_forward(h, activation, backend=backend)[0]
 
 
+@half_precision
 def ffn_activation_forward(h, activation="gelu", *, backend="auto"):
     """:func:`ffn_activation`, also returning the :class:`Cache` for its backward."""
     code = ACTIVATIONS[choice("activation", activation, ACTIVATIONS)]
@@ -84,6 +87,7 @@ def ffn_activation_forward(h, activation="gelu", *, backend="auto"):
     return out, Cache("ffn_activation", saved)
 
 
+@half_precision
 def ffn_activation_backward(grad_out, cache):
     r"""Gradient of :func:`ffn_activation` with respect to ``h``.
 
@@ -129,6 +133,7 @@ def feed_forward_parameters(d_model, d_ff, *, activation="relu", bias=True):
     return ParameterSpec(entries)
 
 
+@half_precision
 def feed_forward_forward(params, x, *, activation="relu", backend="auto"):
     r"""Position-wise feed-forward network, :math:`\operatorname{FFN}(x) = \operatorname{act}(x W_1
     + b_1) W_2 + b_2`.
@@ -191,6 +196,7 @@ def _ffn_weights(params, d_model, activation, dtype):
     return w_1, b_1, w_2, b_2
 
 
+@half_precision
 def feed_forward_backward(grad_out, cache):
     r"""Gradients of :func:`feed_forward_forward`.
 

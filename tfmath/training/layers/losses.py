@@ -16,9 +16,11 @@ from tfmath.training.layers._base import (
     _host_operand,
     _require_cache,
     _rows,
+    half_precision,
 )
 
 
+@half_precision
 def log_softmax(x, *, backend="auto"):
     r"""Log-softmax over the last axis, computed without overflow.
 
@@ -52,6 +54,7 @@ def log_softmax(x, *, backend="auto"):
     return log_softmax_forward(x, backend=backend)[0]
 
 
+@half_precision
 def log_softmax_forward(x, *, backend="auto"):
     """:func:`log_softmax`, also returning the :class:`Cache` for its backward."""
     x = _host_operand("x", x, 1, "(..., V)")
@@ -63,6 +66,7 @@ def log_softmax_forward(x, *, backend="auto"):
     return y, Cache("log_softmax", {"y": y, "backend": backend})
 
 
+@half_precision
 def log_softmax_backward(grad_y, cache):
     r"""Gradient of :func:`log_softmax`: :math:`\bar x_j = \bar y_j - p_j \sum_k \bar y_k`,
     with :math:`p = e^{y}` the softmax."""
@@ -78,6 +82,7 @@ def log_softmax_backward(grad_y, cache):
 REDUCTIONS = ("mean", "sum", "none")
 
 
+@half_precision
 def cross_entropy(
     logits, targets, *, label_smoothing=0.0, ignore_index=-100, reduction="mean", backend="auto"
 ):
@@ -143,6 +148,7 @@ def cross_entropy(
     )[0]
 
 
+@half_precision
 def cross_entropy_forward(
     logits, targets, *, label_smoothing=0.0, ignore_index=-100, reduction="mean", backend="auto"
 ):
@@ -207,6 +213,7 @@ def _reduce(losses, reduction, counted):
         return total / losses.dtype.type(counted)
 
 
+@half_precision
 def cross_entropy_backward(grad_loss, cache):
     r"""Gradient of :func:`cross_entropy` with respect to the logits.
 

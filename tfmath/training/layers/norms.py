@@ -14,6 +14,7 @@ from tfmath.training.layers._base import (
     _require_cache,
     _rows,
     _weight,
+    half_precision,
 )
 from tfmath.training.params import Parameters, ParameterSpec
 
@@ -21,6 +22,7 @@ from tfmath.training.params import Parameters, ParameterSpec
 NORMS = ("layer_norm", "rms_norm")
 
 
+@half_precision
 def layer_norm(x, weight, bias, eps=1e-5, *, backend="auto"):
     r"""Layer normalisation over the last dimension (the seeds' formula).
 
@@ -63,6 +65,7 @@ def layer_norm(x, weight, bias, eps=1e-5, *, backend="auto"):
     return layer_norm_forward(x, weight, bias, eps, backend=backend)[0]
 
 
+@half_precision
 def layer_norm_forward(x, weight, bias, eps=1e-5, *, backend="auto"):
     """:func:`layer_norm`, also returning the :class:`Cache` for :func:`layer_norm_backward`."""
     x = _host_operand("x", x)
@@ -77,6 +80,7 @@ def layer_norm_forward(x, weight, bias, eps=1e-5, *, backend="auto"):
     return y.reshape(x.shape), Cache("layer_norm", {**saved, "backend": backend})
 
 
+@half_precision
 def layer_norm_backward(grad_y, cache):
     r"""Gradients of :func:`layer_norm`.
 
@@ -115,6 +119,7 @@ def layer_norm_backward(grad_y, cache):
     return grad_x.reshape(saved["shape"]), grad_weight, grad_bias
 
 
+@half_precision
 def rms_norm(x, weight, eps=1e-6, *, backend="auto"):
     r"""Root-mean-square normalisation over the last dimension (Zhang and Sennrich 2019).
 
@@ -149,6 +154,7 @@ def rms_norm(x, weight, eps=1e-6, *, backend="auto"):
     return rms_norm_forward(x, weight, eps, backend=backend)[0]
 
 
+@half_precision
 def rms_norm_forward(x, weight, eps=1e-6, *, backend="auto"):
     """:func:`rms_norm`, also returning the :class:`Cache` for :func:`rms_norm_backward`."""
     x = _host_operand("x", x)
@@ -162,6 +168,7 @@ def rms_norm_forward(x, weight, eps=1e-6, *, backend="auto"):
     return y.reshape(x.shape), Cache("rms_norm", saved)
 
 
+@half_precision
 def rms_norm_backward(grad_y, cache):
     r"""Gradients of :func:`rms_norm`.
 
@@ -202,6 +209,7 @@ def norm_parameters(d_model, norm="layer_norm"):
     return ParameterSpec(entries)
 
 
+@half_precision
 def norm_forward(params, x, norm, eps, backend="auto"):
     """The norm named ``norm`` (one of :data:`NORMS`) with its parameters ``params``.
 
@@ -218,6 +226,7 @@ def norm_forward(params, x, norm, eps, backend="auto"):
     return rms_norm_forward(x, params["weight"], eps, backend=backend)
 
 
+@half_precision
 def norm_backward(grad_y, cache):
     """Gradients of :func:`norm_forward`: ``(grad_x, grads)``, ``grads`` named as its ``params``."""
     if cache.op == "layer_norm":

@@ -3,7 +3,13 @@
 from tfmath._contract.checks import (
     choice,
 )
-from tfmath.training.layers._base import Cache, _gradient, _host_operand, _require_cache
+from tfmath.training.layers._base import (
+    Cache,
+    _gradient,
+    _host_operand,
+    _require_cache,
+    half_precision,
+)
 from tfmath.training.layers.norms import NORMS, norm_backward, norm_forward
 
 #: Where the normalisation sits: ``"post"``, LayerNorm(x + Sublayer(x)) as the
@@ -11,6 +17,7 @@ from tfmath.training.layers.norms import NORMS, norm_backward, norm_forward
 NORM_ORDERS = ("post", "pre")
 
 
+@half_precision
 def residual_forward(
     x, sublayer, norm_params, *, order="post", norm="layer_norm", eps=1e-5, backend="auto"
 ):
@@ -57,6 +64,7 @@ def residual_forward(
     return y, Cache("residual", {**saved, "dtype": x.dtype})
 
 
+@half_precision
 def residual_backward(grad_y, cache, sublayer_backward):
     r"""Gradients of :func:`residual_forward`.
 

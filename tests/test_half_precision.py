@@ -1,0 +1,204 @@
+"""float16 and bfloat16: stored in 16 bits, computed in float32, returned in the input dtype.
+
+The reference computes in float64 from the same rounded inputs, so a kernel
+result may differ from it by the final rounding alone (``half_tolerance``).
+Each routine is also checked where half-precision accumulation would show: a
+sum of thousands of terms, which float32 keeps to a few ulps and float16 or
+bfloat16 partial sums would get wrong by orders of magnitude more.
+"""
+
+import ml_dtypes
+import numpy as np
+import pytest
+from _tolerances import UNIT_ROUNDOFF, assert_close, half_tolerance
+from hypothesis import given
+from hypothesis import strategies as st
+
+import tfmath
+from tfmath._contract.checks import is_half
+from tfmath.kernels.cpu import half
+from tfmath.training import layers as L
+from tfmath.training.params import Parameters
+
+HALF = [np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)]
+#: cpu and reference take both formats; the CUDA kernels take float16.
+CASES = [
+    pytest.param("cpu", np.dtype(np.float16), id="cpu-float16"),
+    pytest.param("cpu", np.dtype(ml_dtypes.bfloat16), id="cpu-bfloat16"),
+    pytest.param("reference", np.dtype(np.float16), id="reference-float16"),
+    pytest.param("reference", np.dtype(ml_dtypes.bfloat16), id="reference-bfloat16"),
+    pytest.param("cuda", np.dtype(np.float16), id="cuda-float16", marks=pytest.mark.cuda),
+]
+
+
+def _wide(array):
+    return np.asarray(array).astype(np.float64)
+
+
+def _random(rng, shape, dtype):
+    return rng.standard_normal(shape).astype(dtype)
+
+
+# -- the conversions -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+def test_widening_is_exact_and_narrowing_rounds_to_nearest_even(dtype):
+    rng = np.random.default_rng(1)
+    special = [0.0, -0.0, 1e-8, 6e-5, 1.0, 65504.0, 65520.0, 1e5, 3e38, 1e-40, np.inf, -np.inf]
+    values = np.concatenate([rng.standard_normal(10_000) * 300, special]).astype(np.float32)
+    with np.errstate(over="ignore"):
+        expected = values.astype(dtype)  # NumPy's and ml_dtypes' own rounding
+    narrowed = half.narrow(values, dtype)
+    np.testing.assert_array_equal(narrowed.view(np.uint16), expected.view(np.uint16))
+    np.testing.assert_array_equal(half.widen(expected), expected.astype(np.float32))
+    nan = half.narrow(np.array([np.nan, -np.nan], dtype=np.float32), dtype)
+    assert np.all(np.isnan(nan.astype(np.float32)))
+
+
+# -- every routine, against the float64 reference ------------------------------------------
+
+
+@given(
+    data=st.data(),
+    case=st.sampled_from([("cpu", d) for d in HALF]),
+    method=st.sampled_from(["naive", "flash", "decode"]),
+)
+def test_attention_matches_the_float64_reference(data, case, method):
+    backend, dtype = case
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    n_query, n_key = data.draw(st.integers(1, 12)), data.draw(st.integers(1, 40))
+    query = _random(rng, (2, n_query, 8), dtype)
+    key, value = _random(rng, (2, n_key, 8), dtype), _random(rng, (2, n_key, 4), dtype)
+    mask = rng.random((n_query, n_key)) < 0.8 if data.draw(st.booleans()) else None
+    is_causal = data.draw(st.booleans())
+    output = tfmath.scaled_dot_product_attention(
+        query, key, value, mask, is_causal, method=method, backend=backend
+    )
+    expected = tfmath.scaled_dot_product_attention(
+        query, key, value, mask, is_causal, backend="reference"
+    )
+    assert output.dtype == dtype and expected.dtype == dtype
+    assert_close(_wide(output), _wide(expected), half_tolerance(dtype, n_key))
+
+
+@pytest.mark.parametrize(("backend", "dtype"), CASES)
+def test_every_attention_routine_takes_half_precision(backend, dtype):
+    rng = np.random.default_rng(2)
+    query, key, value = (_random(rng, (2, 6, 4), dtype) for _ in range(3))
+    wide = [_wide(a) for a in (query, key, value)]
+    grad = _random(rng, (2, 6, 4), dtype)
+    calls = {
+        "sdpa": (
+            lambda *a: tfmath.scaled_dot_product_attention(*a, backend=backend),
+            lambda *a: tfmath.scaled_dot_product_attention(*a, backend="reference"),
+        ),
+        "linear": (
+            lambda *a: tfmath.linear_attention(*a, backend=backend),
+            lambda *a: tfmath.linear_attention(*a, backend="reference"),
+        ),
+        "sparse": (
+            lambda *a: tfmath.sparse_attention(*a, pattern="local", window=2, backend=backend),
+            lambda *a: tfmath.sparse_attention(*a, pattern="local", window=2, backend="reference"),
+        ),
+    }
+    for name, (call, oracle) in calls.items():
+        output = call(query, key, value)
+        assert output.dtype == dtype, name
+        assert_close(_wide(output), oracle(*wide).astype(dtype).astype(np.float64),
+                     half_tolerance(dtype, 6))  # fmt: skip
+    grads = tfmath.attention_grad(query, key, value, grad, backend=backend)
+    expected = tfmath.attention_grad(*wide, _wide(grad), backend="reference")
+    for g, want in zip(grads, expected, strict=True):
+        assert g.dtype == dtype
+        assert_close(_wide(g), want.astype(dtype).astype(np.float64), 4 * half_tolerance(dtype, 6))
+    x = _random(rng, (3, 7), dtype)
+    assert_close(_wide(tfmath.softmax(x, backend=backend)),
+                 tfmath.softmax(_wide(x)).astype(dtype).astype(np.float64),
+                 half_tolerance(dtype, 7))  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+def test_blocks_take_half_precision_and_compute_in_float32(dtype):
+    rng = np.random.default_rng(3)
+    params = L.attention_parameters(8, 2).initialize(0)
+    x = _random(rng, (2, 5, 8), dtype)
+    half_params = Parameters({name: a.astype(dtype) for name, a in params.items()})
+    wide_params = Parameters({name: _wide(a) for name, a in half_params.items()})
+    out, cache = L.multi_head_attention_forward(half_params, x, n_heads=2, is_causal=True)
+    expected, _ = L.multi_head_attention_forward(wide_params, _wide(x), n_heads=2, is_causal=True)
+    assert out.dtype == dtype
+    assert_close(
+        _wide(out), expected.astype(dtype).astype(np.float64), 8 * half_tolerance(dtype, 8)
+    )
+    grad_x, _, grads = L.multi_head_attention_backward(np.ones_like(out), cache)
+    assert grad_x.dtype == dtype and all(g.dtype == dtype for g in grads.values())
+    weight, bias = np.ones(8, dtype), np.zeros(8, dtype)
+    normed = L.layer_norm(x, weight, bias)
+    assert normed.dtype == dtype
+    assert_close(_wide(normed), L.layer_norm(_wide(x), _wide(weight), _wide(bias)).astype(dtype)
+                 .astype(np.float64), half_tolerance(dtype, 8))  # fmt: skip
+    logits, targets = _random(rng, (4, 9), dtype), np.array([0, 3, 8, 2])
+    loss, wide_loss = (float(L.cross_entropy(a, targets)) for a in (logits, _wide(logits)))
+    assert_close(loss, wide_loss, half_tolerance(dtype, 9))
+
+
+# -- float32 accumulation, where half-precision accumulation would show --------------------
+
+
+@pytest.mark.parametrize(("backend", "dtype"), CASES)
+def test_long_sums_accumulate_in_float32(backend, dtype):
+    # Every query attends 4096 keys with equal weight: the output is the mean of the
+    # values, a sum of 4096 terms of 1/4096 each. In float32 it is right to the final
+    # rounding; summed in half precision it stalls once the partial sum's spacing
+    # exceeds a term (at 0.5 for float16), hundreds of ulps away.
+    n_key = 4096
+    rng = np.random.default_rng(4)
+    query = np.zeros((1, 2, 8), dtype=dtype)
+    key = _random(rng, (1, n_key, 8), dtype)
+    value = (1 + rng.random((1, n_key, 3))).astype(dtype)
+    exact = _wide(value).mean(axis=1, keepdims=True)
+    for method in ("naive", "flash"):
+        output = tfmath.scaled_dot_product_attention(
+            query, key, value, method=method, backend=backend
+        )
+        assert_close(
+            _wide(output), np.broadcast_to(exact, output.shape), half_tolerance(dtype, n_key)
+        )
+    logits = np.zeros((2, n_key), dtype=dtype)
+    weights = tfmath.softmax(logits, backend=backend)
+    assert_close(_wide(weights), np.full(weights.shape, 1 / n_key), half_tolerance(dtype, n_key))
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+def test_accumulating_in_the_input_precision_is_measurably_worse(dtype):
+    # The emulation of accumulate="input" is what the previous test guards against:
+    # if a kernel summed in half precision, its error would be this large.
+    n_key = 4096
+    logits = np.zeros((1, n_key), dtype=dtype)
+    emulated = tfmath.softmax(logits, accumulate="input", backend="reference")
+    error = np.abs(_wide(emulated) * n_key - 1).max()
+    assert error > 20 * UNIT_ROUNDOFF[dtype.name]
+
+
+def test_accumulating_in_the_input_precision_is_refused_outside_the_reference():
+    x = np.zeros((2, 3), dtype=np.float16)
+    with pytest.raises(tfmath.ArgumentError, match="backend='reference'"):
+        tfmath.softmax(x, accumulate="input", backend="cpu")
+    with pytest.raises(tfmath.ArgumentError, match="accumulate"):
+        tfmath.scaled_dot_product_attention(x, x, x, accumulate="float16")
+    with pytest.raises(tfmath.ArgumentError, match="float64"):
+        tfmath.softmax(np.zeros(3), accumulate="float32")
+
+
+def test_the_log_sum_exp_of_half_precision_attention_stays_in_float32():
+    q = np.ones((3, 4), dtype=np.float16)
+    output, log_sum_exp = tfmath.scaled_dot_product_attention(q, q, q, return_log_sum_exp=True)
+    assert output.dtype == np.float16 and log_sum_exp.dtype == np.float32
+    assert is_half(output.dtype) and not is_half(log_sum_exp.dtype)
+
+
+def test_float16_with_bfloat16_computes_in_float32():
+    q = np.ones((3, 4), dtype=np.float16)
+    k = np.ones((3, 4), dtype=ml_dtypes.bfloat16)
+    assert tfmath.scaled_dot_product_attention(q, k, k).dtype == np.float32
