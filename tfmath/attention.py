@@ -186,18 +186,26 @@ def scaled_dot_product_attention(
         :data:`DECODE_MAX_QUERIES` query rows against at least
         :data:`DECODE_MIN_KEYS` keys, and flash otherwise. All give the same
         result to rounding.
+    accumulate : {None, "float32", "input"}, optional
+        For float16 and bfloat16 operands: ``None`` and ``"float32"``
+        accumulate products and sums in float32 and round the results to the
+        operands' dtype, as PyTorch does; ``"input"`` keeps every partial result
+        in the operands' precision, which the NumPy reference emulates
+        (``backend="reference"``), to measure what float32 accumulation buys
+        (see :doc:`/low_precision`).
     backend : {"auto", "cpu", "cuda", "reference"}, optional
         Which implementation runs (see :func:`tfmath.backends`).
 
     Returns
     -------
     output : numpy.ndarray, shape (..., L, Ev)
-        The attention output: float32 when every input is float32, else float64. A device array
-        when query, key or value was one.
+        The attention output, in the operands' dtype (float64 when they mix
+        float32 and float64; float16 and bfloat16 are computed in float32 and
+        rounded back). A device array when query, key or value was one.
     weights : numpy.ndarray, shape (..., L, S)
         Only with ``return_weights=True``.
     log_sum_exp : numpy.ndarray, shape (..., L)
-        Only with ``return_log_sum_exp=True``.
+        Only with ``return_log_sum_exp=True``; float32 for half-precision operands.
 
     Raises
     ------
@@ -206,7 +214,7 @@ def scaled_dot_product_attention(
         batch dimensions or the mask do not broadcast, or an input has fewer
         than two dimensions (a subclass of ``ValueError``).
     DTypeError
-        For integer, boolean, complex or half-precision arrays (a subclass of
+        For integer, boolean or complex arrays (a subclass of
         ``TypeError``).
     BackendUnavailableError
         For an unknown backend, or ``"cuda"`` without a GPU.

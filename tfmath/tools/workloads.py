@@ -10,6 +10,7 @@ compute-bound rows, bytes of keys and values read for the decoding rows.
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import ml_dtypes
 import numpy as np
 
 from tfmath.attention import attention_grad, scaled_dot_product_attention, softmax
@@ -80,6 +81,14 @@ class Workload:
     build: Callable
 
 
+def as_tensor(torch, array):
+    """A PyTorch tensor of ``array``, sharing its memory where PyTorch can (bfloat16, a
+    dtype NumPy itself lacks, goes through float32: one exact copy)."""
+    if array.dtype.name == "bfloat16":
+        return torch.from_numpy(array.astype(np.float32)).to(torch.bfloat16)
+    return torch.from_numpy(array)
+
+
 def _arrays(rng, dtype, *shapes):
     return [rng.standard_normal(shape).astype(dtype) for shape in shapes]
 
@@ -103,8 +112,8 @@ def forward(batch, heads, length, d, *, is_causal=False, dtype=np.float32, mask=
 
         torch_call = None
         if torch is not None:
-            tensors = [torch.from_numpy(a) for a in (query, key, value)]
-            torch_mask = None if attn_mask is None else torch.from_numpy(attn_mask)
+            tensors = [as_tensor(torch, a) for a in (query, key, value)]
+            torch_mask = None if attn_mask is None else as_tensor(torch, attn_mask)
             sdpa = torch.nn.functional.scaled_dot_product_attention
 
             def torch_call():
@@ -133,9 +142,9 @@ def training_step(batch, heads, length, d, *, dtype=np.float32, mask=None):
 
         torch_call = None
         if torch is not None:
-            tensors = [torch.from_numpy(a.copy()).requires_grad_() for a in (query, key, value)]
-            torch_mask = None if attn_mask is None else torch.from_numpy(attn_mask)
-            torch_grad = torch.from_numpy(grad)
+            tensors = [as_tensor(torch, a.copy()).requires_grad_() for a in (query, key, value)]
+            torch_mask = None if attn_mask is None else as_tensor(torch, attn_mask)
+            torch_grad = as_tensor(torch, grad)
             sdpa = torch.nn.functional.scaled_dot_product_attention
 
             def torch_call():
@@ -162,8 +171,8 @@ def decoding(batch, heads, kv_heads, n_key, d, *, n_query=1, dtype=np.float32):
 
         torch_call = None
         if torch is not None:
-            q = torch.from_numpy(query.reshape(batch, heads, n_query, d))
-            k, v = (torch.from_numpy(a.reshape(batch, kv_heads, n_key, d)) for a in (key, value))
+            q = as_tensor(torch, query.reshape(batch, heads, n_query, d))
+            k, v = (as_tensor(torch, a.reshape(batch, kv_heads, n_key, d)) for a in (key, value))
             sdpa = torch.nn.functional.scaled_dot_product_attention
 
             def torch_call():
@@ -204,11 +213,18 @@ MATRIX = (
     Workload("additive (1,1,L,S) L=2048", forward(1, 8, 2048, 64, mask=additive)),
     Workload("ALiBi (1,H,L,S) L=2048", forward(1, 8, 2048, 64, mask=alibi)),
     Workload("float64 L=2048", forward(1, 8, 2048, 64, dtype=np.float64)),
+    Workload("bfloat16 L=4096", forward(1, 8, 4096, 64, dtype=ml_dtypes.bfloat16)),
+    Workload("float16 L=4096", forward(1, 8, 4096, 64, dtype=np.float16)),
+    Workload(
+        "bfloat16 L=4096 causal", forward(1, 8, 4096, 64, is_causal=True, dtype=ml_dtypes.bfloat16)
+    ),
+    Workload("float16 fwd+bwd L=2048", training_step(1, 8, 2048, 64, dtype=np.float16)),
     Workload("short B=32 H=12 L=128", forward(32, 12, 128, 64)),
     Workload("long causal H=4 L=16384", forward(1, 4, 16384, 64, is_causal=True)),
     Workload("decode MHA B=4 H=32 S=8192 d=128", decoding(4, 32, 32, 8192, 128)),
     Workload("decode GQA 8 KV heads", decoding(4, 32, 8, 8192, 128)),
     Workload("decode MQA 1 KV head", decoding(4, 32, 1, 8192, 128)),
+    Workload("decode GQA bfloat16", decoding(4, 32, 8, 8192, 128, dtype=ml_dtypes.bfloat16)),
     Workload("fwd+bwd L=2048", training_step(1, 8, 2048, 64)),
     Workload("fwd+bwd key padding L=2048", training_step(1, 8, 2048, 64, mask=key_padding)),
 )

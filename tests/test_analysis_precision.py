@@ -1,0 +1,66 @@
+"""tfmath.analysis.precision: overflow predictions against simulations that do not use tfmath."""
+
+import math
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from tfmath.analysis import precision as P
+
+
+def _within_interval(successes, trials, probability):
+    interval = stats.binomtest(successes, trials).proportion_ci(0.999, method="wilson")
+    return interval.low <= probability <= interval.high
+
+
+def test_row_overflow_probability_matches_a_numpy_simulation():
+    rng = np.random.default_rng(5)
+    d_k, n_keys, sigma, rows = 400, 64, 32.0, 3000
+    query = rng.standard_normal((rows, d_k)) * sigma
+    keys = rng.standard_normal((rows, n_keys, d_k)) * sigma
+    scores = np.einsum("rd,rkd->rk", query, keys)
+    overflowed = int(np.sum(np.any(np.abs(scores) >= P.FLOAT16_OVERFLOW, axis=1)))
+    predicted = P.score_overflow_probability(d_k, n_keys, component_std=sigma)
+    assert 0.02 < predicted < 0.98
+    assert _within_interval(overflowed, rows, predicted)
+
+
+def test_overflow_dimension_inverts_the_probability():
+    d_k = P.overflow_dimension(0.3, 100, component_std=16.0)
+    assert P.score_overflow_probability(d_k, 100, component_std=16.0) == pytest.approx(
+        0.3, abs=1e-4
+    )
+
+
+def test_scaled_scores_do_not_overflow_however_large_d_k():
+    assert P.score_overflow_probability(10**6, 128, scaled=True, component_std=32.0) < 1e-12
+
+
+def test_unshifted_softmax_overflow_matches_a_numpy_simulation():
+    rng = np.random.default_rng(6)
+    d_k, n_keys, rows = 14, 128, 4000
+    logits = np.einsum("rd,rkd->rk", rng.standard_normal((rows, d_k)),
+                       rng.standard_normal((rows, n_keys, d_k)))  # fmt: skip
+    overflowed = int(np.sum(np.any(logits >= math.log(P.FLOAT16_OVERFLOW), axis=1)))
+    predicted = P.unshifted_softmax_overflow_probability(d_k, n_keys)
+    assert 0.05 < predicted < 0.95
+    assert _within_interval(overflowed, rows, predicted)
+
+
+def test_measured_overflow_is_the_fraction_of_rows_with_a_large_score():
+    unscaled, scaled = P.measure_score_overflow(300, 500, 64, component_std=32.0, seed=3)
+    assert unscaled.n_rows == 500 and unscaled.low <= unscaled.fraction <= unscaled.high
+    assert scaled.overflowed == 0 and scaled.max_abs == pytest.approx(
+        unscaled.max_abs / math.sqrt(300)
+    )
+    predicted = P.score_overflow_probability(300, 64, component_std=32.0)
+    assert _within_interval(unscaled.overflowed, unscaled.n_rows, predicted)
+
+
+def test_float32_accumulation_errs_by_the_final_rounding_and_half_sums_by_more():
+    result = P.accumulation_error(np.float16, [256], d=16, seed=2)
+    u = result.unit_roundoff
+    for name in ("tfmath naive", "tfmath flash"):
+        assert result.errors[name][0] < u  # one rounding of each output: u / sqrt(3) RMS
+    assert result.errors["input-precision sums"][0] > 2 * u
