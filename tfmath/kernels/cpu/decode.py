@@ -35,6 +35,8 @@ import math
 
 import numba
 import numpy as np
+from numba.core import types
+from numba.extending import overload
 
 from tfmath._config import cpu_kernel, serial_blas
 from tfmath.kernels.cpu.attention import LOG2E
@@ -48,6 +50,7 @@ from tfmath.kernels.cpu.flash_attention import (
     _softmax_tile,
     mask_operand,
 )
+from tfmath.kernels.cpu.half import HALF_FORMATS, widen, widen_into
 from tfmath.kernels.cpu.vector_width import prefer_wide_vectors
 
 #: Keys per tile: large, so that each tile's fixed costs are spread over a long
@@ -99,10 +102,39 @@ def _all_finite(values):
     return np.isfinite(total)
 
 
+def _rows(source, entry, first, count, half_format, scratch):
+    """Rows ``first ... first + count`` of batch entry ``entry``, as float32 or float64.
+
+    Half-precision sources are given as their 16 bits (``half_format`` a code of
+    :data:`~tfmath.kernels.cpu.half.HALF_FORMATS`) and widened into ``scratch``
+    here, tile by tile, so that keys and values stream from memory at 2 bytes a
+    number; with ``half_format=None`` they are read in place. Callable from
+    kernels only: the choice is made when the caller is compiled.
+    """
+    raise NotImplementedError("only callable from Numba-compiled code")
+
+
+@overload(_rows)
+def _rows_implementation(source, entry, first, count, half_format, scratch):
+    if isinstance(half_format, types.NoneType):
+
+        def in_place(source, entry, first, count, half_format, scratch):
+            return source[entry, first : first + count]
+
+        return in_place
+
+    def widened(source, entry, first, count, half_format, scratch):
+        for j in range(count):
+            widen_into(source[entry, first + j], half_format, scratch[j])
+        return scratch[:count]
+
+    return widened
+
+
 @cpu_kernel(parallel=True)
 def _chunk_kernel(
-    query_columns, key, value, bias, tile_kinds, groups, row_position, is_causal, scale,
-    key_tile, chunk_tiles, partial_max, partial_sum, partial_out,
+    query_columns, key, value, half_format, bias, tile_kinds, groups, row_position, is_causal,
+    scale, key_tile, chunk_tiles, partial_max, partial_sum, partial_out,
 ):  # fmt: skip
     """One task per (group, chunk of ``chunk_tiles`` tiles of ``key_tile`` keys): the
     chunk's running maximum, normaliser and unnormalised transposed output of every
@@ -123,14 +155,16 @@ def _chunk_kernel(
         running_sum = np.zeros(n_rows, dtype=dtype)
         rescale = np.empty(n_rows, dtype=dtype)
         new_max = np.empty(n_rows, dtype=dtype)
+        key_scratch = np.empty((key_tile if half_format is not None else 0, key.shape[2]), dtype)
+        value_scratch = np.empty((key_scratch.shape[0], n_values), dtype=dtype)
         for t in range(c * chunk_tiles, min((c + 1) * chunk_tiles, n_key_tiles)):
             kind = _block_kind(tile_kinds, m, t, 0)
             if kind == MASKED:
                 continue
             first_key = t * key_tile
             n_keys = min(key_tile, n_key - first_key)
-            keys = key[k, first_key : first_key + n_keys]
-            values = value[v, first_key : first_key + n_keys]
+            keys = _rows(key, k, first_key, n_keys, half_format, key_scratch)
+            values = _rows(value, v, first_key, n_keys, half_format, value_scratch)
             gemm(score_scale, keys, query_columns[g], 0, scores[:n_keys])
             _mask_rows(scores, bias, m, kind, is_causal, first_key, n_key, row_position)
             _softmax_tile(scores, running_max, running_sum, rescale, new_max)
@@ -209,9 +243,24 @@ def _chunks(n_groups, n_key_tiles):
 
 def decode_attention(problem):
     """The decoding forward: the output, ``batch_shape + (L, Ev)``, and the log-sum-exp of
-    each row, ``batch_shape + (L,)``, as :func:`~.flash_attention.flash_attention` returns."""
+    each row, ``batch_shape + (L,)``, as :func:`~.flash_attention.flash_attention` returns.
+
+    Half-precision operands arrive as they are (``decode_attention`` is in
+    :data:`tfmath._dispatch.HALF_NATIVE`): keys and values are widened tile by
+    tile inside the kernel, the few query rows once, and the result is float32.
+    """
     query, key, value, mask, index = problem.kernel_operands()
-    dtype, n_query = problem.dtype, problem.n_query
+    n_query = problem.n_query
+    half_format = None
+    if problem.needs_widening:
+        dtype = np.dtype(np.float32)
+        half_format = HALF_FORMATS[problem.dtype.name]
+        query = widen(query)
+        key, value = (np.ascontiguousarray(a).view(np.uint16) for a in (key, value))
+        if mask is not None and mask.dtype.name in HALF_FORMATS:
+            mask = widen(mask)
+    else:
+        dtype = problem.dtype
     groups, members, row_position = fold_rows(index, n_query)
     n_groups, n_rows = members.shape[0], row_position.shape[0]
     # (group, feature, folded row): the rows are the columns of the score product.
@@ -227,8 +276,8 @@ def decode_attention(problem):
     partial_out = np.empty((n_groups, n_chunks, problem.value_dim, n_rows), dtype=dtype)
     with serial_blas():
         _chunk_kernel(
-            query_columns, np.ascontiguousarray(key), np.ascontiguousarray(value), bias,
-            tile_kinds, groups, row_position, problem.is_causal, problem.scale, key_tile,
+            query_columns, np.ascontiguousarray(key), np.ascontiguousarray(value), half_format,
+            bias, tile_kinds, groups, row_position, problem.is_causal, problem.scale, key_tile,
             math.ceil(n_key_tiles / n_chunks), partial_max, partial_sum, partial_out,
         )  # fmt: skip
     folded_out = np.empty((n_groups, n_rows, problem.value_dim), dtype=dtype)
