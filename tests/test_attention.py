@@ -5,6 +5,7 @@ import math
 import numpy as np
 import pytest
 from _errors import assert_refused
+from _gradients import central_differences
 from _tolerances import assert_close, attention_tolerance
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -599,17 +600,9 @@ def test_attention_grad_matches_finite_differences(backend, is_causal):
         return np.sum(weights * sdpa(q, k, v, mask, is_causal, backend="reference"))
 
     grads = tfmath.attention_grad(query, key, value, weights, mask, is_causal, backend=backend)
-    step = 1e-6
-    for position, (array, grad) in enumerate(zip((query, key, value), grads, strict=True)):
-        numeric = np.zeros_like(array)
-        for index in np.ndindex(array.shape):
-            arrays = [query.copy(), key.copy(), value.copy()]
-            arrays[position][index] += step
-            upper = loss(*arrays)
-            arrays[position][index] -= 2 * step
-            numeric[index] = (upper - loss(*arrays)) / (2 * step)
-        # Central differences err by O(step^2) plus O(eps / step) of rounding.
-        assert_close(grad, numeric, 1e-8)
+    numeric = central_differences(loss, (query, key, value))
+    for grad, expected in zip(grads, numeric, strict=True):
+        assert_close(grad, expected, 1e-8)
 
 
 def test_attention_grad_matches_torch_autograd():

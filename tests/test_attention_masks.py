@@ -7,6 +7,7 @@ keys and 8 queries) to put many blocks, whole and partial, into small problems.
 
 import numpy as np
 import pytest
+from _gradients import central_differences
 from _tolerances import assert_close, attention_tolerance
 from hypothesis import given
 from hypothesis import strategies as st
@@ -183,17 +184,9 @@ def test_gradient_with_a_mask_matches_finite_differences(layout, kind):
         return np.sum(weights * output)
 
     grads = tfmath.attention_grad(query, key, value, weights, mask, backend="cpu")
-    step = 1e-6
-    for position, (array, grad) in enumerate(zip((query, key, value), grads, strict=True)):
-        numeric = np.zeros_like(array)
-        for index in np.ndindex(array.shape):
-            arrays = [query.copy(), key.copy(), value.copy()]
-            arrays[position][index] += step
-            upper = loss(*arrays)
-            arrays[position][index] -= 2 * step
-            numeric[index] = (upper - loss(*arrays)) / (2 * step)
-        # Central differences err by O(step^2) plus O(eps / step) of rounding.
-        assert_close(grad, numeric, 1e-8)
+    numeric = central_differences(loss, (query, key, value))
+    for grad, expected in zip(grads, numeric, strict=True):
+        assert_close(grad, expected, 1e-8)
 
 
 def test_gradient_with_masks_matches_torch_autograd():
