@@ -26,7 +26,9 @@ HALF_DTYPE_NAMES = ("float16", "bfloat16")
 
 def is_half(dtype):
     """Whether ``dtype`` is float16 or bfloat16."""
-    return dtype.name in HALF_DTYPE_NAMES
+    # ``dtype.name`` builds a string on every call (about 2 us); the size test answers
+    # float32 and float64, the common operands, without it.
+    return dtype.itemsize == 2 and dtype.name in HALF_DTYPE_NAMES
 
 
 #: What ``accumulate=`` may ask for: the default (None), float32, or the input's precision.

@@ -70,18 +70,19 @@ TASKS_PER_THREAD = 4
 
 
 @cpu_kernel
-def _mask_rows(scores, bias, m, kind, is_causal, first_key, n_key, row_position):
-    """Mask a transposed score tile whose columns are folded rows at positions
-    ``row_position``: the key padding beyond ``n_key``, the causal diagonal of each
-    row's own position, and the bias of a ``PARTIAL`` block."""
+def _mask_rows(scores, mask, m, kind, is_causal, first_key, n_key, row_position):
+    """Mask a transposed tile of base-2 scores whose columns are folded rows at
+    positions ``row_position``: the key padding beyond ``n_key``, the causal diagonal
+    of each row's own position, and the additive mask (``(mask_batch, L or 1, S or
+    1)``, base e) of a ``PARTIAL`` block."""
     key_tile, n_rows = scores.shape
     n_keys = min(key_tile, n_key - first_key)
-    per_key, per_row = bias.shape[1] > 1, bias.shape[2] > 1
+    per_row, per_key = mask.shape[1] > 1, mask.shape[2] > 1
     if kind == PARTIAL:
         for j in range(n_keys):
             key = first_key + j if per_key else 0
             for i in range(n_rows):
-                b = bias[m, key, row_position[i] if per_row else 0]
+                b = scores.dtype.type(mask[m, row_position[i] if per_row else 0, key] * LOG2E)
                 total = scores[j, i] + b
                 scores[j, i] = total if b != -np.inf else -np.inf
     for j in range(n_keys, key_tile):
@@ -133,7 +134,7 @@ def _rows_implementation(source, entry, first, count, half_format, scratch):
 
 @cpu_kernel(parallel=True)
 def _chunk_kernel(
-    query_columns, key, value, half_format, bias, tile_kinds, groups, row_position, is_causal,
+    query_columns, key, value, half_format, mask, tile_kinds, groups, row_position, is_causal,
     scale, key_tile, chunk_tiles, partial_max, partial_sum, partial_out,
 ):  # fmt: skip
     """One task per (group, chunk of ``chunk_tiles`` tiles of ``key_tile`` keys): the
@@ -166,7 +167,7 @@ def _chunk_kernel(
             keys = _rows(key, k, first_key, n_keys, half_format, key_scratch)
             values = _rows(value, v, first_key, n_keys, half_format, value_scratch)
             gemm(score_scale, keys, query_columns[g], 0, scores[:n_keys])
-            _mask_rows(scores, bias, m, kind, is_causal, first_key, n_key, row_position)
+            _mask_rows(scores, mask, m, kind, is_causal, first_key, n_key, row_position)
             _softmax_tile(scores, running_max, running_sum, rescale, new_max)
             for e in range(n_values):
                 for i in range(n_rows):
@@ -270,14 +271,14 @@ def decode_attention(problem):
     key_tile = key_tile_size()
     n_key_tiles = -(-problem.n_key // key_tile)
     n_chunks = _chunks(n_groups, n_key_tiles)
-    bias, tile_kinds = mask_operand(mask, dtype, key_tile, n_query)
+    mask, tile_kinds = mask_operand(mask, dtype, key_tile, n_query)
     partial_max = np.empty((n_groups, n_chunks, n_rows), dtype=dtype)
     partial_sum = np.empty((n_groups, n_chunks, n_rows), dtype=dtype)
     partial_out = np.empty((n_groups, n_chunks, problem.value_dim, n_rows), dtype=dtype)
     with serial_blas():
         _chunk_kernel(
             query_columns, np.ascontiguousarray(key), np.ascontiguousarray(value), half_format,
-            bias, tile_kinds, groups, row_position, problem.is_causal, problem.scale, key_tile,
+            mask, tile_kinds, groups, row_position, problem.is_causal, problem.scale, key_tile,
             math.ceil(n_key_tiles / n_chunks), partial_max, partial_sum, partial_out,
         )  # fmt: skip
     folded_out = np.empty((n_groups, n_rows, problem.value_dim), dtype=dtype)

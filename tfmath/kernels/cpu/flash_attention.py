@@ -93,15 +93,16 @@ def key_tile_size(n_features, n_values, n_key):
 
 
 @cpu_kernel
-def _mask_tile(scores, bias, m, kind, is_causal, first_key, first_row, n_key, n_query):
+def _mask_tile(scores, mask, m, kind, is_causal, first_key, first_row, n_key, n_query, block):
     """Mask a transposed tile of base-2 scores, ``scores[j, i]`` for key j and query i:
-    add the bias of a ``PARTIAL`` block, and write -inf where the key is beyond the
-    sequence, above the causal diagonal, or has a bias of -inf (even over a NaN score)."""
+    add the mask of a ``PARTIAL`` block (``block``, of the tile's shape, is scratch
+    space), and write -inf where the key is beyond the sequence, above the causal
+    diagonal, or masked by -inf (even over a NaN score)."""
     key_tile, query_tile = scores.shape
     n_keys = min(key_tile, n_key - first_key)
     n_rows = min(query_tile, n_query - first_row)
     if kind == PARTIAL:
-        _add_bias(scores, bias, m, first_key, first_row, n_keys, n_rows)
+        _add_mask(scores, mask, m, first_key, first_row, n_keys, n_rows, block)
     for j in range(n_keys, key_tile):
         scores[j, :] = -np.inf
     if is_causal:
@@ -111,18 +112,27 @@ def _mask_tile(scores, bias, m, kind, is_causal, first_key, first_row, n_key, n_
 
 
 @cpu_kernel
-def _add_bias(scores, bias, m, first_key, first_row, n_keys, n_rows):
-    """``scores[j, i] += bias`` with -inf forcing -inf (over a NaN score too), for a
-    bias of shape ``(mask_batch, S or 1, L or 1)``; one loop per layout, so that a
-    key-padding mask (one bias per key) costs a broadcast add, not a gather per score."""
-    if bias.shape[2] == 1:
-        _add_key_bias(scores, bias[m, :, 0], first_key if bias.shape[1] > 1 else -1, n_keys, n_rows)
-    elif bias.shape[1] == 1:
-        for j in range(n_keys):
-            _add_row_bias(scores[j], bias[m, 0, first_row : first_row + n_rows])
-    else:
-        for j in range(n_keys):
-            _add_row_bias(scores[j], bias[m, first_key + j, first_row : first_row + n_rows])
+def _add_mask(scores, mask, m, first_key, first_row, n_keys, n_rows, block):
+    """``scores[j, i] += log2(e) * mask[m, i, j]`` with -inf forcing -inf (over a NaN
+    score too), for an additive mask of shape ``(mask_batch, L or 1, S or 1)`` read
+    where it lies. One loop per layout: a key-padding mask (one value per key) costs a
+    broadcast add; a full mask block is first transposed into ``block``, so that the
+    add runs along the scores' contiguous query axis (an add scattered straight from
+    the mask took 2.4 times as long)."""
+    if mask.shape[1] == 1:
+        _add_key_bias(scores, mask[m, 0], first_key if mask.shape[2] > 1 else -1, n_keys, n_rows)
+        return
+    per_key = mask.shape[2] > 1
+    for i in range(n_rows):
+        segment = (
+            mask[m, first_row + i, first_key : first_key + n_keys]
+            if per_key
+            else mask[m, first_row + i]
+        )
+        for j in range(segment.shape[0]):
+            block[j, i] = segment[j] * LOG2E
+    for j in range(n_keys):
+        _add_row_bias(scores[j], block[j if per_key else 0, :n_rows])
 
 
 @cpu_kernel
@@ -136,11 +146,12 @@ def _add_row_bias(scores, bias):
 
 
 @cpu_kernel
-def _add_key_bias(scores, bias, first_key, n_keys, n_rows):
-    """One bias per key (``first_key`` < 0: one bias for every key), added to every row."""
+def _add_key_bias(scores, mask_row, first_key, n_keys, n_rows):
+    """One mask value per key (``first_key`` < 0: one for every key), in base e,
+    added to every row of the base-2 scores."""
     prefer_wide_vectors()
     for j in range(n_keys):
-        b = bias[0] if first_key < 0 else bias[first_key + j]
+        b = scores.dtype.type((mask_row[0] if first_key < 0 else mask_row[first_key + j]) * LOG2E)
         if b == -np.inf:
             scores[j, :n_rows] = -np.inf
         elif b != 0:
@@ -151,12 +162,12 @@ def _add_key_bias(scores, bias, first_key, n_keys, n_rows):
 @cpu_kernel
 def _score_tile(
     scores, key_rows, query_columns, score_scale,
-    bias, m, kind, is_causal, first_key, first_row, n_key, n_query,
+    mask, m, kind, is_causal, first_key, first_row, n_key, n_query, block,
 ):  # fmt: skip
     """A transposed tile of base-2 scores, ``scores[j, i]`` for key j and query i,
     masked (see :func:`_mask_tile`)."""
     gemm(score_scale, key_rows, query_columns, 0, scores)
-    _mask_tile(scores, bias, m, kind, is_causal, first_key, first_row, n_key, n_query)
+    _mask_tile(scores, mask, m, kind, is_causal, first_key, first_row, n_key, n_query, block)
 
 
 @cpu_kernel
@@ -169,65 +180,87 @@ def _block_kind(tile_kinds, m, key_block, query_block):
     ]
 
 
+@cpu_kernel
+def _block_counts(mask, is_boolean, m, k0, k1, r0, r1):
+    """How many entries of a mask block (keys ``k0:k1``, rows ``r0:r1``) forbid
+    attention, and how many leave it open (boolean masks as bytes, 0 forbidding;
+    additive ones -inf forbidding, 0 open). Counting rather than and-ing, against
+    constants of the mask's own type, so that the loop vectorises: it reads the mask
+    at memory speed."""
+    prefer_wide_vectors()
+    n_masked = 0
+    n_open = 0
+    # Loops over a slice from 0, not over k0:k1 of the row: LLVM vectorises only the
+    # former (a third of the time on ALiBi's mask).
+    if is_boolean:
+        false = mask.dtype.type(0)
+        for i in range(r0, r1):
+            segment = mask[m, i, k0:k1]
+            for j in range(segment.shape[0]):
+                n_masked += segment[j] == false
+        return n_masked, (k1 - k0) * (r1 - r0) - n_masked
+    forbidden, allowed = mask.dtype.type(-np.inf), mask.dtype.type(0)
+    for i in range(r0, r1):
+        segment = mask[m, i, k0:k1]
+        for j in range(segment.shape[0]):
+            n_masked += segment[j] == forbidden
+            n_open += segment[j] == allowed
+    return n_masked, n_open
+
+
 @cpu_kernel(parallel=True)
-def _prepare_bias(mask, is_boolean, key_tile, query_tile, bias, tile_kinds):
-    """From a mask ``(mask_batch, L or 1, S or 1)``, boolean (as bytes) or additive:
-    ``bias``, its transpose in base-2 units (boolean False as -inf), and
-    ``tile_kinds[m, t, r]``, whether block (key tile t, query tile r) is all -inf
-    (MASKED), all 0 (OPEN) or anything else (PARTIAL). One pass, a block per task
-    (its transpose stays in cache), counting rather than and-ing so the loop
-    vectorises; one block per axis along which the mask is broadcast."""
+def _classify_blocks(mask, is_boolean, key_tile, query_tile, additive, tile_kinds):
+    """``tile_kinds[m, t, r]``: whether block (key tile t, query tile r) of a mask
+    ``(mask_batch, L or 1, S or 1)`` is all forbidden (MASKED), all open (OPEN) or
+    anything else (PARTIAL); one block per axis along which the mask is broadcast.
+    A boolean mask (as bytes) is also written, block by block while it is in cache,
+    into ``additive`` as 0 and -inf."""
     n_masks, n_key_blocks, n_query_blocks = tile_kinds.shape
-    key_span = key_tile if bias.shape[1] > 1 else 1
-    row_span = query_tile if bias.shape[2] > 1 else 1
-    allowed, forbidden = bias.dtype.type(0), bias.dtype.type(-np.inf)
+    n_rows, n_keys = mask.shape[1], mask.shape[2]
+    key_span = key_tile if n_keys > 1 else 1
+    row_span = query_tile if n_rows > 1 else 1
+    allowed, forbidden = additive.dtype.type(0), additive.dtype.type(-np.inf)
     for task in numba.prange(n_masks * n_key_blocks * n_query_blocks):
-        prefer_wide_vectors()
         m = task // (n_key_blocks * n_query_blocks)
         t = task // n_query_blocks % n_key_blocks
         r = task % n_query_blocks
-        keys = range(t * key_span, min((t + 1) * key_span, bias.shape[1]))
-        rows = range(r * row_span, min((r + 1) * row_span, bias.shape[2]))
-        n_masked = 0
-        n_open = 0
-        for j in keys:
-            for i in rows:
-                value = mask[m, i, j]
-                if is_boolean:
-                    b = allowed if value else forbidden
-                else:
-                    b = bias.dtype.type(value * LOG2E)
-                bias[m, j, i] = b
-                n_masked += b == forbidden
-                n_open += b == allowed
-        size = len(keys) * len(rows)
+        k0, k1 = t * key_span, min((t + 1) * key_span, n_keys)
+        r0, r1 = r * row_span, min((r + 1) * row_span, n_rows)
+        n_masked, n_open = _block_counts(mask, is_boolean, m, k0, k1, r0, r1)
+        size = (k1 - k0) * (r1 - r0)
         tile_kinds[m, t, r] = MASKED if n_masked == size else (OPEN if n_open == size else PARTIAL)
+        if is_boolean:
+            for i in range(r0, r1):
+                segment, out = mask[m, i, k0:k1], additive[m, i, k0:k1]
+                for j in range(segment.shape[0]):
+                    out[j] = allowed if segment[j] else forbidden
 
 
 def mask_operand(mask, dtype, key_tile, query_tile):
-    """The mask as the CPU flash kernels read it: ``(bias, tile_kinds)``.
+    """The mask as the CPU flash kernels read it: ``(additive, tile_kinds)``.
 
-    ``bias`` is the mask in base-2 units (boolean False as -inf), transposed to
-    ``(mask_batch, S or 1, L or 1)`` so the kernels read it along query rows: a
-    copy the size of the mask as given, never of its broadcast to every head.
-    ``tile_kinds`` says, per block of the kernels' tiles, whether the mask
-    forbids it whole (the kernels skip it: a key-padding mask costs what the
-    unpadded lengths would), leaves it open, or must be applied score by score.
-    Without a mask both are one-element placeholders of an open block.
+    ``additive`` is the mask as given, ``(mask_batch, L or 1, S or 1)``, never
+    broadcast to every head nor copied when it is already additive (a boolean one
+    becomes 0 and -inf: a copy the size of the mask as given); the kernels add it
+    block by block where it lies. ``tile_kinds`` says, per block of the kernels'
+    tiles, whether the mask forbids it whole (the kernels skip it: a key-padding
+    mask costs what the unpadded lengths would), leaves it open, or must be added
+    score by score. Without a mask both are one-element placeholders of an open
+    block.
     """
     if mask is None:
         return np.zeros((1, 1, 1), dtype=dtype), np.full((1, 1, 1), OPEN, dtype=np.int8)
     n_masks, mask_rows, mask_keys = mask.shape
     n_key_blocks = -(-mask_keys // key_tile)
     n_query_blocks = -(-mask_rows // query_tile)
-    bias = np.empty((n_masks, mask_keys, mask_rows), dtype=dtype)
     tile_kinds = np.empty((n_masks, n_key_blocks, n_query_blocks), dtype=np.int8)
     is_boolean = mask.dtype == np.bool_
-    _prepare_bias(
-        mask.view(np.uint8) if is_boolean else mask, is_boolean, key_tile, query_tile, bias,
-        tile_kinds,
+    additive = np.empty(mask.shape, dtype=dtype) if is_boolean else mask.astype(dtype, copy=False)
+    _classify_blocks(
+        mask.view(np.uint8) if is_boolean else additive, is_boolean, key_tile, query_tile,
+        additive, tile_kinds,
     )  # fmt: skip
-    return bias, tile_kinds
+    return additive, tile_kinds
 
 
 @cpu_kernel
@@ -371,7 +404,7 @@ def _accumulate_values(value_columns, value_tiles, value_tile_finite, v, t, weig
 
 @cpu_kernel(parallel=True)
 def _forward_kernel(
-    query_tiles, key_tiles, value_tiles, value_columns, value_tile_finite, bias, tile_kinds,
+    query_tiles, key_tiles, value_tiles, value_columns, value_tile_finite, mask, tile_kinds,
     index, is_causal, n_query, n_key, scale, out, log_sum_exp,
 ):  # fmt: skip
     n_batch, n_query_tiles, query_tile = out.shape[0], out.shape[1], out.shape[2]
@@ -387,6 +420,7 @@ def _forward_kernel(
         first_row = tile * query_tile
         q, k, v, m = index[b, 0], index[b, 1], index[b, 2], index[b, 3]
         scores = np.empty((key_tile, query_tile), dtype=dtype)
+        mask_block = np.empty((key_tile, query_tile), dtype=dtype)
         query_columns = np.empty((query_tiles.shape[3], query_tile), dtype=dtype)
         _transpose_into(query_tiles[q, tile], query_columns)
         # Transposed, (values, queries): see _value_columns.
@@ -399,6 +433,11 @@ def _forward_kernel(
         if is_causal:
             last_row = min(first_row + query_tile, n_query) - 1
             n_tiles = min(n_key_tiles, last_row // key_tile + 1)
+        # A refused tile means this block's scores climb from key tile to key tile (as an
+        # ALiBi bias makes them up to the diagonal); the next tiles would likely be
+        # refused too, each at the cost of its scores computed twice, so the rest of the
+        # block takes the two-pass step.
+        try_single_pass = True
         for t in range(n_tiles):
             kind = _block_kind(tile_kinds, m, t, tile)
             if kind == MASKED:
@@ -406,17 +445,18 @@ def _forward_kernel(
             first_key = t * key_tile
             _score_tile(
                 scores, key_tiles[k, t], query_columns, score_scale,
-                bias, m, kind, is_causal, first_key, first_row, n_key, n_query,
+                mask, m, kind, is_causal, first_key, first_row, n_key, n_query, mask_block,
             )  # fmt: skip
-            if _has_reference_maximum(running_max):
+            if try_single_pass and _has_reference_maximum(running_max):
                 if _softmax_tile_against_reference(scores, running_max, running_sum, new_max):
                     _accumulate_values(value_columns, value_tiles, value_tile_finite, v, t,
                                        scores, accumulator)  # fmt: skip
                     continue
                 # Refused, after the single pass overwrote the scores.
+                try_single_pass = False
                 _score_tile(
                     scores, key_tiles[k, t], query_columns, score_scale,
-                    bias, m, kind, is_causal, first_key, first_row, n_key, n_query,
+                    mask, m, kind, is_causal, first_key, first_row, n_key, n_query, mask_block,
                 )  # fmt: skip
             _softmax_tile(scores, running_max, running_sum, rescale, new_max)
             # A loop, not an array expression, which cost a sixth of the kernel.
@@ -449,7 +489,7 @@ def _probabilities_and_score_gradients(scores, grad_probabilities, shift, delta)
 @cpu_kernel(parallel=True)
 def _backward_kernel(
     query_tiles, key_tiles, value_tiles, grad_tiles,
-    probability_shift, delta, bias, tile_kinds, index, is_causal, n_query, n_key, scale,
+    probability_shift, delta, mask, tile_kinds, index, is_causal, n_query, n_key, scale,
     grad_query_parts, grad_key, grad_value,
 ):  # fmt: skip
     """One task per (batch entry, part of its key sweeps); part ``c`` of
@@ -501,9 +541,11 @@ def _backward_kernel(
                     if kind == MASKED:
                         continue
                     first_row = tile * query_tile
+                    # grad_scores is free until the product below overwrites it.
                     _score_tile(
                         probabilities, key_tiles[k, t], query_columns[tile], score_scale,
-                        bias, m, kind, is_causal, t * key_tile, first_row, n_key, n_query,
+                        mask, m, kind, is_causal, t * key_tile, first_row, n_key, n_query,
+                        grad_scores,
                     )  # fmt: skip
                     gemm(1, value_tiles[v, t], grad_columns[tile], 0, grad_scores)
                     _probabilities_and_score_gradients(
@@ -565,11 +607,11 @@ def flash_forward(problem):
     n_batch, n_query_tiles = index.shape[0], query_tiles.shape[1]
     out = np.empty((n_batch, n_query_tiles, query_tile, problem.value_dim), dtype=dtype)
     log_sum_exp = np.empty((n_batch, n_query_tiles, query_tile), dtype=dtype)
-    bias, tile_kinds = mask_operand(mask, dtype, key_tile, query_tile)
+    mask, tile_kinds = mask_operand(mask, dtype, key_tile, query_tile)
     with serial_blas():
         _forward_kernel(
             query_tiles, _row_tiles(key, key_tile), value_tiles, value_columns, value_tile_finite,
-            bias, tile_kinds, index, problem.is_causal, problem.n_query,
+            mask, tile_kinds, index, problem.is_causal, problem.n_query,
             problem.n_key, problem.scale, out, log_sum_exp,
         )  # fmt: skip
     n_query = problem.n_query
@@ -671,13 +713,13 @@ def attention_grad(problem, grad_output, saved=None):
     )
     grad_key = np.empty((n_batch, n_key_tiles, key_tile, problem.n_features), dtype=dtype)
     grad_value = np.empty((n_batch, n_key_tiles, key_tile, problem.value_dim), dtype=dtype)
-    bias, tile_kinds = mask_operand(mask, dtype, key_tile, query_tile)
+    mask, tile_kinds = mask_operand(mask, dtype, key_tile, query_tile)
     with serial_blas():
         _backward_kernel(
             query_tiles, key_tiles, _row_tiles(value, key_tile), grad_tiles,
             probability_shift.reshape(n_batch, n_query_tiles, query_tile),
             padded_delta.reshape(n_batch, n_query_tiles, query_tile),
-            bias, tile_kinds, index, problem.is_causal,
+            mask, tile_kinds, index, problem.is_causal,
             problem.n_query, problem.n_key, problem.scale, grad_query_parts, grad_key, grad_value,
         )  # fmt: skip
     return (
