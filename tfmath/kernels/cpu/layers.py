@@ -31,8 +31,13 @@ def _row_mean(row):
 
 
 @cpu_kernel(parallel=True)
-def _layer_norm_kernel(x, weight, bias, eps, y, mean, rstd):
+def _layer_norm_kernel(x, weight, bias, eps):
+    # The results are allocated here: each array argument costs the dispatcher a type
+    # check, which on a (32, 64) input is a fifth of the call.
     n_rows, n_features = x.shape
+    y = np.empty_like(x)
+    mean = np.empty(n_rows, dtype=x.dtype)
+    rstd = np.empty(n_rows, dtype=x.dtype)
     for i in numba.prange(n_rows):
         mu = _row_mean(x[i])
         variance = x.dtype.type(0)
@@ -44,15 +49,12 @@ def _layer_norm_kernel(x, weight, bias, eps, y, mean, rstd):
         rstd[i] = r
         for j in range(n_features):
             y[i, j] = (x[i, j] - mu) * r * weight[j] + bias[j]
+    return y, mean, rstd
 
 
 def layer_norm(x, weight, bias, eps):
     """LayerNorm of each row; returns ``(y, mean, rstd)``."""
-    y = np.empty_like(x)
-    mean = np.empty(x.shape[0], dtype=x.dtype)
-    rstd = np.empty(x.shape[0], dtype=x.dtype)
-    sized(_layer_norm_kernel, x.size)(x, weight, bias, x.dtype.type(eps), y, mean, rstd)
-    return y, mean, rstd
+    return sized(_layer_norm_kernel, x.size)(x, weight, bias, x.dtype.type(eps))
 
 
 @cpu_kernel(parallel=True)

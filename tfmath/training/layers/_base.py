@@ -52,8 +52,8 @@ def half_precision(block):
 
     @functools.wraps(block)
     def wrapper(*args, **kwargs):
-        dtype = next(filter(None, map(_half_dtype, (*args, *kwargs.values()))), None)
-        if dtype is None:
+        dtype = _first_half_dtype(args) or (kwargs and _first_half_dtype(kwargs.values()))
+        if not dtype:
             return block(*args, **kwargs)
         args = tuple(_widened(a) for a in args)
         kwargs = {name: _widened(value) for name, value in kwargs.items()}
@@ -62,8 +62,21 @@ def half_precision(block):
     return wrapper
 
 
+def _first_half_dtype(values):
+    """The half-precision dtype of the first argument that has one, or None. A loop
+    rather than a chain of iterators: blocks on small inputs are called by the
+    thousand, and this runs on every call."""
+    for value in values:
+        dtype = _half_dtype(value)
+        if dtype is not None:
+            return dtype
+    return None
+
+
 def _half_dtype(value):
     """The half-precision dtype of an array argument, or of a Parameters' arrays, or None."""
+    if type(value) is np.ndarray:
+        return value.dtype if is_half(value.dtype) else None
     if isinstance(value, Parameters):
         return next(filter(None, map(_half_dtype, value.values())), None)
     dtype = getattr(value, "dtype", None)

@@ -26,7 +26,6 @@ from tfmath.training.params import ParameterSpec
 ACTIVATIONS = {"relu": 0, "gelu": 1, "gelu_tanh": 2, "swiglu": 3}
 
 
-@half_precision
 def ffn_activation(h, activation="gelu", *, backend="auto"):
     r"""The feed-forward network's nonlinearity, elementwise (ReLU, GELU) or gated (SwiGLU).
 

@@ -20,7 +20,6 @@ from tfmath.training.layers._base import (
 )
 
 
-@half_precision
 def log_softmax(x, *, backend="auto"):
     r"""Log-softmax over the last axis, computed without overflow.
 

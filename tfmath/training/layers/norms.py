@@ -22,7 +22,6 @@ from tfmath.training.params import Parameters, ParameterSpec
 NORMS = ("layer_norm", "rms_norm")
 
 
-@half_precision
 def layer_norm(x, weight, bias, eps=1e-5, *, backend="auto"):
     r"""Layer normalisation over the last dimension (the seeds' formula).
 
@@ -77,7 +76,8 @@ def layer_norm_forward(x, weight, bias, eps=1e-5, *, backend="auto"):
     rows = _rows(x)
     y, mean, rstd = implementation("layer_norm", backend)(rows, weight, bias, eps)
     saved = {"x": rows, "weight": weight, "mean": mean, "rstd": rstd, "shape": x.shape}
-    return y.reshape(x.shape), Cache("layer_norm", {**saved, "backend": backend})
+    saved["backend"] = backend
+    return y.reshape(x.shape), Cache("layer_norm", saved)
 
 
 @half_precision
@@ -119,7 +119,6 @@ def layer_norm_backward(grad_y, cache):
     return grad_x.reshape(saved["shape"]), grad_weight, grad_bias
 
 
-@half_precision
 def rms_norm(x, weight, eps=1e-6, *, backend="auto"):
     r"""Root-mean-square normalisation over the last dimension (Zhang and Sennrich 2019).
 
