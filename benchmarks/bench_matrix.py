@@ -8,7 +8,13 @@ same run: PyTorch's time over tfmath's (``track_``, when PyTorch is
 importable), and the rate against the machine's roof (GFLOP/s against NumPy's
 float32 GEMM rate, or for decoding GB/s against one core's read bandwidth).
 
-Run with ``asv run -E existing --quick --bench Matrix``.
+``Small`` does the same for the per-call cost of small problems
+(:data:`tfmath.tools.workloads.SMALL`), the rows of ``tfmath bench attention
+--small``: tfmath's time over PyTorch's with both libraries loaded and called in
+turn in one process, the same ratio with each library alone in a fresh process,
+and how much slower tfmath is with PyTorch beside it than alone.
+
+Run with ``asv run -E existing --quick --bench "Matrix|Small"``.
 """
 
 from typing import ClassVar
@@ -16,8 +22,8 @@ from typing import ClassVar
 import numpy as np
 
 from tfmath.analysis.timing import best_time, interleaved_best_times
-from tfmath.tools.bench import gemm_roof, optional_torch
-from tfmath.tools.workloads import MATRIX, read_bandwidth, workload
+from tfmath.tools.bench import alone_seconds, gemm_roof, optional_torch
+from tfmath.tools.workloads import MATRIX, SMALL, read_bandwidth, workload
 
 SEED = 0
 
@@ -52,3 +58,43 @@ class Matrix:
         return self.case.bytes_read / seconds / read_bandwidth()
 
     track_fraction_of_roof.unit = "fraction"
+
+
+class Small:
+    params: ClassVar = [[w.name for w in SMALL]]
+    param_names: ClassVar = ["workload"]
+    timeout = 600
+    number = 1
+    repeat = (2, 5, 20.0)
+
+    def setup(self, name):
+        case = workload(name).build(np.random.default_rng(SEED), optional_torch())
+        self.case = case.repeated()  # ``case.calls`` calls per timing: one is too short
+        self.case.tfmath()
+
+    def time_tfmath_calls(self, name):
+        self.case.tfmath()
+
+    def _together(self):
+        if self.case.torch is None:
+            raise NotImplementedError("PyTorch is not installed")
+        return interleaved_best_times({"torch": self.case.torch, "tfmath": self.case.tfmath}, 3)
+
+    def track_tfmath_time_over_torch_time(self, name):
+        times = self._together()
+        return times["tfmath"] / times["torch"]
+
+    track_tfmath_time_over_torch_time.unit = "ratio"
+
+    def track_tfmath_time_over_torch_time_each_alone(self, name):
+        if self.case.torch is None:
+            raise NotImplementedError("PyTorch is not installed")
+        return alone_seconds(name, "tfmath") / alone_seconds(name, "torch")
+
+    track_tfmath_time_over_torch_time_each_alone.unit = "ratio"
+
+    def track_tfmath_slowdown_with_torch_loaded(self, name):
+        together = self._together()["tfmath"] / self.case.calls
+        return together / alone_seconds(name, "tfmath")
+
+    track_tfmath_slowdown_with_torch_loaded.unit = "ratio"
