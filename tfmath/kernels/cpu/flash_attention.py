@@ -638,10 +638,14 @@ SERIAL_WORK = 2**17
 
 
 @cpu_kernel
-def _rows_forward(query, key, value, mask, index, is_causal, scale, out, log_sum_exp):
-    """Each row's scores, softmax and weighted sum in turn, on the calling thread.
-    ``mask`` is additive, ``(mask_batch, L or 1, S or 1)``, or None."""
-    n_batch, n_query, n_key = out.shape[0], query.shape[1], key.shape[1]
+def _rows_forward(query, key, value, mask, index, is_causal, scale):
+    """Each row's scores, softmax and weighted sum in turn, on the calling thread:
+    ``(output, log_sum_exp)``. ``mask`` is additive, ``(mask_batch, L or 1, S or 1)``,
+    or None. The results are allocated here: on problems this small, every array
+    passed in costs the dispatcher a type check worth a tenth of the call."""
+    n_batch, n_query, n_key = index.shape[0], query.shape[1], key.shape[1]
+    out = np.empty((n_batch, n_query, value.shape[2]), dtype=query.dtype)
+    log_sum_exp = np.empty((n_batch, n_query), dtype=query.dtype)
     scores = np.empty(n_key, dtype=out.dtype)
     for b in range(n_batch):
         q, k, v, m = index[b, 0], index[b, 1], index[b, 2], index[b, 3]
@@ -654,6 +658,7 @@ def _rows_forward(query, key, value, mask, index, is_causal, scale, out, log_sum
                 _scores_row(query[q, i], key[k], mask_row, True, scale, n_visible, scores)
             log_sum_exp[b, i] = _softmax_inplace(scores[:n_visible])
             _weighted_sum(scores, value[v], n_visible, out[b, i])
+    return out, log_sum_exp
 
 
 def _small_forward(problem):
@@ -663,14 +668,9 @@ def _small_forward(problem):
     if mask is not None:
         mask = np.where(mask, 0, -np.inf) if mask.dtype == np.bool_ else mask
         mask = mask.astype(dtype, copy=False)
-    out = np.empty((index.shape[0], problem.n_query, problem.value_dim), dtype=dtype)
-    log_sum_exp = np.empty(out.shape[:2], dtype=dtype)
     # The scale as a Python float: building a NumPy scalar costs more than the kernel
     # saves by multiplying in the input's precision on problems this small.
-    _rows_forward(
-        query, key, value, mask, index, problem.is_causal, problem.scale, out, log_sum_exp
-    )
-    return out, log_sum_exp
+    return _rows_forward(query, key, value, mask, index, problem.is_causal, problem.scale)
 
 
 def _is_small(problem):
