@@ -35,7 +35,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tfmath.errors import ArgumentError, DTypeError
+
 __all__ = [
+    "BESIROGLU",
     "CHINCHILLA",
     "CRITICAL_BATCH",
     "KAPLAN_JOINT",
@@ -66,12 +69,14 @@ PF_DAY = 1e15 * 24 * 3600
 def _positive(name, value, meaning=""):
     """``value`` as float64 (a float for a scalar), refusing non-finite or non-positive entries."""
     if isinstance(value, str):
-        raise TypeError(f"{name} must be a positive number or array, got {value!r}")
+        raise DTypeError(f"{name} must be a positive number or array, got {value!r}")
     array = np.asarray(value, dtype=np.float64)
     bad = ~(np.isfinite(array) & (array > 0))
     if np.any(bad):
         meaning = f" ({meaning})" if meaning else ""
-        raise ValueError(f"{name}{meaning} must be finite and > 0, got {float(array[bad].flat[0])}")
+        raise ArgumentError(
+            f"{name}{meaning} must be finite and > 0, got {float(array[bad].flat[0])}"
+        )
     return float(array) if array.ndim == 0 else array
 
 
@@ -152,7 +157,7 @@ def kaplan_law(law):
     try:
         return KAPLAN_LAWS[law]
     except (KeyError, TypeError):
-        raise ValueError(
+        raise ArgumentError(
             f"law must be one of the Kaplan et al. laws {sorted(KAPLAN_LAWS)}, got {law!r}"
         ) from None
 
@@ -439,6 +444,20 @@ class ChinchillaLaw:
 #: :class:`ChinchillaLaw` with the approach-3 fit of Hoffmann et al. (2022).
 CHINCHILLA = ChinchillaLaw()
 
+#: :class:`ChinchillaLaw` refitted by Besiroglu, Erdil, Barnett and You (2024), "Chinchilla
+#: Scaling: A replication attempt" (Epoch AI, arXiv:2404.10102), to data read off
+#: Hoffmann et al.'s figures, with the Huber loss minimised to convergence. Its
+#: exponents a = 0.513 and b = 0.487 agree with Hoffmann et al.'s approaches 1 and 2
+#: (about 0.5 each), where the original approach-3 constants give 0.452 and 0.548.
+BESIROGLU = ChinchillaLaw(
+    e=1.8172,
+    a=482.01,
+    b=2085.43,
+    alpha=0.3478,
+    beta=0.3658,
+    source="Besiroglu et al. (2024), arXiv:2404.10102, Chinchilla approach 3 refitted",
+)
+
 
 def chinchilla_loss(n, d, *, law=CHINCHILLA):
     r"""Hoffmann et al.'s loss :math:`E + A/N^\alpha + B/D^\beta` of :math:`N` parameters
@@ -497,6 +516,14 @@ def chinchilla_optimal(compute, *, law=CHINCHILLA):
     >>> best = chinchilla_optimal(5.76e23)  # Gopher's and Chinchilla's budget
     >>> f"{best.n:.3g} parameters, {best.d:.3g} tokens"
     '3.22e+10 parameters, 2.98e+12 tokens'
+
+    The Epoch AI replication's constants (:data:`BESIROGLU`) put the optimum at
+    about 18 tokens per parameter instead of 93:
+
+    >>> from tfmath.formulas.scaling import BESIROGLU
+    >>> best = chinchilla_optimal(5.76e23, law=BESIROGLU)
+    >>> f"{best.n:.3g} parameters, {best.d:.3g} tokens, {best.tokens_per_parameter:.1f} each"
+    '7.22e+10 parameters, 1.33e+12 tokens, 18.4 each'
     """
     return law.optimal(compute)
 
@@ -622,14 +649,14 @@ def fit_scaling_law(
     x, y = _fit_data(x, y)
     known = _irreducible(irreducible, y)
     if method not in _METHODS:
-        raise ValueError(f"method must be one of {_METHODS}, got {method!r}")
+        raise ArgumentError(f"method must be one of {_METHODS}, got {method!r}")
     if not (isinstance(confidence, int | float) and 0 < confidence < 1):
-        raise ValueError(f"confidence must lie in (0, 1), got {confidence!r}")
+        raise ArgumentError(f"confidence must lie in (0, 1), got {confidence!r}")
     if isinstance(n_bootstrap, bool) or not isinstance(n_bootstrap, int) or n_bootstrap < 2:
-        raise ValueError(f"n_bootstrap must be an integer >= 2, got {n_bootstrap!r}")
+        raise ArgumentError(f"n_bootstrap must be an integer >= 2, got {n_bootstrap!r}")
     model = _FittedIrreducible() if known is None else _KnownIrreducible(known)
     if x.size < model.n_params or np.unique(x).size < model.n_params:
-        raise ValueError(
+        raise ArgumentError(
             f"fitting {model.n_params} parameters needs at least {model.n_params} points with "
             f"distinct x, got {x.size} points ({np.unique(x).size} distinct x)"
         )
@@ -654,10 +681,12 @@ def _fit_data(x, y):
     for name, value in (("x", x), ("y", y)):
         array = np.asarray(value, dtype=np.float64)
         if array.ndim != 1:
-            raise ValueError(f"{name} must be 1-D, got shape {array.shape}")
+            raise ArgumentError(f"{name} must be 1-D, got shape {array.shape}")
         arrays.append(np.atleast_1d(_positive(name, array)))
     if arrays[0].shape != arrays[1].shape:
-        raise ValueError(f"x and y must have one length, got {arrays[0].size} and {arrays[1].size}")
+        raise ArgumentError(
+            f"x and y must have one length, got {arrays[0].size} and {arrays[1].size}"
+        )
     return arrays
 
 
@@ -667,13 +696,13 @@ def _irreducible(irreducible, y):
         return 0.0
     if isinstance(irreducible, str):
         if irreducible != "fit":
-            raise ValueError(f"irreducible must be {_IRREDUCIBLE_CHOICES}, got {irreducible!r}")
+            raise ArgumentError(f"irreducible must be {_IRREDUCIBLE_CHOICES}, got {irreducible!r}")
         return None
     if isinstance(irreducible, bool) or not isinstance(irreducible, int | float | np.number):
-        raise ValueError(f"irreducible must be {_IRREDUCIBLE_CHOICES}, got {irreducible!r}")
+        raise ArgumentError(f"irreducible must be {_IRREDUCIBLE_CHOICES}, got {irreducible!r}")
     e = float(irreducible)
     if not math.isfinite(e) or np.any(y <= e):
-        raise ValueError(
+        raise ArgumentError(
             f"every y must exceed the irreducible term {e} (y - E is fitted in log space); "
             f"smallest y is {y.min()}"
         )

@@ -28,6 +28,8 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from tfmath import _config
+from tfmath._contract.checks import integer
+from tfmath.errors import ArgumentError, DTypeError
 from tfmath.formulas.accounting import ModelConfig, count_parameters
 from tfmath.training.layers import cross_entropy, cross_entropy_backward, cross_entropy_forward
 from tfmath.training.models import decoder_only_backward, decoder_only_forward, init_model
@@ -44,16 +46,6 @@ __all__ = [
 
 #: Separate random streams of one run, so that changing one never shifts another.
 _STREAMS = {"batches": 1, "validation": 2, "corpus": 3}
-
-
-def _integer(name, value, *, low, allow_none=False):
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | np.integer):
-        raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
-    if value < low:
-        raise ValueError(f"{name} must be >= {low}, got {value}")
-    return int(value)
 
 
 def language_model_config(d_model, n_layers, *, vocab_size, context, head_width=8):
@@ -88,10 +80,10 @@ def language_model_config(d_model, n_layers, *, vocab_size, context, head_width=
     >>> config.n_heads, count_parameters(config, include_embeddings=False)
     (2, 6592)
     """
-    d_model = _integer("d_model", d_model, low=1)
-    n_heads = max(1, d_model // _integer("head_width", head_width, low=1))
+    d_model = integer("d_model", d_model, minimum=1)
+    n_heads = max(1, d_model // integer("head_width", head_width, minimum=1))
     if d_model % n_heads:
-        raise ValueError(f"d_model = {d_model} must be a multiple of head_width = {head_width}")
+        raise ArgumentError(f"d_model = {d_model} must be a multiple of head_width = {head_width}")
     return ModelConfig(
         name=f"lm-d{d_model}-l{n_layers}",
         architecture="decoder",
@@ -157,16 +149,16 @@ class TrainingConfig:
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "words_per_sequence", "warmup", "eval_every"):
-            _integer(name, getattr(self, name), low=1)
-        _integer("validation_sequences", self.validation_sequences, low=1)
-        _integer("dataset_tokens", self.dataset_tokens, low=1, allow_none=True)
-        _integer("patience", self.patience, low=1, allow_none=True)
-        _integer("seed", self.seed, low=0)
+            integer(name, getattr(self, name), minimum=1)
+        integer("validation_sequences", self.validation_sequences, minimum=1)
+        integer("dataset_tokens", self.dataset_tokens, minimum=1, allow_none=True)
+        integer("patience", self.patience, minimum=1, allow_none=True)
+        integer("seed", self.seed, minimum=0)
         scale = self.learning_rate_scale
         if isinstance(scale, bool) or not isinstance(scale, int | float) or not scale > 0:
-            raise ValueError(f"learning_rate_scale must be a positive number, got {scale!r}")
+            raise ArgumentError(f"learning_rate_scale must be a positive number, got {scale!r}")
         if self.dtype not in ("float32", "float64"):
-            raise ValueError(f"dtype must be 'float32' or 'float64', got {self.dtype!r}")
+            raise ArgumentError(f"dtype must be 'float32' or 'float64', got {self.dtype!r}")
 
 
 @dataclass(frozen=True)
@@ -318,9 +310,9 @@ def train_language_model(config, source, training=None, *, backend="auto"):
     """
     training = TrainingConfig() if training is None else training
     if not isinstance(training, TrainingConfig):
-        raise TypeError(f"training must be a TrainingConfig, got {type(training).__name__}")
+        raise DTypeError(f"training must be a TrainingConfig, got {type(training).__name__}")
     if not isinstance(source, ZipfLexicon):
-        raise TypeError(f"source must be a ZipfLexicon, got {type(source).__name__}")
+        raise DTypeError(f"source must be a ZipfLexicon, got {type(source).__name__}")
     _check_fits(config, source, training)
     started = time.perf_counter()
     with single_threaded():
@@ -330,14 +322,14 @@ def train_language_model(config, source, training=None, *, backend="auto"):
 
 def _check_fits(config, source, training):
     if not isinstance(config, ModelConfig) or config.architecture != "decoder":
-        raise ValueError(f"config must be a decoder-only ModelConfig, got {config!r}")
+        raise ArgumentError(f"config must be a decoder-only ModelConfig, got {config!r}")
     if config.vocab_size != source.vocab_size:
-        raise ValueError(
+        raise ArgumentError(
             f"config has vocab_size {config.vocab_size} but the source has {source.vocab_size}"
         )
     length = training.words_per_sequence * source.tokens_per_word
     if config.position == "learned" and config.n_positions < length:
-        raise ValueError(
+        raise ArgumentError(
             f"sequences have {length} positions but config {config.name!r} learns only "
             f"{config.n_positions}"
         )

@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from tfmath._config import cache_dir
+from tfmath.errors import DTypeError
 from tfmath.formulas.accounting import ModelConfig
 from tfmath.training.loop import TrainingConfig, TrainingResult, train_language_model
 from tfmath.training.synthetic import ZipfLexicon
@@ -61,7 +62,7 @@ class TrainingRun:
         for name, kind in (("model", ModelConfig), ("source", ZipfLexicon),
                            ("training", TrainingConfig)):  # fmt: skip
             if not isinstance(getattr(self, name), kind):
-                raise TypeError(
+                raise DTypeError(
                     f"{name} must be a {kind.__name__}, got {type(getattr(self, name)).__name__}"
                 )
 
@@ -121,7 +122,7 @@ def run_sweep(runs, *, results_dir=None, scheduler=None, progress=None):
     runs = list(runs)
     for run in runs:
         if not isinstance(run, TrainingRun):
-            raise TypeError(f"runs must be TrainingRun objects, got {type(run).__name__}")
+            raise DTypeError(f"runs must be TrainingRun objects, got {type(run).__name__}")
     progress = progress or (lambda line: None)
     folder = None if results_dir is None else Path(results_dir)
     records = {}
@@ -167,7 +168,7 @@ def _run_on_dask(runs, scheduler, finished):
     elif isinstance(scheduler, Client):
         client, owned = scheduler, False
     else:
-        raise TypeError(
+        raise DTypeError(
             f"scheduler must be an address string or a distributed.Client, got "
             f"{type(scheduler).__name__}"
         )

@@ -47,15 +47,10 @@ from functools import cached_property
 
 import numpy as np
 
+from tfmath._contract.checks import integer
+from tfmath.errors import ArgumentError, DTypeError
+
 __all__ = ["ZipfLexicon"]
-
-
-def _count(name, value, *, low=1):
-    if isinstance(value, bool) or not isinstance(value, int | np.integer):
-        raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
-    if value < low:
-        raise ValueError(f"{name} must be >= {low}, got {value}")
-    return int(value)
 
 
 @dataclass(frozen=True)
@@ -103,26 +98,26 @@ class ZipfLexicon:
     seed: int = 0
 
     def __post_init__(self):
-        _count("n_letters", self.n_letters, low=2)
-        _count("word_length", self.word_length)
-        _count("n_words", self.n_words)
-        _count("seed", self.seed, low=0)
+        integer("n_letters", self.n_letters, minimum=2)
+        integer("word_length", self.word_length, minimum=1)
+        integer("n_words", self.n_words, minimum=1)
+        integer("seed", self.seed, minimum=0)
         if self.n_letters**self.word_length >= 2**62:
-            raise ValueError(
+            raise ArgumentError(
                 f"n_letters ** word_length = {self.n_letters}**{self.word_length} must be below "
                 "2**62: words are drawn as integer codes"
             )
         if self.n_words > self.n_letters**self.word_length:
-            raise ValueError(
+            raise ArgumentError(
                 f"n_words = {self.n_words} distinct words do not exist with {self.n_letters} "
                 f"letters and word_length = {self.word_length} "
                 f"(at most {self.n_letters**self.word_length})"
             )
         exponent = self.zipf_exponent
         if isinstance(exponent, bool) or not isinstance(exponent, int | float | np.number):
-            raise TypeError(f"zipf_exponent must be a real number, got {exponent!r}")
+            raise DTypeError(f"zipf_exponent must be a real number, got {exponent!r}")
         if not (math.isfinite(exponent) and exponent > 0):
-            raise ValueError(f"zipf_exponent must be finite and > 0, got {exponent}")
+            raise ArgumentError(f"zipf_exponent must be finite and > 0, got {exponent}")
 
     @property
     def vocab_size(self):
@@ -226,8 +221,8 @@ class ZipfLexicon:
         -------
         numpy.ndarray of int64, shape (n, 1 + m (l + 1))
         """
-        n_sequences = _count("n_sequences", n_sequences)
-        words_per_sequence = _count("words_per_sequence", words_per_sequence)
+        n_sequences = integer("n_sequences", n_sequences, minimum=1)
+        words_per_sequence = integer("words_per_sequence", words_per_sequence, minimum=1)
         rng = np.random.default_rng(rng)
         ranks = rng.choice(self.n_words, size=(n_sequences, words_per_sequence),
                            p=self.word_probabilities)  # fmt: skip
@@ -267,7 +262,7 @@ class ZipfLexicon:
         for j in range(self.word_length):
             child = self._prefix_mass(words, j + 1)
             if not np.all(child > 0):
-                raise ValueError("tokens holds a word that is not in this lexicon")
+                raise ArgumentError("tokens holds a word that is not in this lexicon")
             log_p[..., j] = np.log(child) - np.log(parent)
             parent = child
         return log_p.reshape(n, -1)
@@ -276,19 +271,19 @@ class ZipfLexicon:
         tokens = np.asarray(tokens)
         width = self.tokens_per_word
         if tokens.ndim != 2 or tokens.shape[1] < 1 + width or (tokens.shape[1] - 1) % width:
-            raise ValueError(
+            raise ArgumentError(
                 f"tokens must have shape (n, 1 + m * {width}) as sample() writes it, "
                 f"got {tokens.shape}"
             )
         if tokens.dtype.kind not in "iu":
-            raise TypeError(f"tokens must be integers, got dtype {tokens.dtype}")
+            raise DTypeError(f"tokens must be integers, got dtype {tokens.dtype}")
         blocks = tokens[:, 1:].reshape(tokens.shape[0], -1, width)
         separators_in_place = np.all(tokens[:, 0] == self.separator) and np.all(
             blocks[..., -1] == self.separator
         )
         letters = blocks[..., :-1]
         if not separators_in_place or letters.min() < 0 or letters.max() >= self.n_letters:
-            raise ValueError(
+            raise ArgumentError(
                 "tokens must begin with the separator and hold words of "
                 f"{self.word_length} letters, each followed by the separator"
             )
