@@ -87,7 +87,7 @@ def test_isoflop_frontier_without_known_irreducible_is_a_pure_power_law():
         (lambda c, n, d, y: (c[:5], n[:5], d[:5], y[:5]), ArgumentError, "two budgets"),
         (lambda c, n, d, y: (c, n, d[:-1], y), ShapeError, "one value per run"),
         (lambda c, n, d, y: (c, -n, d, y), ArgumentError, "n must be finite and positive"),
-        (lambda c, n, d, y: (c, n, d, 4 - y), ArgumentError, "no minimum"),
+        (lambda c, n, d, y: (c, n, d, 4 - y), ArgumentError, "have no minimum"),
         (
             lambda c, n, d, y: (c[::5].repeat(2), n[:8], d[:8], y[:8]),
             ArgumentError,

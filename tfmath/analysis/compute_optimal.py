@@ -97,6 +97,8 @@ class IsoFlopFit:
         Bootstrap refits that had a minimum on every curve (the others are
         dropped, and counted in ``n_bootstrap_dropped``).
     n_bootstrap_dropped : int
+    skipped_budgets : tuple of float
+        Budgets left out for want of a minimum (see ``skip_curves_without_minimum``).
     """
 
     curves: tuple
@@ -110,6 +112,7 @@ class IsoFlopFit:
     confidence: float
     n_bootstrap: int
     n_bootstrap_dropped: int
+    skipped_budgets: tuple
 
     def n_opt(self, compute):
         """The fitted :math:`N_{opt}(C)`."""
@@ -121,7 +124,16 @@ class IsoFlopFit:
 
 
 def fit_isoflop(
-    compute, n, d, loss, *, irreducible=None, confidence=0.95, n_bootstrap=1000, seed=0
+    compute,
+    n,
+    d,
+    loss,
+    *,
+    irreducible=None,
+    skip_curves_without_minimum=False,
+    confidence=0.95,
+    n_bootstrap=1000,
+    seed=0,
 ):
     r"""Hoffmann et al.'s approach 2: parabolas through IsoFLOP profiles, then power laws.
 
@@ -135,6 +147,10 @@ def fit_isoflop(
     irreducible : None or float, optional
         :math:`E` of the frontier :math:`L_{opt}(C) = E + (C_c/C)^{\alpha_C}`:
         known (a number), or None for a pure power law.
+    skip_curves_without_minimum : bool, optional
+        Leave out budgets whose parabola opens downwards (noisy runs, or sizes
+        that do not straddle the optimum) and list them in
+        :attr:`IsoFlopFit.skipped_budgets`, instead of raising.
     confidence : float, optional
     n_bootstrap : int, optional
         Resamples of the runs, within each budget.
@@ -179,15 +195,22 @@ def fit_isoflop(
                 f"budget C = {c:g} has {np.unique(n[rows]).size} distinct sizes; a parabola "
                 "needs at least 3"
             )
-    curves = [
-        _curve(c, n[rows], d[rows], loss[rows]) for c, rows in zip(budgets, groups, strict=True)
-    ]
-    for curve in curves:
-        if curve is None:
-            raise ArgumentError(
-                "an IsoFLOP curve has no minimum (its parabola opens downwards): train sizes "
-                "on both sides of the optimum at every budget"
-            )
+    curves = [_curve(c, n[r], d[r], loss[r]) for c, r in zip(budgets, groups, strict=True)]
+    skipped = tuple(float(c) for c, curve in zip(budgets, curves, strict=True) if curve is None)
+    if skipped and not skip_curves_without_minimum:
+        raise ArgumentError(
+            f"the IsoFLOP curves of C = {', '.join(f'{c:g}' for c in skipped)} have no minimum "
+            "(their parabolas open downwards): train sizes on both sides of the optimum at "
+            "every budget, or pass skip_curves_without_minimum=True"
+        )
+    kept = [k for k, curve in enumerate(curves) if curve is not None]
+    if len(kept) < 2:
+        raise ArgumentError(
+            f"fit_isoflop needs two curves with a minimum, got {len(kept)} of {budgets.size}"
+        )
+    budgets = budgets[kept]
+    groups = [groups[k] for k in kept]
+    curves = [curves[k] for k in kept]
     a, log_kn, b, log_kd = _exponents(budgets, curves)
     rng = np.random.default_rng(seed)
     draws, dropped = [], 0
@@ -220,6 +243,7 @@ def fit_isoflop(
         confidence=confidence,
         n_bootstrap=len(draws),
         n_bootstrap_dropped=dropped,
+        skipped_budgets=skipped,
     )
 
 

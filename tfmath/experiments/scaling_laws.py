@@ -26,12 +26,12 @@ cluster instead of in this process.
 """
 
 import math
-import os
 import sys
 from dataclasses import dataclass
 
 import numpy as np
 
+from tfmath.experiments._sweeps import results_folder, scheduler
 from tfmath.formulas.accounting import count_parameters
 from tfmath.formulas.scaling import (
     CHINCHILLA,
@@ -48,7 +48,7 @@ from tfmath.formulas.scaling import (
 from tfmath.report import ExperimentResult, Table, experiment
 from tfmath.report.plotting import new_figure
 from tfmath.training import TrainingConfig, language_model_config
-from tfmath.training.sweep import TrainingRun, cache_dir, run_sweep
+from tfmath.training.sweep import TrainingRun, run_sweep
 from tfmath.training.synthetic import ZipfLexicon
 
 CONFIDENCE = 0.95
@@ -409,20 +409,6 @@ def _corpus_tokens(run):
     return math.ceil(run.training.dataset_tokens / per_sequence) * per_sequence
 
 
-def _results_folder():
-    """``cache_dir()/scaling`` if it can be created, else None (results are then not kept)."""
-    folder = cache_dir() / "scaling"
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError:
-        return None
-    return folder
-
-
-def _scheduler(settings):
-    return settings.scheduler or os.environ.get("TFMATH_SCHEDULER") or None
-
-
 @experiment(
     "scaling_reproduction",
     title="Scaling laws reproduced: tiny transformers on a language of known entropy",
@@ -433,7 +419,7 @@ def scaling_reproduction(settings):
     # Models this small gain nothing from a GPU; "auto" means the CPU here.
     backend = "cpu" if settings.backend == "auto" else settings.backend
     size_runs, data_runs = reproduction_runs(settings.quick, seed=settings.seed, backend=backend)
-    folder = _results_folder()
+    folder = results_folder()
     lines = []
 
     def progress(line):
@@ -443,7 +429,7 @@ def scaling_reproduction(settings):
     results = run_sweep(
         size_runs + data_runs,
         results_dir=folder,
-        scheduler=_scheduler(settings),
+        scheduler=scheduler(settings),
         progress=progress,
     )
     size_results, data_results = results[: len(size_runs)], results[len(size_runs) :]

@@ -23,13 +23,17 @@ class RunSettings:
         Seed for any randomness, so that a re-run reproduces the numbers.
     scheduler : str or None
         Address of a Dask scheduler for experiments whose independent runs
-        can be farmed out (the scaling-law sweep); None runs them in-process.
+        can be farmed out (the scaling-law sweeps); None runs them in-process.
+    corpus : str or None
+        A UTF-8 text file for the compute-optimal sweep to train on as bytes;
+        None trains on a synthetic language of known entropy.
     """
 
     quick: bool = True
     backend: str = "auto"
     seed: int = 0
     scheduler: str | None = None
+    corpus: str | None = None
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """The ``tfmath`` command: ``reproduce`` writes the report, ``info`` describes the setup."""
 
 import argparse
+import os
 import platform
 import sys
 
@@ -51,6 +52,12 @@ def _parser():
         "--scheduler",
         metavar="ADDRESS",
         help="Dask scheduler to train the scaling-law sweep on (needs the dask extra)",
+    )
+    reproduce.add_argument(
+        "--corpus",
+        metavar="FILE",
+        help="a UTF-8 text file to train the compute-optimal sweep on, as bytes "
+        "(default: a synthetic language of known entropy)",
     )
     reproduce.add_argument("--list", action="store_true", help="list the experiments and exit")
     reproduce.set_defaults(handler=_reproduce)
@@ -118,9 +125,12 @@ def _reproduce(args):
         return 2
     try:
         resolve_backend(args.backend)
+        if args.corpus is not None and not os.path.isfile(args.corpus):
+            raise ReportError(f"--corpus {args.corpus!r} is not a file")
         settings = RunSettings(
-            quick=args.quick, backend=args.backend, seed=args.seed, scheduler=args.scheduler
-        )
+            quick=args.quick, backend=args.backend, seed=args.seed, scheduler=args.scheduler,
+            corpus=args.corpus,
+        )  # fmt: skip
         index = build_report(args.out, settings, only=args.only, progress=_progress)
     except (ReportError, TfmathError) as error:
         print(f"tfmath reproduce: error: {error}", file=sys.stderr)

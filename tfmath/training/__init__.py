@@ -11,8 +11,11 @@ Submodules, from the bottom up:
     Encoder, decoder and decoder-only stacks built from the blocks.
 :mod:`tfmath.training.optim`
     Adam and the warm-up learning-rate schedule.
-:mod:`tfmath.training.synthetic`
-    Languages of known entropy to train on.
+:mod:`tfmath.training.sources`
+    The interface the loop reads text through, and text files as bytes.
+:mod:`tfmath.training.synthetic`, :mod:`tfmath.training.hierarchical`
+    Languages of known entropy to train on: independent Zipf words, and words
+    whose classes follow a topic's Markov chain.
 :mod:`tfmath.training.loop`
     The training loop (re-exported here, so ``tfmath.training.train_language_model``).
 :mod:`tfmath.training.sweep`

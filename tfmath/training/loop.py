@@ -34,7 +34,7 @@ from tfmath.formulas.accounting import ModelConfig, count_parameters
 from tfmath.training.layers import cross_entropy, cross_entropy_backward, cross_entropy_forward
 from tfmath.training.models import decoder_only_backward, decoder_only_forward, init_model
 from tfmath.training.optim import Adam, WarmupSchedule
-from tfmath.training.synthetic import ZipfLexicon
+from tfmath.training.sources import TokenSource
 
 __all__ = [
     "TrainingConfig",
@@ -182,10 +182,11 @@ class TrainingResult:
         The step of ``best_validation_loss``.
     raw_validation_loss : float
         :math:`\hat L` after the last step, without the correction.
-    source_validation_loss : float
-        :math:`\hat E`.
-    entropy_rate : float
-        :math:`E`, the source's entropy rate.
+    source_validation_loss : float or None
+        :math:`\hat E` (None for a source whose probabilities are unknown, such
+        as a text file: its losses are then reported without the correction).
+    entropy_rate : float or None
+        :math:`E`, the source's entropy per target (None when unknown).
     steps : int
         Steps taken (fewer than configured after early stopping).
     tokens_seen : int
@@ -203,8 +204,8 @@ class TrainingResult:
     best_validation_loss: float
     best_step: int
     raw_validation_loss: float
-    source_validation_loss: float
-    entropy_rate: float
+    source_validation_loss: float | None
+    entropy_rate: float | None
     steps: int
     tokens_seen: int
     non_embedding_parameters: int
@@ -283,7 +284,9 @@ def train_language_model(config, source, training=None, *, backend="auto"):
     config : ModelConfig
         A decoder-only model whose vocabulary is the source's and whose
         positions cover a sequence (see :func:`language_model_config`).
-    source : ZipfLexicon
+    source : TokenSource
+        Any :class:`~tfmath.training.sources.TokenSource`: a synthetic language
+        of known entropy, or a text file (:class:`~tfmath.training.sources.ByteCorpus`).
     training : TrainingConfig, optional
     backend : {"auto", "cpu", "cuda", "reference"}, optional
         Backend of the blocks' kernels.
@@ -299,7 +302,7 @@ def train_language_model(config, source, training=None, *, backend="auto"):
 
     Examples
     --------
-    >>> from tfmath.training.synthetic import ZipfLexicon
+    >>> from tfmath.training.sources import TokenSource
     >>> from tfmath.training import TrainingConfig, language_model_config, train_language_model
     >>> source = ZipfLexicon(n_letters=4, word_length=2, n_words=8)
     >>> config = language_model_config(8, 1, vocab_size=5, context=6)
@@ -311,8 +314,8 @@ def train_language_model(config, source, training=None, *, backend="auto"):
     training = TrainingConfig() if training is None else training
     if not isinstance(training, TrainingConfig):
         raise DTypeError(f"training must be a TrainingConfig, got {type(training).__name__}")
-    if not isinstance(source, ZipfLexicon):
-        raise DTypeError(f"source must be a ZipfLexicon, got {type(source).__name__}")
+    if not isinstance(source, TokenSource):
+        raise DTypeError(f"source must be a TokenSource, got {type(source).__name__}")
     _check_fits(config, source, training)
     started = time.perf_counter()
     with single_threaded():
@@ -343,11 +346,15 @@ def _train(config, source, training, backend):
     state = adam.init(params)
     batches = _Batches(source, training)
     validation_rng = np.random.default_rng([training.seed, _STREAMS["validation"]])
-    validation = source.sample(
+    validation = source.validation_sample(
         training.validation_sequences, training.words_per_sequence, rng=validation_rng
     )
-    source_loss = float(-source.log_probabilities(validation).mean())
-    offset = source.entropy_rate - source_loss
+    entropy = source.irreducible_loss(training.words_per_sequence)
+    log_probabilities = source.log_probabilities(validation)
+    # Without the source's own loss on these tokens there is no sampling noise to
+    # subtract: the raw validation loss is reported as it is.
+    source_loss = None if log_probabilities is None else float(-log_probabilities.mean())
+    offset = 0.0 if source_loss is None or entropy is None else entropy - source_loss
 
     curve_steps, curve_losses, curve_train = [], [], []
     best, best_step, since_best, train_losses = math.inf, 0, 0, []
@@ -381,7 +388,7 @@ def _train(config, source, training, backend):
         "best_step": best_step,
         "raw_validation_loss": curve_losses[-1] - offset,
         "source_validation_loss": source_loss,
-        "entropy_rate": source.entropy_rate,
+        "entropy_rate": entropy,
         "steps": step,
         "tokens_seen": step * training.batch_size * targets_per_sequence,
         "non_embedding_parameters": count_parameters(config, include_embeddings=False),

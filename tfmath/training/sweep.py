@@ -31,7 +31,7 @@ from tfmath._config import cache_dir
 from tfmath.errors import DTypeError
 from tfmath.formulas.accounting import ModelConfig
 from tfmath.training.loop import TrainingConfig, TrainingResult, train_language_model
-from tfmath.training.synthetic import ZipfLexicon
+from tfmath.training.sources import TokenSource
 
 __all__ = ["TrainingRun", "cache_dir", "run_sweep", "run_training"]
 
@@ -47,19 +47,19 @@ class TrainingRun:
     Attributes
     ----------
     model : ModelConfig
-    source : ZipfLexicon
+    source : TokenSource
     training : TrainingConfig
     backend : str
         Passed to :func:`~tfmath.training.train_language_model`.
     """
 
     model: ModelConfig
-    source: ZipfLexicon
+    source: TokenSource
     training: TrainingConfig
     backend: str = "auto"
 
     def __post_init__(self):
-        for name, kind in (("model", ModelConfig), ("source", ZipfLexicon),
+        for name, kind in (("model", ModelConfig), ("source", TokenSource),
                            ("training", TrainingConfig)):  # fmt: skip
             if not isinstance(getattr(self, name), kind):
                 raise DTypeError(
@@ -71,7 +71,7 @@ class TrainingRun:
         spec = {
             "format": RESULTS_FORMAT,
             "model": asdict(self.model),
-            "source": asdict(self.source),
+            "source": self.source.spec(),
             "training": asdict(self.training),
             "backend": self.backend,
         }

@@ -42,19 +42,20 @@ reading ``tokens[:, :-1]`` and predicting ``tokens[:, 1:]`` predicts exactly
 """
 
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from functools import cached_property
 
 import numpy as np
 
 from tfmath._contract.checks import integer
 from tfmath.errors import ArgumentError, DTypeError
+from tfmath.training.sources import TokenSource
 
 __all__ = ["ZipfLexicon"]
 
 
 @dataclass(frozen=True)
-class ZipfLexicon:
+class ZipfLexicon(TokenSource):
     r"""A language of independent Zipf-distributed words with an exactly known entropy rate.
 
     Tokens ``0 .. n_letters - 1`` are letters and token ``n_letters`` is the
@@ -158,6 +159,14 @@ class ZipfLexicon:
     def entropy_rate(self):
         r"""The entropy per token, :math:`H(W) / (\ell + 1)` nats: the irreducible loss."""
         return self.word_entropy / self.tokens_per_word
+
+    def irreducible_loss(self, words_per_sequence):
+        """:attr:`entropy_rate`, whatever the sequence length: words are independent."""
+        return self.entropy_rate
+
+    def spec(self):
+        """The lexicon's parameters (the run keys of earlier sweeps stay valid)."""
+        return asdict(self)
 
     def markov_entropy_rate(self):
         r"""The entropy rate computed as a Markov chain over word prefixes.

@@ -1,0 +1,143 @@
+r"""Where training text comes from: the interface the training loop reads, and text files.
+
+:class:`TokenSource` is what :func:`tfmath.training.train_language_model` and
+:func:`tfmath.training.sweep.run_sweep` need of a source: a vocabulary, sequences
+of a given number of "words" (the source's unit; a sequence has
+``words_per_sequence * tokens_per_word`` targets after one leading token), a
+held-out sample to measure the loss on, and, where it is known, the loss an
+ideal model would reach. Three sources implement it:
+
+* :class:`tfmath.training.synthetic.ZipfLexicon`: independent Zipf words, entropy
+  rate known exactly;
+* :class:`tfmath.training.hierarchical.HierarchicalLanguage`: words whose classes
+  follow a topic's Markov chain, entropy still known exactly;
+* :class:`ByteCorpus`: any UTF-8 text file as bytes, whose entropy is unknown
+  (scaling-law fits then estimate it).
+"""
+
+import hashlib
+from abc import ABC, abstractmethod
+from pathlib import Path
+
+import numpy as np
+
+from tfmath._contract.checks import integer, real
+from tfmath.errors import ArgumentError
+
+__all__ = ["ByteCorpus", "TokenSource"]
+
+
+class TokenSource(ABC):
+    """What the training loop reads from a source of text (see the module docstring)."""
+
+    @property
+    @abstractmethod
+    def vocab_size(self):
+        """Number of token ids, ``0 .. vocab_size - 1``."""
+
+    @property
+    @abstractmethod
+    def tokens_per_word(self):
+        """Targets per unit of ``words_per_sequence``."""
+
+    @abstractmethod
+    def sample(self, n_sequences, words_per_sequence, *, rng=None):
+        """Training sequences, int64 of shape ``(n, 1 + words_per_sequence * tokens_per_word)``."""
+
+    def validation_sample(self, n_sequences, words_per_sequence, *, rng=None):
+        """Sequences to measure the loss on; by default fresh draws from :meth:`sample`."""
+        return self.sample(n_sequences, words_per_sequence, rng=rng)
+
+    def irreducible_loss(self, words_per_sequence):
+        """The expected loss per target of an ideal model (the source's entropy per
+        target at this sequence length), in nats, or None when unknown."""
+        return None
+
+    def log_probabilities(self, tokens):
+        """The source's exact log-probability of every target of ``tokens``, or None
+        when unknown (then no sampling-noise correction is made)."""
+        return None
+
+    @abstractmethod
+    def spec(self):
+        """Everything that determines the source's text, as JSON data (part of a
+        training run's key)."""
+
+
+class ByteCorpus(TokenSource):
+    r"""A UTF-8 text file as a byte-level language (vocabulary 256).
+
+    The last ``holdout`` fraction of the bytes is kept out of training and
+    used only for the validation loss. A "word" is one byte, so a sequence of
+    ``words_per_sequence = m`` has :math:`m` targets; sequences are windows
+    starting at uniformly random offsets.
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+        The text file.
+    holdout : float, optional
+        Fraction of the file held out, in (0, 1).
+
+    Raises
+    ------
+    ArgumentError
+        For a file that is not UTF-8 text, or too short to hold a training and
+        a validation window.
+
+    Examples
+    --------
+    >>> import pathlib, tempfile
+    >>> from tfmath.training.sources import ByteCorpus
+    >>> path = pathlib.Path(tempfile.mkdtemp()) / "text.txt"
+    >>> _ = path.write_text("the cat sat on the mat. " * 40)
+    >>> corpus = ByteCorpus(path)
+    >>> corpus.vocab_size, corpus.sample(2, 8, rng=0).shape
+    (256, (2, 9))
+    """
+
+    def __init__(self, path, *, holdout=0.1):
+        self.path = Path(path)
+        self.holdout = real("holdout", holdout, above=0.0, below=1.0)
+        raw = self.path.read_bytes()
+        try:
+            raw.decode("utf-8")
+        except UnicodeDecodeError as error:
+            raise ArgumentError(f"{self.path} is not UTF-8 text: {error}") from None
+        self.sha256 = hashlib.sha256(raw).hexdigest()
+        data = np.frombuffer(raw, dtype=np.uint8).astype(np.int64)
+        split = len(data) - max(1, round(self.holdout * len(data)))
+        self.train_bytes, self.validation_bytes = data[:split], data[split:]
+
+    @property
+    def vocab_size(self):
+        return 256
+
+    @property
+    def tokens_per_word(self):
+        return 1
+
+    def sample(self, n_sequences, words_per_sequence, *, rng=None):
+        return _windows(self.train_bytes, n_sequences, words_per_sequence, rng, "training")
+
+    def validation_sample(self, n_sequences, words_per_sequence, *, rng=None):
+        return _windows(self.validation_bytes, n_sequences, words_per_sequence, rng, "held-out")
+
+    def spec(self):
+        # The text's hash, not its name: a renamed file keeps its runs, an edited one not.
+        return {"kind": "bytes", "sha256": self.sha256, "holdout": self.holdout}
+
+    def __repr__(self):
+        return f"ByteCorpus({str(self.path)!r}, holdout={self.holdout})"
+
+
+def _windows(data, n_sequences, words_per_sequence, rng, part):
+    n_sequences = integer("n_sequences", n_sequences, minimum=1)
+    length = integer("words_per_sequence", words_per_sequence, minimum=1) + 1
+    if data.size < length:
+        raise ArgumentError(
+            f"the {part} part of the corpus has {data.size} bytes, fewer than one sequence "
+            f"of {length}; use a longer file or shorter sequences"
+        )
+    starts = np.random.default_rng(rng).integers(0, data.size - length + 1, size=n_sequences)
+    return data[starts[:, None] + np.arange(length)]
