@@ -98,3 +98,38 @@ def test_masked_keys_are_shown_as_masked(browser, tmp_path):
     shown = _shown_row(page)
     np.testing.assert_allclose([shown[k] for k in range(4)], [0.25] * 4, atol=1e-12)
     assert errors == []
+
+
+def test_report_explorer_section_loads_and_it_shows_its_row(browser, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "report"
+    command = [sys.executable, "-m", "tfmath", "reproduce", "--out", str(out)]
+    command += ["--only", "attention_explorer", "worked_examples"]
+    subprocess.run(command, check=True, capture_output=True)
+    page = browser.new_page(viewport={"width": 1400, "height": 900})
+    errors = []
+    page.on("console", lambda message: message.type == "error" and errors.append(message.text))
+    page.on("pageerror", lambda error: errors.append(str(error)))
+    page.goto((out / "index.html").as_uri())
+    page.wait_for_load_state("load")
+    broken = page.evaluate(
+        "Array.from(document.images).filter(i => !(i.complete && i.naturalWidth > 0)).length"
+    )
+    assert page.evaluate("document.images.length") > 0
+    assert broken == 0
+    frame = page.frame_locator('iframe[src$="position_only_view.html"]')
+    it = TOKENS.index("it")
+    frame.locator(f'[data-token-index="{it}"]').click()
+    data = json.loads((out / "attention_explorer" / "attention_explorer.json").read_text())
+    expected = np.array(data["position_only_weights"])[0, it]
+    shown = [
+        float(w)
+        for w in frame.locator("[data-weight]").evaluate_all(
+            "bars => bars.map(b => b.dataset.weight)"
+        )
+    ]
+    np.testing.assert_allclose(shown, expected, atol=1e-6, rtol=0)
+    assert errors == []
