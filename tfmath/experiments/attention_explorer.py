@@ -22,8 +22,9 @@ def _position_only_weights(backend):
     content = np.ones((length, _D_MODEL))
     rotated = rotary_embedding(content, backend=backend)
     rope = softmax(rotated @ rotated.T * scale, backend=backend)
-    # Zero content: the scores are the ALiBi bias alone (first head, the steepest slope).
-    alibi = softmax(alibi_bias(1, length, length, backend=backend)[0], backend=backend)
+    # Zero content: the scores are the ALiBi bias alone; the first of eight heads has the
+    # steepest slope, 1/2 (a single head would get 1/256, nearly uniform on ten tokens).
+    alibi = softmax(alibi_bias(8, length, length, backend=backend)[0], backend=backend)
     return np.stack([sinusoidal, rope, alibi])
 
 
