@@ -35,7 +35,7 @@ LAYERS = (
     ),
     ("training", ("tfmath.training",)),
     ("analysis", ("tfmath.analysis",)),
-    ("tools", ("tfmath.tools", "tfmath.report", "tfmath.experiments")),
+    ("tools", ("tfmath.tools", "tfmath.report", "tfmath.experiments", "tfmath.view")),
     ("package", ("tfmath._moved", "tfmath.__main__", "tfmath")),
 )
 

@@ -68,9 +68,11 @@ from tfmath.variance import (
     score_variance,
     softmax_row_statistics,
 )
+from tfmath.view import AttentionView, attention_view
 
 __all__ = [
     "ArgumentError",
+    "AttentionView",
     "BackendInfo",
     "BackendUnavailableError",
     "DTypeError",
@@ -82,6 +84,7 @@ __all__ = [
     "alibi_bias",
     "alibi_slopes",
     "attention_grad",
+    "attention_view",
     "backends",
     "chinchilla_loss",
     "chinchilla_optimal",

@@ -75,12 +75,16 @@ class ExperimentResult:
         Each saved as ``<name>.csv`` and shown in the page.
     data : dict of str to object
         JSON-serialisable numbers behind the figures, each saved as ``<name>.json``.
+    pages : dict of str to str
+        Standalone HTML documents, each saved as ``<name>.html`` and shown in an
+        ``<iframe>`` with a link to open it on its own.
     """
 
     caption: str
     figures: dict = field(default_factory=dict)
     tables: dict = field(default_factory=dict)
     data: dict = field(default_factory=dict)
+    pages: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

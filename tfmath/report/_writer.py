@@ -119,6 +119,8 @@ def _write_experiment(root, exp, result, seconds):
         (folder / f"{name}.json").write_text(
             json.dumps(data, indent=2, sort_keys=True, allow_nan=False) + "\n", encoding="utf-8"
         )
+    for name, page in result.pages.items():
+        (folder / f"{name}.html").write_text(page, encoding="utf-8")
     return {"experiment": exp, "result": result, "figures": figures, "seconds": seconds}
 
 
@@ -171,6 +173,12 @@ def _section_html(section):
             f'<figure><img src="{name}/{figure}.png" alt="{html.escape(figure)}">'
             f'<figcaption>{html.escape(figure)} (<a href="{name}/{figure}.svg">SVG</a>)'
             "</figcaption></figure>"
+        )
+    for page in result.pages:
+        parts.append(
+            f'<iframe src="{name}/{page}.html" title="{html.escape(page)}" '
+            'style="width:100%;height:32rem;border:1px solid #ddd"></iframe>'
+            f'<p><a href="{name}/{page}.html">Open {html.escape(page)} on its own</a></p>'
         )
     for table_name, table in result.tables.items():
         parts.append(
