@@ -60,11 +60,18 @@ def attention_explorer(settings):
             ],
         ).html,
     }
+    it = _SENTENCE.index("it")
+    near = ", ".join(
+        f"{row[it]:.2f} and {row[it - 1] + row[it + 1]:.2f} ({name})"
+        for name, row in zip(("sinusoidal", "RoPE", "ALiBi"), position[:, it], strict=True)
+    )
     caption = (
         "Click or focus a token (arrow keys move) to see its attention over the keys; the "
         "selector switches between the two worked examples, or between sinusoidal, RoPE and "
         "ALiBi patterns computed from position alone on 'The cat sat on the mat because it "
-        "was soft'. The pronoun-resolution model of issue 15 is not yet part of this section."
+        f"was soft'. Position alone says where a token is, not what it means: the weight 'it' "
+        f"puts on itself and on its two neighbours is {near}, and nothing singles out 'mat', "
+        "the noun it refers to; a model has to learn that from content."
     )
     data = {
         "worked_example_weights": worked.tolist(),
