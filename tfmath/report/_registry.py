@@ -78,6 +78,9 @@ class ExperimentResult:
     pages : dict of str to str
         Standalone HTML documents, each saved as ``<name>.html`` and shown in an
         ``<iframe>`` with a link to open it on its own.
+    claims : list of tfmath.analysis.claims.Claim
+        The seeds' claims this experiment computes; the report gathers them into
+        its ledger, each linked to this experiment's section.
     """
 
     caption: str
@@ -85,6 +88,7 @@ class ExperimentResult:
     tables: dict = field(default_factory=dict)
     data: dict = field(default_factory=dict)
     pages: dict = field(default_factory=dict)
+    claims: list = field(default_factory=list)
 
 
 @dataclass(frozen=True)

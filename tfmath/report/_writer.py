@@ -18,8 +18,10 @@ import time
 from pathlib import Path
 
 from tfmath._version import __version__
+from tfmath.report._ledger import folded_table, gather_claims, ledger_html, write_claims
 from tfmath.report._registry import RunSettings, registered_experiments
 from tfmath.report._staging import remove_abandoned, staging_folder
+from tfmath.report.plotting import legible_text
 
 #: Present in every report folder; only folders holding it are ever replaced.
 MARKER = ".tfmath-report"
@@ -66,7 +68,11 @@ def build_report(out_dir, settings=None, *, only=None, progress=None):
             seconds = time.perf_counter() - started
             sections.append(_write_experiment(staging, exp, result, seconds))
             progress(f"[{number}/{len(experiments)}] {exp.name}: done in {seconds:.1f} s")
-        (staging / "index.html").write_text(_index_html(sections, settings), encoding="utf-8")
+        claims = gather_claims(sections)
+        write_claims(staging, claims)
+        (staging / "index.html").write_text(
+            _index_html(sections, settings, claims), encoding="utf-8"
+        )
         _replace(staging, out_dir)
     return out_dir / "index.html"
 
@@ -106,8 +112,9 @@ def _write_experiment(root, exp, result, seconds):
     folder.mkdir()
     figures = []
     for name, figure in result.figures.items():
+        legible_text(figure, SHOWN_WIDTH_PX, dpi=DPI)
         # No date or version stamps, so re-run figures can be compared with diff.
-        figure.savefig(folder / f"{name}.png", dpi=120, metadata={"Software": None})
+        figure.savefig(folder / f"{name}.png", dpi=DPI, metadata={"Software": None})
         figure.savefig(folder / f"{name}.svg", metadata={"Date": None})
         figures.append(name)
     for name, table in result.tables.items():
@@ -125,41 +132,83 @@ def _write_experiment(root, exp, result, seconds):
 
 
 _STYLE = """
-body { font-family: system-ui, sans-serif; max-width: 70rem; margin: 2rem auto; padding: 0 1rem;
-       color: #222; line-height: 1.45; }
+* { box-sizing: border-box; }
+body { font-family: system-ui, sans-serif; margin: 0; color: #222; line-height: 1.45; }
+main { max-width: 68rem; margin: 0 auto; padding: 0 1rem 2rem; min-width: 0; }
 section { border-top: 1px solid #ccc; margin-top: 2rem; }
-figure { margin: 1rem 0; } figure img { max-width: 100%; border: 1px solid #eee; }
+figure { margin: 1rem 0; } figure img { max-width: 100%; height: auto; border: 1px solid #eee; }
 figcaption, .caption { color: #444; }
-table { border-collapse: collapse; margin: 0.5rem 0 1rem; font-size: 0.9rem; }
-td, th { border: 1px solid #ddd; padding: 0.2rem 0.5rem; text-align: right; }
-th { background: #f4f4f4; } .meta { color: #666; font-size: 0.85rem; }
+.table-scroll { overflow-x: auto; max-width: 100%; margin: 0.5rem 0 1rem; }
+table { border-collapse: collapse; font-size: 0.9rem; }
+td, th { border: 1px solid #ddd; padding: 0.2rem 0.5rem; text-align: right; white-space: nowrap;
+         vertical-align: top; }
+td.text { white-space: normal; text-align: left; min-width: 16rem; max-width: 30rem; }
+th { background: #f4f4f4; position: sticky; top: 0; }
+.meta { color: #666; font-size: 0.85rem; }
+details.fold > summary { cursor: pointer; color: #0645ad; margin: 0.3rem 0; }
+.verdict.holds { color: #1a7f37; } .verdict.rounded { color: #9a6700; }
+.verdict.wrong { color: #cf222e; font-weight: 600; } .verdict.uncomputed { color: #666; }
+nav.toc { position: sticky; top: 0; z-index: 2; background: #fafafa;
+          border-bottom: 1px solid #ddd; padding: 0.3rem 1rem; }
+nav.toc summary { cursor: pointer; font-weight: 600; }
+nav.toc ul { margin: 0.3rem 0; padding-left: 1.2rem; max-height: 60vh; overflow-y: auto; }
+nav.toc li { margin: 0.15rem 0; font-size: 0.9rem; }
+@media (min-width: 75rem) {
+  body { display: grid; grid-template-columns: 17rem minmax(0, 1fr); }
+  nav.toc { height: 100vh; overflow-y: auto; border-bottom: none; border-right: 1px solid #ddd; }
+  nav.toc ul { max-height: none; }
+}
 """
 
+#: Narrow screens start with the contents folded, and fold them again after a jump.
+_TOC_SCRIPT = """
+(function () {
+  var toc = document.getElementById("toc-list");
+  var narrow = window.matchMedia("(max-width: 74.99rem)");
+  if (narrow.matches) { toc.open = false; }
+  toc.addEventListener("click", function (event) {
+    if (event.target.tagName === "A" && narrow.matches) { toc.open = false; }
+  });
+})();
+"""
 
-def _index_html(sections, settings):
+#: Tables longer than this are folded: a preview of this many rows, then all of them.
+PREVIEW_ROWS = 12
+#: The widest a figure is shown in the page, in CSS pixels (``main``'s 68rem less padding).
+SHOWN_WIDTH_PX = 1056
+#: Saved resolution of the PNG figures.
+DPI = 120
+
+
+def _index_html(sections, settings, claims):
     import numba
     import numpy
 
     mode = "quick" if settings.quick else "full"
+    entries = ['<li><a href="#claims">Ledger of the seeds\' claims</a></li>'] + [
+        f'<li><a href="#{s["experiment"].name}">{html.escape(s["experiment"].title)}</a></li>'
+        for s in sections
+    ]
     parts = [
         "<!DOCTYPE html>",
         '<html lang="en"><head><meta charset="utf-8">',
+        '<meta name="viewport" content="width=device-width, initial-scale=1">',
         "<title>tfmath reproduce</title>",
         f"<style>{_STYLE}</style></head><body>",
+        '<nav class="toc" aria-label="Contents"><details id="toc-list" open>'
+        "<summary>Contents</summary><ul>",
+        *entries,
+        "</ul></details></nav>",
+        "<main>",
         "<h1>tfmath: the mathematics of transformers, reproduced</h1>",
         f'<p class="meta">tfmath {__version__}, NumPy {numpy.__version__}, Numba '
         f"{numba.__version__}, Python {sys.version.split()[0]}; {mode} run, backend "
         f"{html.escape(settings.backend)}, seed {settings.seed}.</p>",
-        "<ul>",
+        ledger_html(claims, {s["experiment"].name for s in sections}),
     ]
-    parts += [
-        f'<li><a href="#{s["experiment"].name}">{html.escape(s["experiment"].title)}</a></li>'
-        for s in sections
-    ]
-    parts.append("</ul>")
     for section in sections:
         parts.append(_section_html(section))
-    parts.append("</body></html>\n")
+    parts += ["</main>", f"<script>{_TOC_SCRIPT}</script>", "</body></html>\n"]
     return "\n".join(parts)
 
 
@@ -170,7 +219,8 @@ def _section_html(section):
     parts.append(f'<p class="caption">{html.escape(result.caption)}</p>')
     for figure in section["figures"]:
         parts.append(
-            f'<figure><img src="{name}/{figure}.png" alt="{html.escape(figure)}">'
+            f'<figure><a href="{name}/{figure}.png"><img src="{name}/{figure}.png" '
+            f'alt="{html.escape(figure)}"></a>'
             f'<figcaption>{html.escape(figure)} (<a href="{name}/{figure}.svg">SVG</a>)'
             "</figcaption></figure>"
         )
@@ -181,10 +231,9 @@ def _section_html(section):
             f'<p><a href="{name}/{page}.html">Open {html.escape(page)} on its own</a></p>'
         )
     for table_name, table in result.tables.items():
-        parts.append(
-            f'<h3>{html.escape(table_name)} (<a href="{name}/{table_name}.csv">CSV</a>)</h3>'
-        )
-        parts.append(_table_html(table))
+        csv_href = f"{name}/{table_name}.csv"
+        parts.append(f'<h3>{html.escape(table_name)} (<a href="{csv_href}">CSV</a>)</h3>')
+        parts.append(_table_html(table, csv_href))
     if result.data:
         links = ", ".join(f'<a href="{name}/{data}.json">{data}.json</a>' for data in result.data)
         parts.append(f"<p>Data: {links}</p>")
@@ -192,13 +241,22 @@ def _section_html(section):
     return "\n".join(parts)
 
 
-def _table_html(table):
-    header = "".join(f"<th>{html.escape(str(c))}</th>" for c in table.columns)
-    rows = "".join(
-        "<tr>" + "".join(f"<td>{html.escape(_cell(v))}</td>" for v in row) + "</tr>"
-        for row in table.rows()
-    )
-    return f"<table><thead><tr>{header}</tr></thead><tbody>{rows}</tbody></table>"
+#: Cells with more characters than this wrap in a column of bounded width.
+LONG_TEXT = 40
+
+
+def _table_html(table, csv_href):
+    """The table in a scrolling box; folded after :data:`PREVIEW_ROWS` rows."""
+    header = "<tr>" + "".join(f"<th>{html.escape(str(c))}</th>" for c in table.columns) + "</tr>"
+    rows = ["<tr>" + "".join(_cell_html(v) for v in row) + "</tr>" for row in table.rows()]
+    return folded_table(header, rows, csv_href=csv_href, preview_rows=PREVIEW_ROWS)
+
+
+def _cell_html(value):
+    text = _cell(value)
+    if len(text) > LONG_TEXT:
+        return f'<td class="text">{html.escape(text)}</td>'
+    return f"<td>{html.escape(text)}</td>"
 
 
 def _cell(value):

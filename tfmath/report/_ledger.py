@@ -1,0 +1,186 @@
+"""The ledger of the seeds' claims: the top of ``index.html``, ``claims.csv`` and ``claims.json``.
+
+Experiments return the claims they compute (:attr:`ExperimentResult.claims`);
+the claims tfmath cannot compute are listed here, each with its reason.
+"""
+
+import csv
+import dataclasses
+import html
+import json
+from collections import Counter
+
+from tfmath.analysis.claims import HOLDS, NOT_COMPUTED, ROUNDED, VERDICTS, WRONG, Claim
+
+#: The seeds' quantitative claims that tfmath cannot compute, and why.
+UNCOMPUTED_CLAIMS = (
+    Claim(
+        "003",
+        "The 2017 transformer reached state-of-the-art translation with 100x less training time",
+        "100",
+        None,
+        reason="A comparison of the training cost of published 2017 translation systems; "
+        "tfmath trains no translation systems.",
+    ),
+    Claim(
+        "003",
+        "Scaling law L(N) ∝ N^-0.076 (exponent)",
+        "0.076",
+        None,
+        section="kaplan_scaling_laws",
+        reason="Kaplan et al.'s fit to language models of up to 1.5B parameters trained on "
+        "WebText2; tfmath's own sweep (scaling_reproduction) fits tiny models on a synthetic "
+        "language, whose exponents are its own. The report draws the published law.",
+    ),
+    Claim(
+        "003",
+        "Scaling law L(D) ∝ D^-0.095 (exponent)",
+        "0.095",
+        None,
+        section="kaplan_scaling_laws",
+        reason="Kaplan et al.'s fit over datasets of up to 23B tokens; not reproducible at "
+        "tfmath's scale (see the L(N) row).",
+    ),
+    Claim(
+        "003",
+        "Scaling law L(C) ∝ C^-0.050 (exponent, compute-efficient frontier)",
+        "0.050",
+        None,
+        section="kaplan_scaling_laws",
+        reason="Kaplan et al.'s fit over eight orders of magnitude of compute; not "
+        "reproducible at tfmath's scale (see the L(N) row).",
+    ),
+    Claim(
+        "000",
+        "Quadratic cost becomes prohibitive beyond a few thousand tokens",
+        "1000",
+        None,
+        section="complexity_scaling",
+        reason="'Prohibitive' depends on the hardware and the budget; the report measures "
+        "time and memory against n instead.",
+    ),
+)
+
+#: Colour class of each verdict in the page.
+_VERDICT_CLASS = {HOLDS: "holds", ROUNDED: "rounded", WRONG: "wrong", NOT_COMPUTED: "uncomputed"}
+#: Ledger rows shown before the fold.
+PREVIEW_ROWS = 12
+
+
+def gather_claims(sections):
+    """Every claim of the experiments run, each with its section, then the uncomputed ones."""
+    claims = [
+        dataclasses.replace(claim, section=claim.section or section["experiment"].name)
+        for section in sections
+        for claim in section["result"].claims
+    ]
+    return sorted(claims + list(UNCOMPUTED_CLAIMS), key=lambda claim: claim.seed)
+
+
+def write_claims(root, claims):
+    """``claims.csv`` and ``claims.json`` at the report's root."""
+    rows = [claim.as_dict() for claim in claims]
+    with open(root / "claims.csv", "w", newline="", encoding="utf-8") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    summary = Counter(claim.verdict for claim in claims)
+    (root / "claims.json").write_text(
+        json.dumps(
+            {"summary": {v: summary[v] for v in VERDICTS}, "claims": rows},
+            indent=2,
+            allow_nan=False,
+        )
+        + "\n",
+        encoding="utf-8",
+    )
+
+
+def ledger_html(claims, sections_present):
+    """The ledger section: counts by verdict, the wrong claims, and every claim, folded."""
+    counts = Counter(claim.verdict for claim in claims)
+    summary = ", ".join(
+        f'<span class="verdict {_VERDICT_CLASS[v]}">{counts[v]} {html.escape(v)}</span>'
+        for v in VERDICTS
+    )
+    wrong = [claim for claim in claims if claim.verdict == WRONG]
+    parts = [
+        '<section id="claims"><h2>Ledger: every quantitative claim of the seeds</h2>',
+        f"<p>{len(claims)} claims: {summary}. Each row gives what the seed prints, what "
+        "tfmath computes (with its 95 % interval where the value is measured), and a link to "
+        "the section that computes it. A claim holds within the seed's rounding when the "
+        "printed value is the computed one rounded to the printed digits. "
+        '(<a href="claims.csv">claims.csv</a>, <a href="claims.json">claims.json</a>)</p>',
+    ]
+    if wrong:
+        parts.append("<h3>Wrong as printed</h3><ul>")
+        parts += [
+            f"<li>seed {claim.seed}: {html.escape(claim.statement)}: the seed prints "
+            f"{html.escape(claim.printed)}, the value is {html.escape(claim.correct_value)} "
+            f"({_section_link(claim, sections_present)})</li>"
+            for claim in wrong
+        ]
+        parts.append("</ul>")
+    rows = [_ledger_row(claim, sections_present) for claim in claims]
+    header = (
+        "<tr><th>seed</th><th>claim</th><th>seed says</th><th>tfmath</th><th>interval</th>"
+        "<th>verdict</th><th>section</th></tr>"
+    )
+    parts.append(
+        folded_table(header, rows, csv_href="claims.csv", preview_rows=PREVIEW_ROWS, what="claims")
+    )
+    parts.append("</section>")
+    return "\n".join(parts)
+
+
+def folded_table(header, rows, *, csv_href, preview_rows, what="rows"):
+    """A table in a horizontally scrolling box, folded after ``preview_rows`` rows.
+
+    Up to ``preview_rows`` rows are shown as they are. A longer table shows its
+    first ``preview_rows`` rows, then the whole table inside ``<details>``, with
+    a link to its CSV.
+    """
+    download = f'<a href="{html.escape(csv_href)}">CSV</a>'
+    if len(rows) <= preview_rows:
+        return _scrolling(header, rows)
+    return (
+        f'<p class="meta">First {preview_rows} of {len(rows)} {what} ({download}):</p>'
+        + _scrolling(header, rows[:preview_rows])
+        + f'<details class="fold"><summary>All {len(rows)} {what}</summary>'
+        + _scrolling(header, rows)
+        + "</details>"
+    )
+
+
+def _scrolling(header, rows):
+    return (
+        f'<div class="table-scroll"><table><thead>{header}</thead>'
+        f"<tbody>{''.join(rows)}</tbody></table></div>"
+    )
+
+
+def _section_link(claim, sections_present):
+    if claim.section and claim.section in sections_present:
+        return f'<a href="#{claim.section}">{html.escape(claim.section)}</a>'
+    return html.escape(claim.section or "")
+
+
+def _ledger_row(claim, sections_present):
+    verdict = claim.verdict
+    if claim.measured is None:
+        measured, interval = "", ""
+        verdict_text = html.escape(verdict)
+    else:
+        measured = f"{claim.measured:.6g}"
+        interval = "" if claim.interval is None else "[{:.6g}, {:.6g}]".format(*claim.interval)
+        verdict_text = html.escape(verdict)
+        if verdict == WRONG:
+            verdict_text += f": {html.escape(claim.correct_value)}"
+    relation = "" if claim.relation == "=" else html.escape(claim.relation) + " "
+    note = f'<br><span class="meta">{html.escape(claim.reason)}</span>' if claim.reason else ""
+    return (
+        f"<tr><td>{claim.seed}</td><td class=\"text\">{html.escape(claim.statement)}{note}</td>"
+        f"<td>{relation}{html.escape(claim.printed)}</td><td>{measured}</td><td>{interval}</td>"
+        f'<td class="verdict {_VERDICT_CLASS[verdict]}">{verdict_text}</td>'
+        f"<td>{_section_link(claim, sections_present)}</td></tr>"
+    )
