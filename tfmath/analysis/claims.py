@@ -38,8 +38,8 @@ WRONG = "wrong"
 NOT_COMPUTED = "not computed"
 #: Every verdict, from best to worst.
 VERDICTS = (HOLDS, ROUNDED, WRONG, NOT_COMPUTED)
-#: How the measured value is compared with the seed's: equal, at most, greater than.
-RELATIONS = ("=", "<=", ">")
+#: How the measured value is compared with the seed's: equal, at most, at least, greater than.
+RELATIONS = ("=", "<=", ">=", ">")
 
 _SCALES = {"": 1.0, "K": 1e3, "M": 1e6, "B": 1e9, "T": 1e12}
 _PRINTED = re.compile(r"^(?P<sign>-?)(?P<whole>\d+)(?:\.(?P<fraction>\d+))?(?P<suffix>[KMBT]?)$")
@@ -75,9 +75,7 @@ def parse_printed(printed):
         raise DTypeError(f"printed must be a string, got {type(printed).__name__} {printed!r}")
     match = _PRINTED.match(printed.strip())
     if match is None:
-        raise ArgumentError(
-            f"printed must be a number such as '0.78' or '110M', got {printed!r}"
-        )
+        raise ArgumentError(f"printed must be a number such as '0.78' or '110M', got {printed!r}")
     whole, fraction, suffix = match["whole"], match["fraction"], match["suffix"]
     scale = _SCALES[suffix]
     value = float(f"{match['sign']}{whole}.{fraction or 0}") * scale
@@ -116,9 +114,10 @@ class Claim:
         What tfmath computed; None for a claim it cannot compute.
     interval : tuple of float, optional
         A confidence interval of the measurement, low and high.
-    relation : {"=", "<=", ">"}
+    relation : {"=", "<=", ">=", ">"}
         The claim is that the true value equals the printed one, is at most
-        it, or is greater than it. For a bound the whole interval must satisfy it.
+        it, at least it, or greater than it. For a bound the whole interval
+        must satisfy it, up to ``tolerance`` (none for ``">"``).
     exact : bool
         The seed states an exact law rather than a rounded number, so
         rounding cannot make it hold.
@@ -155,7 +154,9 @@ class Claim:
         if self.interval is not None:
             low, high = (real("interval", bound) for bound in self.interval)
             if not low <= high:
-                raise ArgumentError(f"interval must be (low, high) with low <= high, got {self.interval}")
+                raise ArgumentError(
+                    f"interval must be (low, high) with low <= high, got {self.interval}"
+                )
             object.__setattr__(self, "interval", (low, high))
 
     @property
@@ -172,6 +173,8 @@ class Claim:
         low, high = self.interval or (self.measured, self.measured)
         if self.relation == "<=":
             return HOLDS if high <= value + self.tolerance else WRONG
+        if self.relation == ">=":
+            return HOLDS if low >= value - self.tolerance else WRONG
         if self.relation == ">":
             return HOLDS if low > value else WRONG
         if low - self.tolerance <= value <= high + self.tolerance:

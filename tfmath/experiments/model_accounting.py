@@ -4,6 +4,7 @@ import dataclasses
 
 import numpy as np
 
+from tfmath.analysis.claims import Claim
 from tfmath.formulas.accounting import (
     PRESETS,
     activation_memory_per_layer,
@@ -28,6 +29,8 @@ SEED_TABLE = [
     ("Transformer (base)", "transformer-base", 8, 512, 64, "65M (Vaswani table 3)", 65e6),
     ("Transformer (big)", "transformer-big", 16, 1024, 64, "213M (Vaswani table 3)", 213e6),
 ]
+#: The rows of SEED_TABLE that are not in the seed.
+EXTENSIONS = ("transformer-base", "transformer-big")
 
 #: Why the exact count differs from the printed one.
 WHY = {
@@ -237,4 +240,32 @@ def model_accounting(settings):
                 "flops_per_token": {p: flops_per_token(p).__dict__ for p in PRESETS},
             }
         },
+        claims=_claims(),
     )
+
+
+def _claims():
+    """Seed 000's table (parameters, and d_k = d_model / heads) and seed 001's BERT-Large."""
+    claims = []
+    for model, preset, heads, d_model, d_k, printed, _ in SEED_TABLE:
+        if preset in EXTENSIONS:
+            continue
+        config = PRESETS[preset]
+        claims.append(
+            Claim("000", f"{model}: parameters", printed, count_parameters(config), reason=_why(preset))
+        )
+        claims.append(
+            Claim(
+                "000",
+                f"{model}: d_k = d_model / heads = {d_model} / {heads}",
+                str(d_k),
+                config.head_dim,
+                exact=True,
+            )
+        )
+    bert_large = PRESETS["bert-large"]
+    claims += [
+        Claim("001", "BERT-Large: layers", "24", bert_large.n_layers, exact=True),
+        Claim("001", "BERT-Large: parameters", "340M", count_parameters(bert_large)),
+    ]
+    return claims

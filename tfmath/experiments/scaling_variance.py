@@ -19,6 +19,7 @@ import math
 
 import numpy as np
 
+from tfmath.analysis.claims import Claim
 from tfmath.analysis.variance import (
     critical_scale_fit,
     query_gradient_norms,
@@ -111,7 +112,70 @@ def scaling_variance(settings):
             "variance_estimates": {label: _estimate_data(e) for label, e in estimates.items()},
             "slope_fits": {label: vars(fit) for label, fit in fits.items()},
         },
+        claims=_variance_claims(estimates, fits),
     )
+
+
+#: The d_k of seed 001's shape check, at which the point claims are read.
+CLAIM_DK = 64
+
+
+def _variance_claims(estimates, fits):
+    """Seeds 000, 001 and 003 on Var(q·k) = d_k, E[q·k] = 0 and the scaled variance 1."""
+    normal = estimates["normal"]
+    at = int(np.flatnonzero(normal.d_k == CLAIM_DK)[0])
+    half_width = _normal_quantile(CONFIDENCE) * math.sqrt(normal.variance[at] / normal.n_samples)
+    mean = float(normal.sample_mean[at])
+    slope = fits["normal"]
+    claims = [
+        Claim(
+            "000",
+            f"Var(q·k) = d_k for N(0, 1) components, at d_k = {CLAIM_DK}",
+            str(CLAIM_DK),
+            normal.variance[at],
+            (normal.ci_low[at], normal.ci_high[at]),
+            exact=True,
+        ),
+        Claim(
+            "000",
+            f"E[q·k] = 0 for N(0, 1) components, at d_k = {CLAIM_DK}",
+            "0",
+            mean,
+            (mean - half_width, mean + half_width),
+            exact=True,
+        ),
+        Claim(
+            "000",
+            "The variance grows linearly with d_k: slope of log Var(q·k) against log d_k, "
+            "d_k = 1 to 4096",
+            "1",
+            slope.slope,
+            (slope.slope_low, slope.slope_high),
+            exact=True,
+        ),
+        Claim(
+            "001",
+            f"Dividing by sqrt(d_k) normalizes the variance back to 1 (N(0, 1), d_k = {CLAIM_DK})",
+            "1",
+            normal.scaled_variance[at],
+            (normal.scaled_ci_low[at], normal.scaled_ci_high[at]),
+            exact=True,
+        ),
+    ]
+    for label in IID_CASES:
+        estimate = estimates[label]
+        claims.append(
+            Claim(
+                "003",
+                f"Var(q·k) = d_k for any i.i.d. components of mean 0 and variance 1: "
+                f"{label}, d_k = {CLAIM_DK}",
+                str(CLAIM_DK),
+                estimate.variance[at],
+                (estimate.ci_low[at], estimate.ci_high[at]),
+                exact=True,
+            )
+        )
+    return claims
 
 
 def _variance_figure(estimates):

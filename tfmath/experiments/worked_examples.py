@@ -2,6 +2,7 @@
 
 import numpy as np
 
+from tfmath.analysis.claims import Claim
 from tfmath.analysis.worked_examples import given_qkv_example, projection_example
 from tfmath.attention import scaled_dot_product_attention, softmax
 from tfmath.report import ExperimentResult, Table, experiment
@@ -73,7 +74,37 @@ def worked_examples(settings):
                 "max_difference_between_formulas": causal["formula_difference"],
             },
         },
+        claims=[claim for e in examples for claim in _printed_claims(e)]
+        + [
+            Claim(
+                "003",
+                "Causal attention as written, softmax((QK^T + M)/sqrt(d_k)), equals "
+                "softmax(QK^T/sqrt(d_k) + M): largest difference",
+                "0",
+                causal["formula_difference"],
+                exact=True,
+            )
+        ],
     )
+
+
+def _printed_claims(example):
+    """One claim per value the seed prints, in the order of the text."""
+    seed = example.source.split(" ")[1]
+    computed = example.matrices()
+    claims = []
+    for name, printed in example.printed.items():
+        whole = bool(np.all(printed == np.round(printed)))
+        for (i, j), value in np.ndenumerate(printed):
+            claims.append(
+                Claim(
+                    seed,
+                    f"worked example: {name}[{i},{j}]",
+                    str(int(value)) if whole else repr(float(value)),
+                    float(computed[name][i, j]),
+                )
+            )
+    return claims
 
 
 def _causal_formulas(example, backend):
