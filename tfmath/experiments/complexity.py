@@ -13,6 +13,7 @@ import numpy as np
 
 from tfmath._dispatch import resolve_backend
 from tfmath.analysis import complexity as cx
+from tfmath.analysis.claims import Claim
 from tfmath.report import ExperimentResult, Table, experiment
 from tfmath.report.plotting import new_figure
 
@@ -141,7 +142,87 @@ def complexity_scaling(settings):
                 "measurements": [_measurement_data(m) for m in measurements],
             }
         },
+        claims=_table_claims() + _measured_claims(time_fits, memory_fits),
     )
+
+
+#: Where counted exponents are read: sizes at which lower-order terms weigh less than 1e-3.
+COUNT_N, COUNT_D = 2**16, 2**12
+#: Slack of a counted exponent against the seed's: the lower-order terms left at those sizes.
+COUNT_TOLERANCE = 1e-3
+_COUNTED = "Local exponent of tfmath's exact count between {what} and twice it."
+
+
+def counted_exponent(count, variable):
+    """The exponent of ``variable`` ("n" or "d") in ``count(n, d)``, read at large sizes."""
+    n, d = COUNT_N, COUNT_D
+    doubled = count(2 * n, d) if variable == "n" else count(n, 2 * d)
+    return float(np.log2(doubled / count(n, d)))
+
+
+def _table_claims():
+    """Seed 000's complexity table: the n and d exponents of each operation's time and space."""
+    claims = []
+    for row in cx.attention_operation_costs(4, 4):
+        for kind, order in (("time", row.time_order), ("space", row.space_order)):
+            for variable in ("n", "d"):
+                claimed = _exponent_in(order, variable)
+
+                def count(n, d, name=row.operation, kind=kind):
+                    cost = next(
+                        r for r in cx.attention_operation_costs(n, d) if r.operation == name
+                    )
+                    return cost.flops if kind == "time" else cost.memory
+
+                claims.append(
+                    Claim(
+                        "000",
+                        f"{row.operation}: {kind} {order}, exponent of {variable}",
+                        str(claimed),
+                        counted_exponent(count, variable),
+                        exact=True,
+                        tolerance=COUNT_TOLERANCE,
+                        reason=_COUNTED.format(what=f"n = {COUNT_N}, d = {COUNT_D}"),
+                    )
+                )
+    return claims
+
+
+def _exponent_in(order, variable):
+    """The exponent of ``variable`` in a seed's O(...) entry: 2 in "O(n^2 d)" for n."""
+    for factor in order.removeprefix("O(").removesuffix(")").replace("·", " ").split():
+        name, _, power = factor.partition("^")
+        if name == variable:
+            return int(power or 1)
+    return 0
+
+
+def _measured_claims(time_fits, memory_fits):
+    """O(n^2 d) time and O(n^2) memory, read from the measured naive attention."""
+    naive_time, naive_memory = time_fits["naive"], memory_fits["naive"]
+    claims = [
+        Claim(
+            seed,
+            f"Self-attention takes O(n^2 d) time: measured exponent of {variable}",
+            str(claimed),
+            naive_time.exponents[variable],
+            tuple(naive_time.intervals[variable]),
+            reason="Fitted to the CPU time of naive attention; timings on a shared machine.",
+        )
+        for seed in ("000", "002", "003")
+        for variable, claimed in (("n", 2), ("d", 1))
+    ]
+    if naive_memory is not None:
+        claims.append(
+            Claim(
+                "000",
+                "QK^T needs O(n^2) space: measured exponent of n in the peak memory",
+                "2",
+                naive_memory.exponents["n"],
+                tuple(naive_memory.intervals["n"]),
+            )
+        )
+    return claims
 
 
 def _measurement_data(m):
@@ -516,4 +597,48 @@ def complexity_sequential(settings):
         figures={"rnn_vs_attention": figure},
         tables={"sequential_depth": table},
         data={"sequential_depth": {"d": d, "backend": backend, "columns": table.columns}},
+        claims=_sequential_claims(),
     )
+
+
+def _sequential_claims():
+    """Seed 003: the RNN's O(n) sequential steps of O(d^2) each, and attention's O(n^2 d)."""
+    where = _COUNTED.format(what=f"n = {COUNT_N}, d = {COUNT_D}")
+
+    def claim(statement, claimed, count, variable):
+        return Claim(
+            "003",
+            statement,
+            claimed,
+            counted_exponent(count, variable),
+            exact=True,
+            tolerance=COUNT_TOLERANCE,
+            reason=where,
+        )
+
+    return [
+        claim(
+            "RNN: O(n) sequential operations (exponent of n in the critical path)",
+            "1",
+            lambda n, d: cx.sequential_depth("rnn", n, d).critical_path,
+            "n",
+        ),
+        claim(
+            "RNN: each step costs O(d^2) (exponent of d in the FLOPs per step)",
+            "2",
+            lambda n, d: cx.variant_cost("rnn", n, d).flops / n,
+            "d",
+        ),
+        claim(
+            "Transformer: O(n^2 d) total operations (exponent of n in the FLOPs)",
+            "2",
+            lambda n, d: cx.variant_cost("flash", n, d).flops,
+            "n",
+        ),
+        claim(
+            "Transformer: O(n^2 d) total operations (exponent of d in the FLOPs)",
+            "1",
+            lambda n, d: cx.variant_cost("flash", n, d).flops,
+            "d",
+        ),
+    ]
