@@ -198,19 +198,24 @@ def _exponent_in(order, variable):
 
 
 def _measured_claims(time_fits, memory_fits):
-    """O(n^2 d) time and O(n^2) memory, read from the measured naive attention."""
+    """Quadratic time and memory in n, read from the measured naive attention.
+
+    Only the exponent of n: at the measured d <= 128 the O(n^2) softmax still
+    weighs beside the O(n^2 d) products, so the measured d exponent says how far
+    the asymptote is, not whether it holds; the counted exponents (the table's
+    rows) answer that.
+    """
     naive_time, naive_memory = time_fits["naive"], memory_fits["naive"]
     claims = [
         Claim(
             seed,
-            f"Self-attention takes O(n^2 d) time: measured exponent of {variable}",
-            str(claimed),
-            naive_time.exponents[variable],
-            tuple(naive_time.intervals[variable]),
-            reason="Fitted to the CPU time of naive attention; timings on a shared machine.",
+            "Self-attention's time grows quadratically with n, O(n^2 d): measured exponent of n",
+            "2",
+            naive_time.exponents["n"],
+            tuple(naive_time.intervals["n"]),
+            reason="Fitted to the CPU time of naive attention on one thread.",
         )
         for seed in ("000", "002", "003")
-        for variable, claimed in (("n", 2), ("d", 1))
     ]
     if naive_memory is not None:
         claims.append(

@@ -252,7 +252,13 @@ def _claims():
             continue
         config = PRESETS[preset]
         claims.append(
-            Claim("000", f"{model}: parameters", printed, count_parameters(config), reason=_why(preset))
+            Claim(
+                "000",
+                f"{model}: parameters",
+                printed,
+                count_parameters(config),
+                reason=_why(preset),
+            )
         )
         claims.append(
             Claim(

@@ -179,7 +179,7 @@ def _ledger_row(claim, sections_present):
     relation = "" if claim.relation == "=" else html.escape(claim.relation) + " "
     note = f'<br><span class="meta">{html.escape(claim.reason)}</span>' if claim.reason else ""
     return (
-        f"<tr><td>{claim.seed}</td><td class=\"text\">{html.escape(claim.statement)}{note}</td>"
+        f'<tr><td>{claim.seed}</td><td class="text">{html.escape(claim.statement)}{note}</td>'
         f"<td>{relation}{html.escape(claim.printed)}</td><td>{measured}</td><td>{interval}</td>"
         f'<td class="verdict {_VERDICT_CLASS[verdict]}">{verdict_text}</td>'
         f"<td>{_section_link(claim, sections_present)}</td></tr>"
