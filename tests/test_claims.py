@@ -200,7 +200,7 @@ def test_index_has_a_viewport_and_a_contents_list(report):
     _, page = report
     assert '<meta name="viewport" content="width=device-width, initial-scale=1">' in page
     nav = page[page.index('<nav class="toc"') : page.index("</nav>")]
-    for name in CHEAP + ["claims"]:
+    for name in [*CHEAP, "claims"]:
         assert f'href="#{name}"' in nav
 
 

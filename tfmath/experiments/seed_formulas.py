@@ -134,12 +134,12 @@ FORMULAS = (
     ("FFN(x) = ReLU(x W_1 + b_1) W_2 + b_2", ("002",), _ffn_rows),
     ("FFN(x) = W_2 · ReLU(W_1 x + b_1) + b_2", ("003",), _ffn_columns),
     (
-        "LayerNorm(x) = (x - μ) / sqrt(σ² + ε) · γ + β (ε = 1e-5)",
+        "LayerNorm(x) = (x - mu) / sqrt(sigma^2 + eps) * gamma + beta (eps = 1e-5)",
         ("002",),
         lambda rng, backend: _layer_norm(rng, backend, 1e-5),
     ),
     (
-        "LayerNorm(x) = γ ⊙ (x - μ) / σ + β (no ε)",
+        "LayerNorm(x) = gamma ⊙ (x - mu) / sigma + beta (no eps)",
         ("003",),
         lambda rng, backend: _layer_norm(rng, backend, 0.0),
     ),
@@ -185,7 +185,7 @@ def seed_formulas(settings):
         f"({N} tokens, d_model = {D_MODEL}, {HEADS} heads, d_ff = {D_FF}, {VOCAB} classes), "
         f"against the tfmath function that implements it. The largest difference is "
         f"{worst:.1e}: every formula is what tfmath computes, up to the order of the "
-        f"floating-point operations. Seed 003's LayerNorm without ε is tfmath's with eps=0, "
+        f"floating-point operations. Seed 003's LayerNorm without eps is tfmath's with eps=0, "
         f"and its FFN on column vectors is the row form transposed."
     )
     return ExperimentResult(caption=caption, tables={"formulas": Table(rows)}, claims=claims)
