@@ -219,3 +219,11 @@ def test_figure_text_is_at_least_ten_pixels_where_shown():
     for text in texts + tick_labels:
         shown_px = text.get_fontsize() / 72 * dpi * scale
         assert shown_px >= 10 - 1e-9, text.get_text()
+
+
+def test_very_long_cell_text_is_folded_to_its_start():
+    text = " ".join(["word"] * 60)
+    page = _table_html(Table({"why": [text]}), "exp/t.csv")
+    summary = re.search(r"<summary>(.*?)</summary>", page)[1]
+    assert len(summary) < 60 and text.startswith(summary.removesuffix(" …"))
+    assert f"</summary>{text}</details>" in page

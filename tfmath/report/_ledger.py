@@ -121,9 +121,10 @@ def ledger_html(claims, sections_present):
             for claim in wrong
         ]
         parts.append("</ul>")
+    parts.append(_by_seed(claims))
     rows = [_ledger_row(claim, sections_present) for claim in claims]
     header = (
-        "<tr><th>seed</th><th>claim</th><th>seed says</th><th>tfmath</th><th>interval</th>"
+        "<tr><th>seed</th><th>claim</th><th>seed says</th><th>tfmath [95 % interval]</th>"
         "<th>verdict</th><th>section</th></tr>"
     )
     parts.append(
@@ -152,11 +153,33 @@ def folded_table(header, rows, *, csv_href, preview_rows, what="rows"):
     )
 
 
+def _by_seed(claims):
+    """A small table: the number of claims of each verdict, by seed."""
+    seeds = sorted({claim.seed for claim in claims})
+    header = "<tr><th>seed</th>" + "".join(f"<th>{html.escape(v)}</th>" for v in VERDICTS) + "</tr>"
+    rows = [
+        f"<tr><td>{seed}</td>"
+        + "".join(
+            f"<td>{sum(c.seed == seed and c.verdict == v for c in claims)}</td>" for v in VERDICTS
+        )
+        + "</tr>"
+        for seed in seeds
+    ]
+    return _scrolling(header, rows)
+
+
 def _scrolling(header, rows):
     return (
         f'<div class="table-scroll"><table><thead>{header}</thead>'
         f"<tbody>{''.join(rows)}</tbody></table></div>"
     )
+
+
+def _number(value):
+    """Counts in full with thousands separators (parameter counts); other values to 6 digits."""
+    if value.is_integer() and abs(value) >= 1e4:
+        return f"{int(value):,}"
+    return f"{value:.6g}"
 
 
 def _section_link(claim, sections_present):
@@ -167,20 +190,20 @@ def _section_link(claim, sections_present):
 
 def _ledger_row(claim, sections_present):
     verdict = claim.verdict
-    if claim.measured is None:
-        measured, interval = "", ""
-        verdict_text = html.escape(verdict)
-    else:
-        measured = f"{claim.measured:.6g}"
-        interval = "" if claim.interval is None else "[{:.6g}, {:.6g}]".format(*claim.interval)
-        verdict_text = html.escape(verdict)
-        if verdict == WRONG:
-            verdict_text += f": {html.escape(claim.correct_value)}"
+    measured = ""
+    if claim.measured is not None:
+        measured = _number(claim.measured)
+        if claim.interval is not None:
+            low, high = claim.interval
+            measured += f'<br><span class="meta">[{_number(low)}, {_number(high)}]</span>'
+    verdict_text = html.escape(verdict)
+    if verdict == WRONG:
+        verdict_text += f": {html.escape(claim.correct_value)}"
     relation = "" if claim.relation == "=" else html.escape(claim.relation) + " "
     note = f'<br><span class="meta">{html.escape(claim.reason)}</span>' if claim.reason else ""
     return (
         f'<tr><td>{claim.seed}</td><td class="text">{html.escape(claim.statement)}{note}</td>'
-        f"<td>{relation}{html.escape(claim.printed)}</td><td>{measured}</td><td>{interval}</td>"
+        f"<td>{relation}{html.escape(claim.printed)}</td><td>{measured}</td>"
         f'<td class="verdict {_VERDICT_CLASS[verdict]}">{verdict_text}</td>'
         f"<td>{_section_link(claim, sections_present)}</td></tr>"
     )

@@ -142,10 +142,13 @@ figcaption, .caption { color: #444; }
 table { border-collapse: collapse; font-size: 0.9rem; }
 td, th { border: 1px solid #ddd; padding: 0.2rem 0.5rem; text-align: right; white-space: nowrap;
          vertical-align: top; }
-td.text { white-space: normal; text-align: left; min-width: 16rem; max-width: 30rem; }
+td.text { white-space: normal; text-align: left; min-width: 22rem; max-width: 32rem; }
 th { background: #f4f4f4; position: sticky; top: 0; }
 .meta { color: #666; font-size: 0.85rem; }
+details.cell > summary { cursor: pointer; color: #444; }
+details.cell[open] > summary { display: none; }
 details.fold > summary { cursor: pointer; color: #0645ad; margin: 0.3rem 0; }
+td.verdict { white-space: normal; min-width: 7rem; text-align: left; }
 .verdict.holds { color: #1a7f37; } .verdict.rounded { color: #9a6700; }
 .verdict.wrong { color: #cf222e; font-weight: 600; } .verdict.uncomputed { color: #666; }
 nav.toc { position: sticky; top: 0; z-index: 2; background: #fafafa;
@@ -153,6 +156,9 @@ nav.toc { position: sticky; top: 0; z-index: 2; background: #fafafa;
 nav.toc summary { cursor: pointer; font-weight: 600; }
 nav.toc ul { margin: 0.3rem 0; padding-left: 1.2rem; max-height: 60vh; overflow-y: auto; }
 nav.toc li { margin: 0.15rem 0; font-size: 0.9rem; }
+@media (max-width: 40rem) {
+  td.text { min-width: 12rem; } h1 { font-size: 1.5rem; }
+}
 @media (min-width: 75rem) {
   body { display: grid; grid-template-columns: 17rem minmax(0, 1fr); }
   nav.toc { height: 100vh; overflow-y: auto; border-bottom: none; border-right: 1px solid #ddd; }
@@ -243,6 +249,9 @@ def _section_html(section):
 
 #: Cells with more characters than this wrap in a column of bounded width.
 LONG_TEXT = 40
+#: Cells with more characters than this show their start and unfold the rest on a click,
+#: so that one long note does not make its row hundreds of pixels tall.
+FOLDED_TEXT = 90
 
 
 def _table_html(table, csv_href):
@@ -254,6 +263,12 @@ def _table_html(table, csv_href):
 
 def _cell_html(value):
     text = _cell(value)
+    if len(text) > FOLDED_TEXT:
+        start = text[:LONG_TEXT].rsplit(" ", 1)[0]
+        return (
+            f'<td class="text"><details class="cell"><summary>{html.escape(start)} …</summary>'
+            f"{html.escape(text)}</details></td>"
+        )
     if len(text) > LONG_TEXT:
         return f'<td class="text">{html.escape(text)}</td>'
     return f"<td>{html.escape(text)}</td>"
