@@ -52,11 +52,10 @@ def legible_text(figure, shown_width_px, *, dpi=120, min_px=10.0):
     shown = min(width_inches * dpi, shown_width_px)
     smallest = min_px * 72.0 * width_inches / shown
     for axes in figure.axes:
-        # Tick labels are made anew at drawing time, from the axis's settings.
         for axis in (axes.xaxis, axes.yaxis):
-            labels = axis.get_ticklabels(which="both")
-            if labels and labels[0].get_fontsize() < smallest:
-                axis.set_tick_params(which="both", labelsize=smallest)
+            # Ticks are made when first asked for: make them now so that the loop below
+            # enlarges their labels (ticks made at drawing time copy the first one's font).
+            axis.get_ticklabels(which="both")
     for text in figure.findobj(Text):
         if text.get_text() and text.get_fontsize() < smallest:
             text.set_fontsize(smallest)
