@@ -1095,3 +1095,113 @@ def test_bad_input_is_refused_with_a_message_naming_the_argument(case):
 def test_bad_input_is_refused_before_any_kernel(kernels_must_not_run, call):
     with pytest.raises((ValueError, TypeError)):
         call()
+
+
+# -- attention weights read back from a forward pass ---------------------------------
+
+
+def _numpy_attention_weights(params, x, n_heads, n_kv_heads, mask, is_causal):
+    """softmax(Q K^T / sqrt(d_k) + mask) per head, written out in NumPy, each query
+    head reading key head i // (n_heads / n_kv_heads)."""
+    q = x @ params["w_q"] + params["b_q"]
+    k = x @ params["w_k"] + params["b_k"]
+    d_head = q.shape[-1] // n_heads
+    length = x.shape[-2]
+    group = n_heads // n_kv_heads
+    heads = []
+    for h in range(n_heads):
+        kv = h // group
+        qh = q[..., h * d_head : (h + 1) * d_head]
+        kh = k[..., kv * d_head : (kv + 1) * d_head]
+        scores = qh @ np.swapaxes(kh, -1, -2) / math.sqrt(d_head)
+        allowed = np.ones((length, length), dtype=bool)
+        if is_causal:
+            allowed &= np.tril(allowed)
+        allowed = allowed & mask
+        scores = np.where(allowed, scores, -np.inf)
+        scores = scores - scores.max(axis=-1, keepdims=True)
+        weights = np.exp(scores)
+        heads.append(weights / weights.sum(axis=-1, keepdims=True))
+    return np.stack(heads, axis=-3)
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("n_heads", "n_kv_heads"), [(4, 4), (4, 2), (4, 1)])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_multi_head_attention_weights_match_numpy(backend, dtype, n_heads, n_kv_heads, is_causal):
+    rng = np.random.default_rng(31)
+    batch, length, d_model = 3, 6, 16
+    spec = L.attention_parameters(d_model, n_heads, n_kv_heads=n_kv_heads)
+    params = spec.initialize(5, std=0.5, dtype=dtype)
+    x = rng.standard_normal((batch, length, d_model)).astype(dtype)
+    # Key padding: the last two keys of the first sequence are hidden.
+    padding = np.ones((batch, 1, 1, length), dtype=bool)
+    padding[0, ..., -2:] = False
+    _, cache = L.multi_head_attention_forward(
+        params,
+        x,
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        attn_mask=padding,
+        is_causal=is_causal,
+        backend=backend,
+    )
+    weights = L.multi_head_attention_weights(cache)
+    expected = _numpy_attention_weights(
+        {name: params[name].astype(np.float64) for name in params},
+        x.astype(np.float64),
+        n_heads,
+        n_kv_heads,
+        padding[:, 0],  # per head: (batch, 1, S) against scores (batch, L, S)
+        is_causal,
+    )
+    assert weights.shape == (batch, n_heads, length, length)
+    assert weights.dtype == dtype
+    assert_close(weights, expected, row_tolerance(dtype, d_model) * 10)
+    assert np.all(weights[0, ..., -2:] == 0)
+
+
+def test_self_attention_weights_of_a_model_follow_its_layers():
+    """Layer 0 from the embeddings directly; every layer's heads, applied to the values
+    its cache saved, give the heads the forward pass computed."""
+    config = ModelConfig(
+        name="tiny-encoder",
+        architecture="encoder",
+        vocab_size=11,
+        d_model=16,
+        n_layers=2,
+        n_heads=4,
+        d_ff=32,
+        norm_order="post",
+        final_norm=False,
+        n_positions=7,
+        n_ctx=7,
+    )
+    params = M.init_model(config, seed=2, std=0.3)
+    tokens = np.random.default_rng(3).integers(0, 11, size=(2, 7))
+    _, cache = M.encoder_forward(params, tokens, config, backend="cpu")
+    weights = M.self_attention_weights(cache)
+    assert weights.shape == (2, 2, 4, 7, 7)
+    x = params["embed.tokens"][tokens] + params["encoder.embed.positions"]
+    first = params.scope("encoder.layers.0.self_attn")
+    expected = _numpy_attention_weights(first, x, 4, 4, np.ones((7, 7), dtype=bool), False)
+    assert_close(weights[:, 0], expected, 1e-12)
+    for layer, block in enumerate(cache["stack"]["layers"]):
+        saved = block.of("encoder_block")["attention"].of("residual")["sublayer"].saved
+        value = saved["problem"].value.reshape(2, 4, 7, 4)
+        assert_close(weights[:, layer] @ value, saved["heads"], 1e-12)
+
+
+def test_self_attention_weights_of_a_decoder_are_causal_and_other_caches_are_refused():
+    from tfmath.errors import ArgumentError
+    from tfmath.training import language_model_config
+
+    config = language_model_config(16, 1, vocab_size=9, context=6)
+    _, cache = M.decoder_only_forward(M.init_model(config), np.arange(6), config)
+    weights = M.self_attention_weights(cache)
+    assert np.all(np.triu(weights[0, 0], k=1) == 0)
+    assert_close(weights.sum(axis=-1), np.ones((1, 2, 6)), 1e-12)
+    for bad in ({}, {"stack": None}, [cache]):
+        with pytest.raises(ArgumentError, match="encoder_forward or decoder_only_forward"):
+            M.self_attention_weights(bad)

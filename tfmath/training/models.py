@@ -45,6 +45,7 @@ from tfmath.training.layers import (
     encoder_block_backward,
     encoder_block_forward,
     encoder_block_parameters,
+    multi_head_attention_weights,
     norm_backward,
     norm_forward,
     norm_parameters,
@@ -63,6 +64,7 @@ __all__ = [
     "encoder_forward",
     "init_model",
     "model_parameters",
+    "self_attention_weights",
 ]
 
 
@@ -396,6 +398,54 @@ def decoder_only_forward(params, tokens, config, *, attn_mask=None, backend="aut
 def decoder_only_backward(grad_out, cache):
     """Parameter gradients of :func:`decoder_only_forward`."""
     return _single_stack_backward(grad_out, cache)
+
+
+def self_attention_weights(cache):
+    r"""Every layer's self-attention weights, from a forward pass of a single-stack model.
+
+    Parameters
+    ----------
+    cache : dict
+        The cache returned by :func:`encoder_forward` or :func:`decoder_only_forward`.
+
+    Returns
+    -------
+    numpy.ndarray, shape (..., n_layers, n_heads, L, L)
+        ``weights[..., l, h, i, :]`` is query ``i``'s distribution over the
+        keys in head ``h`` of block ``l`` (zero where the causal mask or the
+        forward's ``attn_mask`` hides a key); see
+        :func:`~tfmath.training.layers.multi_head_attention_weights`. Ready for
+        :func:`tfmath.view.attention_view` (one sequence at a time).
+
+    Raises
+    ------
+    ArgumentError
+        When ``cache`` is not the cache of one of those two forward passes
+        (an encoder-decoder's cache has two stacks and cross-attention).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from tfmath.training import language_model_config
+    >>> from tfmath.training.models import (
+    ...     decoder_only_forward, init_model, self_attention_weights)
+    >>> config = language_model_config(16, 2, vocab_size=7, context=5)
+    >>> _, cache = decoder_only_forward(init_model(config), np.arange(5), config)
+    >>> weights = self_attention_weights(cache)
+    >>> weights.shape, bool(np.allclose(weights.sum(-1), 1)), float(weights[0, 0, 0, 1])
+    ((2, 2, 5, 5), True, 0.0)
+    """
+    stack = cache.get("stack") if isinstance(cache, dict) else None
+    if not isinstance(stack, dict):
+        raise ArgumentError(
+            "cache must be the cache returned by encoder_forward or decoder_only_forward"
+        )
+    per_layer = []
+    for block in stack["layers"]:
+        # A block's cache holds its residual wrapper's, which holds the attention's.
+        attention_cache = block.of("encoder_block")["attention"].of("residual")["sublayer"]
+        per_layer.append(multi_head_attention_weights(attention_cache))
+    return np.stack(per_layer, axis=-4)
 
 
 def encoder_decoder_forward(

@@ -39,6 +39,7 @@ from tfmath.training.layers.attention import (
     merge_heads,
     multi_head_attention_backward,
     multi_head_attention_forward,
+    multi_head_attention_weights,
     split_heads,
 )
 from tfmath.training.layers.blocks import (
@@ -122,6 +123,7 @@ __all__ = [
     "merge_heads",
     "multi_head_attention_backward",
     "multi_head_attention_forward",
+    "multi_head_attention_weights",
     "norm_backward",
     "norm_forward",
     "norm_parameters",

@@ -332,6 +332,38 @@ def multi_head_attention_backward(grad_out, cache):
     return grad_x, grad_source, grads
 
 
+def multi_head_attention_weights(cache):
+    r"""The attention weights of a :func:`multi_head_attention_forward` pass, from its cache.
+
+    The forward pass keeps only each row's log-sum-exp (the flash kernels never
+    form the weights); this recomputes :math:`\operatorname{softmax}(Q K^\top /
+    \sqrt{d_k} + M)` from the saved queries and keys, with the forward's mask and
+    causality, for looking at what each head attends to.
+
+    Parameters
+    ----------
+    cache : Cache
+        The second value returned by :func:`multi_head_attention_forward`.
+
+    Returns
+    -------
+    numpy.ndarray, shape (..., n_heads, L, S)
+        Row ``i`` of head ``h`` is query ``i``'s distribution over the keys
+        (zero where masked), in the forward's dtype.
+
+    Raises
+    ------
+    TypeError
+        When ``cache`` is not a cache of :func:`multi_head_attention_forward`.
+    """
+    saved = _require_cache(cache, "multi_head_attention")
+    problem = saved["problem"]._replace(return_weights=True)
+    _, weights = attention.forward(problem, method="naive")
+    weights = _cuda.to_host(weights)
+    # Grouped heads (..., h_kv, group, L, S) back to (..., h, L, S).
+    return weights.reshape(*weights.shape[:-4], saved["layout"].n_heads, *weights.shape[-2:])
+
+
 def _group_heads(heads, layout):
     """``(..., h, L, d)`` as ``(..., h_kv, group, L, d)``: head ``i`` in group ``i // group``."""
     *batch, _, length, d_head = heads.shape
