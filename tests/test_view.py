@@ -91,6 +91,22 @@ def test_layer_and_head_names_must_match_counts():
         tfmath.attention_view(TOKENS, _weights(4, (2, 5, 5)), head_names=["a"])
 
 
+def test_selected_is_embedded_and_checked_against_the_shape():
+    weights = _weights(6, (2, 3, 5, 5))
+    assert _embedded(tfmath.attention_view(TOKENS, weights))["selected"] == [0, 0, 0]
+    view = tfmath.attention_view(TOKENS, weights, selected=(1, 2, 4))
+    assert _embedded(view)["selected"] == [1, 2, 4]
+    for selected, words in (
+        ((2, 0, 0), "layer must be below 2"),
+        ((0, 3, 0), "head must be below 3"),
+        ((0, 0, 5), "query must be below 5"),
+        ((0, -1, 0), "head must be at least 0"),
+        ((0, 0), "(layer, head, query)"),
+    ):
+        with pytest.raises(ArgumentError, match=re.escape(words)):
+            tfmath.attention_view(TOKENS, weights, selected=selected)
+
+
 def test_save_is_atomic_and_leaves_no_temporary(tmp_path, monkeypatch):
     view = tfmath.attention_view(TOKENS, _weights(5, (1, 5, 5)))
     target = tmp_path / "view.html"

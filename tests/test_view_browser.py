@@ -52,6 +52,14 @@ def _shown_row(page):
     return weights
 
 
+def _bar_widths(page):
+    """The drawn width of each key's bar, in pixels (300 px stands for weight 1)."""
+    return page.evaluate(
+        "Array.from(document.querySelectorAll('[data-key-index] div.b'))"
+        ".map(b => b.getBoundingClientRect().width)"
+    )
+
+
 def test_clicking_each_token_shows_its_row_and_selectors_switch(browser, tmp_path):
     rng = np.random.default_rng(0)
     raw = rng.random((2, 3, len(TOKENS), len(TOKENS)))
@@ -68,6 +76,24 @@ def test_clicking_each_token_shows_its_row_and_selectors_switch(browser, tmp_pat
             values = np.array([shown[k] for k in range(len(TOKENS))])
             np.testing.assert_allclose(values, weights[layer, head, query], atol=1e-6, rtol=0)
             assert abs(values.sum() - 1.0) < 1e-6
+            # What the eye reads: each bar's length, to the pixel it is rounded to.
+            widths = np.array(_bar_widths(page))
+            np.testing.assert_allclose(widths, 300 * weights[layer, head, query], atol=0.51)
+    assert errors == []
+
+
+def test_the_page_opens_on_the_selected_layer_head_and_query(browser, tmp_path):
+    rng = np.random.default_rng(1)
+    raw = rng.random((2, 3, len(TOKENS), len(TOKENS)))
+    weights = raw / raw.sum(axis=-1, keepdims=True)
+    view = tfmath.attention_view(TOKENS, weights, selected=(1, 2, 7))
+    page, errors = _open(browser, tmp_path, view)
+    assert page.input_value("select.tfv-layer") == "1"
+    assert page.input_value("select.tfv-head") == "2"
+    pressed = page.query_selector_all('[data-token-index][aria-pressed="true"]')
+    assert [button.get_attribute("data-token-index") for button in pressed] == ["7"]
+    shown = _shown_row(page)
+    np.testing.assert_allclose([shown[k] for k in range(len(TOKENS))], weights[1, 2, 7], atol=1e-6)
     assert errors == []
 
 
@@ -101,6 +127,8 @@ def test_masked_keys_are_shown_as_masked(browser, tmp_path):
 
 
 def test_report_explorer_section_loads_and_it_shows_its_row(browser, tmp_path):
+    """The README's report, as a user opens it: click "it" in the trained model's view
+    and in the position-only view, and read back exactly the weights the data hold."""
     import json
     import subprocess
     import sys
@@ -120,16 +148,26 @@ def test_report_explorer_section_loads_and_it_shows_its_row(browser, tmp_path):
     )
     assert page.evaluate("document.images.length") > 0
     assert broken == 0
-    frame = page.frame_locator('iframe[src$="position_only_view.html"]')
-    it = TOKENS.index("it")
-    frame.locator(f'[data-token-index="{it}"]').click()
     data = json.loads((out / "attention_explorer" / "attention_explorer.json").read_text())
-    expected = np.array(data["position_only_weights"])[0, it]
-    shown = [
-        float(w)
-        for w in frame.locator("[data-weight]").evaluate_all(
-            "bars => bars.map(b => b.dataset.weight)"
-        )
-    ]
-    np.testing.assert_allclose(shown, expected, atol=1e-6, rtol=0)
+    it = TOKENS.index("it")
+    headline = data["pronoun_models"][0]
+    model_weights = np.array(data["pronoun_weights"])[headline["layer"], headline["head"], it]
+    views = {
+        "pronoun_view.html": model_weights,
+        "position_only_view.html": np.array(data["position_only_weights"])[0, it],
+    }
+    for page_name, expected in views.items():
+        frame = page.frame_locator(f'iframe[src$="{page_name}"]')
+        frame.locator(f'[data-token-index="{it}"]').click()
+        shown = [
+            float(w)
+            for w in frame.locator("[data-weight]").evaluate_all(
+                "bars => bars.map(b => b.dataset.weight)"
+            )
+        ]
+        np.testing.assert_allclose(shown, expected, atol=1e-6, rtol=0)
+    # The trained model's view opens on "it" in its best head.
+    frame = page.frame_locator('iframe[src$="pronoun_view.html"]')
+    assert frame.locator('[aria-pressed="true"]').get_attribute("data-token-index") == str(it)
+    assert frame.locator("select.tfv-head").input_value() == str(headline["head"])
     assert errors == []

@@ -17,7 +17,7 @@ import uuid
 
 import numpy as np
 
-from tfmath._contract.checks import host_array
+from tfmath._contract.checks import host_array, integer
 from tfmath.errors import ArgumentError, ShapeError
 
 __all__ = ["AttentionView", "attention_view"]
@@ -68,6 +68,7 @@ function show(i){
     const key=keys[k];
     key.className=isMasked?'tfv-masked':'';
     key.style.background=isMasked?'':'rgba(31,95,191,'+w.toFixed(3)+')';
+    key.style.color=!isMasked&&w>0.5?'#fff':'';
   });
 }
 queries.forEach((b,i)=>{
@@ -82,7 +83,8 @@ queries.forEach((b,i)=>{
 });
 layerSel.addEventListener('change',()=>show(current));
 headSel.addEventListener('change',()=>show(current));
-show(0);
+layerSel.value=String(data.selected[0]);headSel.value=String(data.selected[1]);
+show(data.selected[2]);
 })();
 """
 
@@ -142,6 +144,7 @@ def attention_view(
     title=None,
     layer_names=None,
     head_names=None,
+    selected=(0, 0, 0),
 ):
     """Build an interactive view of attention weights.
 
@@ -161,6 +164,8 @@ def attention_view(
         The page title.
     layer_names, head_names : sequence of str, optional
         Labels for the layer and head selectors.
+    selected : tuple of int, optional
+        The ``(layer, head, query)`` shown when the page opens.
 
     Returns
     -------
@@ -172,8 +177,8 @@ def attention_view(
     ShapeError
         If the weights are not 3- or 4-dimensional or do not match the tokens.
     ArgumentError
-        If a weight is negative or not finite, a row does not sum to 1, or a
-        masked weight is not 0.
+        If a weight is negative or not finite, a row does not sum to 1, a
+        masked weight is not 0, or ``selected`` is out of range.
     """
     keys = [str(token) for token in tokens]
     queries = keys if query_tokens is None else [str(token) for token in query_tokens]
@@ -207,6 +212,7 @@ def attention_view(
     if not np.allclose(sums, 1.0, atol=_ROW_SUM_TOLERANCE, rtol=0):
         worst = float(np.abs(sums - 1.0).max())
         raise ArgumentError(f"each row of weights must sum to 1, worst deviation {worst!r}")
+    selected = _selected(selected, (layers, heads, length))
     layer_labels = _names("layer_names", layer_names, layers, "layer")
     head_labels = _names("head_names", head_names, heads, "head")
     data = {
@@ -215,6 +221,7 @@ def attention_view(
         "weights": array.tolist(),
         "repr": [[[[repr(float(w)) for w in row] for row in h] for h in lay] for lay in array],
         "mask": None if visible is None else visible.tolist(),
+        "selected": selected,
     }
     root_id = "tfv-" + uuid.uuid4().hex
     # "</" would end the script element early; JSON allows the escaped form.
@@ -250,3 +257,16 @@ def attention_view(
         f"<title>{heading}</title></head><body>{fragment}</body></html>"
     )
     return AttentionView(page, fragment)
+
+
+def _selected(selected, counts):
+    """``selected`` as three in-range indices: layer, head, query."""
+    if not isinstance(selected, tuple | list) or len(selected) != 3:
+        raise ArgumentError(f"selected must be (layer, head, query), got {selected!r}")
+    chosen = []
+    for name, index, count in zip(("layer", "head", "query"), selected, counts, strict=True):
+        index = integer(f"selected {name}", index, minimum=0)
+        if index >= count:
+            raise ArgumentError(f"selected {name} must be below {count}, got {index}")
+        chosen.append(index)
+    return chosen
