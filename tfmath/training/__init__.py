@@ -16,6 +16,9 @@ Submodules, from the bottom up:
 :mod:`tfmath.training.synthetic`, :mod:`tfmath.training.hierarchical`
     Languages of known entropy to train on: independent Zipf words, and words
     whose classes follow a topic's Markov chain.
+:mod:`tfmath.training.pronouns`
+    A template grammar in which "it" refers to the noun its adjective fits, an
+    encoder trained to resolve it, and where its attention looks.
 :mod:`tfmath.training.loop`
     The training loop (re-exported here, so ``tfmath.training.train_language_model``).
 :mod:`tfmath.training.sweep`
