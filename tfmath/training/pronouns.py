@@ -231,7 +231,7 @@ def train_pronoun_resolver(
     d_model=32,
     n_layers=2,
     n_heads=4,
-    steps=400,
+    steps=300,
     batch_size=64,
     learning_rate_scale=0.5,
     warmup=100,
