@@ -25,8 +25,8 @@ _GELU_CUBIC = 0.044715
 @cpu_kernel
 def _row_mean(row):
     total = row.dtype.type(0)
-    for x in row:
-        total += x
+    for j in range(row.shape[0]):
+        total += row[j]
     return total / row.shape[0]
 
 
@@ -39,16 +39,19 @@ def _layer_norm_kernel(x, weight, bias, eps):
     mean = np.empty(n_rows, dtype=x.dtype)
     rstd = np.empty(n_rows, dtype=x.dtype)
     for i in numba.prange(n_rows):
-        mu = _row_mean(x[i])
+        # Loops over the row's own 1-D view, indexed from 0: LLVM vectorises these,
+        # not loops over x[i, j] (a (32, 64) input took twice as long).
+        row, out = x[i], y[i]
+        mu = _row_mean(row)
         variance = x.dtype.type(0)
         for j in range(n_features):
-            centred = x[i, j] - mu
+            centred = row[j] - mu
             variance += centred * centred
         r = 1 / math.sqrt(variance / n_features + eps)
         mean[i] = mu
         rstd[i] = r
         for j in range(n_features):
-            y[i, j] = (x[i, j] - mu) * r * weight[j] + bias[j]
+            out[j] = (row[j] - mu) * r * weight[j] + bias[j]
     return y, mean, rstd
 
 

@@ -64,9 +64,12 @@ def half_precision(block):
 
 def _first_half_dtype(values):
     """The half-precision dtype of the first argument that has one, or None. A loop
-    rather than a chain of iterators: blocks on small inputs are called by the
-    thousand, and this runs on every call."""
+    rather than a chain of iterators, and NumPy arrays of 4- and 8-byte items passed
+    over without a call: blocks on small inputs are called by the thousand, and this
+    runs on every call."""
     for value in values:
+        if type(value) is np.ndarray and value.dtype.itemsize != 2:
+            continue
         dtype = _half_dtype(value)
         if dtype is not None:
             return dtype
