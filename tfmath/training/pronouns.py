@@ -290,7 +290,8 @@ def train_pronoun_resolver(
         n_positions=SENTENCE_LENGTH,
         n_ctx=SENTENCE_LENGTH,
     )
-    params = init_model(config, seed=seed)
+    # float32, as the language-model training runs: one set of compiled kernels serves both.
+    params = init_model(config, seed=seed, dtype=np.float32)
     schedule = WarmupSchedule(d_model, warmup)
     scale = real("learning_rate_scale", learning_rate_scale, above=0.0)
     adam = Adam(learning_rate=lambda step: scale * schedule(step))
@@ -308,7 +309,7 @@ def train_pronoun_resolver(
                 logits[:, PRONOUN_POSITION], targets[batch], backend=backend
             )
             grad_logits = np.zeros_like(logits)
-            grad_logits[:, PRONOUN_POSITION] = cross_entropy_backward(1.0, loss_cache)
+            grad_logits[:, PRONOUN_POSITION] = cross_entropy_backward(np.float32(1.0), loss_cache)
             params, state = adam.update(params, encoder_backward(grad_logits, cache), state)
             losses[step] = loss
     return PronounResolver(config, params, losses)
