@@ -276,6 +276,22 @@ def test_softmax_cpu_matches_reference(case):
     _check_softmax(*case, "cpu")
 
 
+@given(case=softmax_inputs(), layout=st.sampled_from(["as is", "transposed", "strided"]))
+def test_softmax_short_path_matches_reference(case, layout):
+    # backend="auto" along the last axis: the kernel takes the array in its own shape.
+    x = case[0]
+    x = {"as is": x, "transposed": x.T, "strided": x[..., ::2]}[layout]
+    _check_softmax(x, -1, "auto")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_softmax_short_path_of_large_arrays_matches_reference(dtype):
+    # Above the serial size the rows are shared out in parallel.
+    x = np.random.default_rng(41).standard_normal((3, 50, 400)).astype(dtype)
+    x[0, 0] = -np.inf
+    _check_softmax(x, -1, "auto")
+
+
 @pytest.mark.cuda
 @settings(max_examples=25)
 @given(case=softmax_inputs(max_side=4))
@@ -516,6 +532,97 @@ def test_auto_picks_the_method_by_shape():
     assert routine(DECODE_MAX_QUERIES + 1, DECODE_MIN_KEYS) == "flash_attention"
     assert routine(1, DECODE_MIN_KEYS - 1) == "flash_attention"
     assert routine(64, 64, method="decode") == "decode_attention"
+
+
+# --- the short path of plain calls -------------------------------------------------------
+
+
+def _same_problem(plain, validated):
+    """Field by field; the operands by identity (neither builder copies a float32/64 array)."""
+    operands = ("query", "key", "value")
+    assert all(getattr(plain, name) is getattr(validated, name) for name in operands)
+    blank = dict.fromkeys(operands)
+    assert plain._replace(**blank) == validated._replace(**blank)
+
+
+@given(inputs=attention_inputs(), half=st.booleans(), causal_as_int=st.booleans())
+def test_a_plain_problem_is_the_validated_problem_or_none(inputs, half, causal_as_int):
+    # The short path may decline any call, but a problem it builds must be exactly the one
+    # the full validation builds: same fields, same scale, same batch shape.
+    from tfmath._contract.attention import attention_problem, plain_attention_problem
+
+    query, key, value = (inputs[name] for name in ("query", "key", "value"))
+    if half:
+        query = query.astype(np.float16)
+    is_causal = int(inputs["is_causal"]) if causal_as_int else inputs["is_causal"]
+    plain = plain_attention_problem(query, key, value, is_causal, inputs["scale"])
+    plain_looking = (
+        not half
+        and not causal_as_int
+        and query.shape[:-2] == key.shape[:-2] == value.shape[:-2]
+        and 0 not in query.shape + key.shape + value.shape
+    )
+    assert (plain is not None) == plain_looking
+    if plain is not None:
+        validated = attention_problem(
+            query, key, value, None, is_causal, inputs["scale"], backend="cpu"
+        )
+        _same_problem(plain, validated)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"key": np.ones((2, 3, 5), np.float64)},  # another dtype
+        {"key": np.ones((1, 3, 5), np.float32)},  # a broadcast batch
+        {"key": np.ones((2, 3, 4), np.float32)},  # another E
+        {"value": np.ones((2, 4, 5), np.float32)},  # another S
+        {"query": np.ones((2, 0, 5), np.float32)},  # no queries
+        {"query": np.ones((2, 4, 5), np.float32).tolist()},  # not an array
+        {"query": np.ones((2, 4, 5), ">f4")},  # byte-swapped
+        {"query": np.ones(5, np.float32)},  # one dimension
+        {"scale": 1},  # an int scale goes through real()
+        {"scale": math.nan},
+        {"is_causal": np.bool_(True)},
+    ],
+)
+def test_the_short_path_declines_what_it_does_not_check(change):
+    from tfmath._contract.attention import plain_attention_problem
+
+    arguments = {
+        "query": np.ones((2, 4, 5), np.float32),
+        "key": np.ones((2, 3, 5), np.float32),
+        "value": np.ones((2, 3, 2), np.float32),
+        "is_causal": False,
+        "scale": None,
+    }
+    arguments.update(change)
+    assert plain_attention_problem(**arguments) is None
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("q_shape", "kv_shape", "kwargs"),
+    [
+        ((1, 1, 16, 16), (1, 1, 16, 16), {}),
+        ((2, 3, 5, 4), (2, 3, 7, 4), {"is_causal": True}),
+        ((9, 8), (6, 8), {"scale": 0.3}),
+        ((2, 1, 8), (2, 300, 8), {}),  # few queries, many keys: decoding
+        ((1, 8, 64, 32), (1, 8, 96, 32), {"is_causal": True}),  # the tiled kernel
+    ],
+)
+def test_plain_calls_give_the_bits_of_the_general_path(dtype, q_shape, kv_shape, kwargs):
+    rng = np.random.default_rng(40)
+    query = rng.standard_normal(q_shape).astype(dtype)
+    key, value = (rng.standard_normal(kv_shape).astype(dtype) for _ in range(2))
+    short = sdpa(query, key, value, **kwargs)
+    general = sdpa(query, key, value, backend="cpu", **kwargs)
+    assert short.dtype == general.dtype and np.array_equal(short, general)
+    assert_close(
+        short,
+        sdpa(query, key, value, backend="reference", **kwargs),
+        attention_tolerance(np.dtype(dtype), q_shape[-1], kv_shape[-2]),
+    )
 
 
 @pytest.mark.parametrize(

@@ -136,6 +136,32 @@ def test_decode_grouped_query_heads_share_keys_and_values(n_query, group):
         assert_close(output, expected, attention_tolerance(np.float64, 16, 1000))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_unmasked_kernels_give_the_bits_of_an_open_mask(dtype, is_causal):
+    # Without a mask the kernels are compiled for None, with the mask code pruned; a mask
+    # that allows everything leaves every block OPEN, so both must do the same arithmetic.
+    rng = np.random.default_rng(8)
+    query = rng.standard_normal((1, 2, 80, 8)).astype(dtype)
+    key, value = (rng.standard_normal((1, 2, 70, 8)).astype(dtype) for _ in range(2))
+    open_mask = np.ones((80, 70), dtype=bool)
+    assert not flash_attention._is_small(attention_problem(query, key, value, backend="cpu"))
+    grad = rng.standard_normal((1, 2, 80, 8)).astype(dtype)
+    for mask in (None, open_mask):
+        output = tfmath.scaled_dot_product_attention(
+            query, key, value, mask, is_causal, method="flash", backend="cpu"
+        )
+        grads = tfmath.attention_grad(query, key, value, grad, mask, is_causal, backend="cpu")
+        decoded = tfmath.scaled_dot_product_attention(
+            query[:, :, :2], key, value, None if mask is None else mask[:2], is_causal,
+            method="decode", backend="cpu",
+        )  # fmt: skip
+        if mask is None:
+            unmasked = (output, *grads, decoded)
+    for got, want in zip((output, *grads, decoded), unmasked, strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
 def test_masked_blocks_are_skipped_and_open_blocks_left_alone():
     # One block per (key tile, query tile): all False -> MASKED, all True -> OPEN,
     # mixed or a non-zero bias -> PARTIAL; a key-padding mask has one query block.

@@ -16,16 +16,17 @@ from tfmath import _cuda
 from tfmath._contract.attention import (
     attention_problem,
     output_gradient,
+    plain_attention_problem,
     saved_forward,
     sum_to_shape,
 )
 from tfmath._contract.checks import (
-    KERNEL_DTYPES,
     boolean_flag,
     compute_dtype,
     float_operand,
     integer,
     is_half,
+    is_kernel_dtype,
     require_ndim,
 )
 from tfmath._contract.layout import shape_of
@@ -91,8 +92,8 @@ def softmax(x, axis=-1, *, accumulate=None, backend="auto"):
     if _is_default_host_call(x, axis, accumulate, backend):
         # Small softmaxes come by the thousand: this path runs the CPU kernel after
         # the checks the general path would make, answered here in a few comparisons.
-        rows = np.ascontiguousarray(x).reshape(-1, x.shape[-1])
-        return implementation("softmax", "cpu")(rows).reshape(x.shape)
+        # The CPU kernel takes any C-contiguous shape, so x needs no reshaping.
+        return implementation("softmax", "cpu")(x if x.flags.c_contiguous else x.copy())
     x = float_operand("x", x, half=True)
     require_ndim("x", x, 1, "(the axis to normalise over)")
     axis = integer("axis", axis)
@@ -115,7 +116,7 @@ def _is_default_host_call(x, axis, accumulate, backend):
     without a GPU: the call the CPU kernel takes as it is."""
     return (
         type(x) is np.ndarray
-        and x.dtype in KERNEL_DTYPES
+        and is_kernel_dtype(x.dtype)
         and x.ndim
         and x.size
         and type(axis) is int
@@ -260,6 +261,14 @@ def scaled_dot_product_attention(
     >>> out.shape
     (3, 2)
     """
+    if _is_plain_host_call(
+        attn_mask, return_weights, return_log_sum_exp, method, accumulate, backend
+    ):
+        problem = plain_attention_problem(query, key, value, is_causal, scale)
+        if problem is not None:
+            # Non-empty float32/float64 host operands: nothing for run() to widen or
+            # route to the reference, so the routine is called as it is.
+            return implementation(_attention_routine(problem, method, False), "cpu")(problem)[0]
     problem = attention_problem(
         query,
         key,
@@ -276,6 +285,23 @@ def scaled_dot_product_attention(
     if problem.return_weights or return_log_sum_exp:
         return output, extra
     return output
+
+
+def _is_plain_host_call(attn_mask, return_weights, return_log_sum_exp, method, accumulate, backend):
+    """Whether an attention call asks for the output alone, without a mask, with
+    ``method``, ``accumulate`` and ``backend`` at their defaults, on a machine without a
+    GPU: the call :func:`plain_attention_problem` may serve without the general checks."""
+    return (
+        attn_mask is None
+        and return_weights is False
+        and return_log_sum_exp is False
+        and type(method) is str
+        and method == "auto"
+        and accumulate is None
+        and type(backend) is str
+        and backend == "auto"
+        and not _cuda.status().real_gpu
+    )
 
 
 def forward(problem, method="auto", *, return_log_sum_exp=False):

@@ -18,6 +18,7 @@ from tfmath._contract.checks import (
     float_operand,
     host_array,
     is_half,
+    is_kernel_dtype,
     real,
     require_ndim,
     result_dtype,
@@ -231,6 +232,53 @@ def attention_problem(
         accumulation,
     )
     return problem if backend == "cuda" else problem.on_host()
+
+
+def plain_attention_problem(query, key, value, is_causal, scale):
+    """The CPU problem of an unmasked call that :func:`attention_problem` would accept
+    as it is, built without its general checks; None for any other call.
+
+    A plain call has float32 or float64 NumPy arrays of one dtype with the same batch
+    dimensions, matching E and S, no empty dimension, a bool ``is_causal`` and a
+    ``scale`` that is None or a finite float. Small problems come by the thousand
+    (Monte Carlo loops, sweeps over d_k, a tiny model's blocks), and for them the
+    general validator costs as much as the kernel. Every other call, including every
+    invalid one, goes through :func:`attention_problem`, whose errors it keeps.
+    """
+    if not (
+        type(query) is np.ndarray
+        and type(key) is np.ndarray
+        and type(value) is np.ndarray
+        and type(is_causal) is bool
+    ):
+        return None
+    dtype = query.dtype
+    if not (is_kernel_dtype(dtype) and key.dtype == dtype and value.dtype == dtype):
+        return None
+    query_shape, key_shape, value_shape = query.shape, key.shape, value.shape
+    if len(query_shape) < 2 or not len(query_shape) == len(key_shape) == len(value_shape):
+        return None
+    batch_shape = query_shape[:-2]
+    n_query, n_features = query_shape[-2:]
+    n_key, value_dim = value_shape[-2:]
+    if not (
+        key_shape[-2:] == (n_key, n_features)
+        and batch_shape == key_shape[:-2] == value_shape[:-2]
+        and n_query
+        and n_key
+        and n_features
+        and value_dim
+        and 0 not in batch_shape
+    ):
+        return None
+    if scale is None:
+        scale = 1.0 / math.sqrt(n_features)
+    elif type(scale) is not float or not math.isfinite(scale):
+        return None
+    return AttentionProblem(
+        query, key, value, None, is_causal, scale, False, batch_shape, dtype, "cpu",
+        False, n_query, n_key, n_features, value_dim, dtype,
+    )  # fmt: skip
 
 
 @functools.lru_cache(maxsize=256)

@@ -19,6 +19,16 @@ from tfmath.errors import ArgumentError, DTypeError, ShapeError
 
 #: The floating dtypes the kernels are compiled for.
 KERNEL_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+_FLOAT32, _FLOAT64 = KERNEL_DTYPES
+
+
+def is_kernel_dtype(dtype):
+    """Whether ``dtype`` is float32 or float64 (native byte order)."""
+    # NumPy hands out these very objects for float32 and float64 arrays: the identity
+    # tests answer the common case in a tenth of the time of ``in KERNEL_DTYPES``.
+    return dtype is _FLOAT32 or dtype is _FLOAT64 or dtype in KERNEL_DTYPES
+
+
 #: Half-precision dtypes, by name (bfloat16 is ``ml_dtypes.bfloat16``, which tfmath
 #: recognises without importing): stored in 16 bits, computed in float32.
 HALF_DTYPE_NAMES = ("float16", "bfloat16")
@@ -154,7 +164,7 @@ def float_operand(name, value, *, half=False):
     Integer, boolean, complex and other arrays are refused rather than silently
     cast, because a cast is a choice of precision the caller should make.
     """
-    if type(value) is np.ndarray and value.dtype in KERNEL_DTYPES:
+    if type(value) is np.ndarray and is_kernel_dtype(value.dtype):
         return value  # the common case, with nothing to convert or refuse
     if _cuda.is_device_array(value):
         array = _cuda.as_device_array(value)

@@ -77,8 +77,8 @@ def _mask_rows(scores, mask, m, kind, is_causal, first_key, n_key, row_position)
     1)``, base e) of a ``PARTIAL`` block."""
     key_tile, n_rows = scores.shape
     n_keys = min(key_tile, n_key - first_key)
-    per_row, per_key = mask.shape[1] > 1, mask.shape[2] > 1
-    if kind == PARTIAL:
+    if mask is not None and kind == PARTIAL:
+        per_row, per_key = mask.shape[1] > 1, mask.shape[2] > 1
         for j in range(n_keys):
             key = first_key + j if per_key else 0
             for i in range(n_rows):

@@ -101,7 +101,7 @@ def _mask_tile(scores, mask, m, kind, is_causal, first_key, first_row, n_key, n_
     key_tile, query_tile = scores.shape
     n_keys = min(key_tile, n_key - first_key)
     n_rows = min(query_tile, n_query - first_row)
-    if kind == PARTIAL:
+    if mask is not None and kind == PARTIAL:
         _add_mask(scores, mask, m, first_key, first_row, n_keys, n_rows, block)
     for j in range(n_keys, key_tile):
         scores[j, :] = -np.inf
@@ -182,7 +182,10 @@ def _score_tile(
 
 @cpu_kernel
 def _block_kind(tile_kinds, m, key_block, query_block):
-    """The kind of a (key tile, query tile) block, for masks broadcast along either axis."""
+    """The kind of a (key tile, query tile) block, for masks broadcast along either axis
+    (``tile_kinds`` None: no mask, every block OPEN)."""
+    if tile_kinds is None:
+        return OPEN
     return tile_kinds[
         m,
         key_block if tile_kinds.shape[1] > 1 else 0,
@@ -269,7 +272,7 @@ def mask_operand(mask, dtype, key_tile, query_tile):
     block.
     """
     if mask is None:
-        return np.zeros((1, 1, 1), dtype=dtype), np.full((1, 1, 1), OPEN, dtype=np.int8)
+        return None, None
     n_masks, mask_rows, mask_keys = mask.shape
     n_key_blocks = -(-mask_keys // key_tile)
     n_query_blocks = -(-mask_rows // query_tile)
