@@ -98,7 +98,11 @@ def _leading_dimension(array):
 def gemm(alpha, a, b, beta, c, transpose_a=False, transpose_b=False):
     r"""``c = alpha * op(a) @ op(b) + beta * c`` in place, for row-major 2-D arrays
     of one float dtype with contiguous rows; ``op(x)`` is ``x.T`` when
-    ``transpose_x``. With ``beta == 0``, ``c``'s old contents are never read."""
+    ``transpose_x``. With ``beta == 0``, ``c``'s old contents are never read.
+
+    The kernels pass ``alpha`` and ``beta`` as floats: Numba types an integer
+    constant as a literal of its value, so ``beta=0`` and ``beta=1`` would compile
+    this function twice, and a cold first call pays for every compilation."""
     m, n = c.shape
     k = a.shape[0] if transpose_a else a.shape[1]
     if (a.shape[1] if transpose_a else a.shape[0]) != m or (

@@ -166,7 +166,7 @@ def _chunk_kernel(
             n_keys = min(key_tile, n_key - first_key)
             keys = _rows(key, k, first_key, n_keys, half_format, key_scratch)
             values = _rows(value, v, first_key, n_keys, half_format, value_scratch)
-            gemm(score_scale, keys, query_columns[g], 0, scores[:n_keys])
+            gemm(score_scale, keys, query_columns[g], 0.0, scores[:n_keys])
             _mask_rows(scores, mask, m, kind, is_causal, first_key, n_key, row_position)
             _softmax_tile(scores, running_max, running_sum, rescale, new_max)
             for e in range(n_values):
@@ -174,7 +174,7 @@ def _chunk_kernel(
                     accumulator[e, i] *= rescale[i]
             weights = scores[:n_keys]
             if _all_finite(values):
-                gemm(1, values, weights, 1, accumulator, True)
+                gemm(1.0, values, weights, 1.0, accumulator, True)
             else:
                 _accumulate_skipping_zeros(weights, values, accumulator)
         partial_max[g, c] = running_max

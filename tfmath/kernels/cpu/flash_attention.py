@@ -176,7 +176,7 @@ def _score_tile(
 ):  # fmt: skip
     """A transposed tile of base-2 scores, ``scores[j, i]`` for key j and query i,
     masked (see :func:`_mask_tile`)."""
-    gemm(score_scale, key_rows, query_columns, 0, scores)
+    gemm(score_scale, key_rows, query_columns, 0.0, scores)
     _mask_tile(scores, mask, m, kind, is_causal, first_key, first_row, n_key, n_query, block)
 
 
@@ -420,7 +420,7 @@ def _value_columns(value_tiles, value_columns, tile_finite):
 def _accumulate_values(value_columns, value_tiles, value_tile_finite, v, t, weights, accumulator):
     """Add V^T P for key tile ``t`` to the transposed output accumulator."""
     if value_tile_finite[v, t]:
-        gemm(1, value_columns[v, t], weights, 1, accumulator)
+        gemm(1.0, value_columns[v, t], weights, 1.0, accumulator)
     else:
         _accumulate_skipping_zeros(weights, value_tiles[v, t], accumulator)
 
@@ -570,14 +570,14 @@ def _backward_kernel(
                         mask, m, kind, is_causal, t * key_tile, first_row, n_key, n_query,
                         grad_scores,
                     )  # fmt: skip
-                    gemm(1, value_tiles[v, t], grad_columns[tile], 0, grad_scores)
+                    gemm(1.0, value_tiles[v, t], grad_columns[tile], 0.0, grad_scores)
                     _probabilities_and_score_gradients(
                         probabilities, grad_scores, probability_shift[b, tile], delta[b, tile]
                     )
                     # beta = 1: the products add straight into the gradients.
-                    gemm(1, probabilities, grad_tiles[b, tile], 1, grad_value[b, t])
-                    gemm(scale, grad_scores, query_tiles[q, tile], 1, grad_key[b, t])
-                    gemm(scale, grad_scores, key_tiles[k, t], 1, grad_query[b, tile], True)
+                    gemm(1.0, probabilities, grad_tiles[b, tile], 1.0, grad_value[b, t])
+                    gemm(scale, grad_scores, query_tiles[q, tile], 1.0, grad_key[b, t])
+                    gemm(scale, grad_scores, key_tiles[k, t], 1.0, grad_query[b, tile], True)
     for task in numba.prange(n_batch * n_query_tiles):
         b, tile = task // n_query_tiles, task % n_query_tiles
         total = grad_query_parts[0, b, tile]
