@@ -287,17 +287,23 @@ def print_matrix_report(out=print):
         out(f"{item.name:<34} {seconds * 1e3:>10.2f} {torch_text:>10} {ratio:>6}  {rate_text}")
 
 
+#: Rounds of the small rows. A small row's timing lasts milliseconds, and this shared
+#: machine switches between a fast and a slow state for seconds at a time (the same
+#: 256-value softmax took 1.7 and 2.7 microseconds in runs minutes apart): rounds
+#: spread over a few seconds let the best of each contender come from the fast state.
+SMALL_ROUNDS = 10
+
 _ALONE = """
 import sys, numpy as np
-from tfmath.analysis.timing import best_time
+from tfmath.analysis.timing import interleaved_best_times
 from tfmath.tools.workloads import workload
-name, contender = sys.argv[1], sys.argv[2]
+name, contender, rounds = sys.argv[1], sys.argv[2], int(sys.argv[3])
 torch = None
 if contender == "torch":
     import torch
 case = workload(name).build(np.random.default_rng(0), torch)
 call = case.repeated().contenders()[contender]
-print(best_time(call, 5) / case.calls)
+print(interleaved_best_times({"call": call}, 3, rounds)["call"] / case.calls)
 """
 
 
@@ -305,7 +311,7 @@ def alone_seconds(name, contender):
     """Seconds per call of one contender of a workload, in a fresh process that loads only
     its own library (so no other library's thread pool is there to interfere)."""
     result = subprocess.run(
-        [sys.executable, "-c", _ALONE, name, contender],
+        [sys.executable, "-c", _ALONE, name, contender, str(SMALL_ROUNDS)],
         capture_output=True, text=True, check=True,
     )  # fmt: skip
     return float(result.stdout.split()[-1])
@@ -324,7 +330,9 @@ def print_small_report(out=print):
     widths = [13, 8, 6, 17, 8, 6, 8, 6]
     columns = [f"{title:>{width}}" for title, width in zip([*header, "ratio"], widths, strict=True)]
     out(f"{'workload':<22} " + " ".join(columns))
-    together = {item.name: times for item, _, times in matrix_rows(SMALL, repeats=1)}
+    together = {
+        item.name: times for item, _, times in matrix_rows(SMALL, repeats=3, rounds=SMALL_ROUNDS)
+    }
     for item in SMALL:
         alone = {"tfmath": alone_seconds(item.name, "tfmath")}
         if has_torch:
