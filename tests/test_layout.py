@@ -35,6 +35,7 @@ LAYERS = (
     ),
     ("training", ("tfmath.training",)),
     ("analysis", ("tfmath.analysis",)),
+    ("plotting", ("tfmath.plotting",)),
     ("tools", ("tfmath.tools", "tfmath.report", "tfmath.experiments", "tfmath.view")),
     ("package", ("tfmath._moved", "tfmath.__main__", "tfmath")),
 )

@@ -1,20 +1,11 @@
-"""Figure helpers shared by the experiments: no pyplot, no global state."""
+"""Figure helpers of the report: no pyplot, no global state.
 
+The figures themselves are drawn by :mod:`tfmath.plotting`.
+"""
 
-def new_figure(width=6.4, height=4.8, *, ncols=1, nrows=1):
-    """A matplotlib Figure on the Agg canvas, and its axes.
+from tfmath.plotting._figure import new_figure
 
-    Built with the object-oriented API rather than ``pyplot`` so experiments
-    never share or leak global figure state, and so no display is needed.
-    """
-    import matplotlib
-    from matplotlib.figure import Figure
-
-    # A fixed salt makes the SVG element ids, and so the files, reproducible.
-    matplotlib.rcParams["svg.hashsalt"] = "tfmath"
-    figure = Figure(figsize=(width, height), layout="constrained")
-    axes = figure.subplots(nrows=nrows, ncols=ncols, squeeze=False)
-    return figure, axes
+__all__ = ["annotated_heatmap", "legible_text", "new_figure"]
 
 
 def annotated_heatmap(axes, matrix, *, row_labels, column_labels, title, vmin=0.0, vmax=1.0):
