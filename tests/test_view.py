@@ -201,7 +201,7 @@ def test_large_inputs_drop_to_eight_bits_with_a_warning_and_larger_ones_are_refu
     with pytest.raises(ArgumentError, match="use precision='uint8'"):
         tfmath.attention_view(TOKENS, more, precision="uint16")
     too_many = _weights(9, (3, 3, 5, 5))  # 225
-    with pytest.raises(ArgumentError, match="225 weights .* include_layers= and include_heads="):
+    with pytest.raises(ArgumentError, match=r"225 weights .* include_layers= and include_heads="):
         tfmath.attention_view(TOKENS, too_many)
     # Picking heads brings it back within the limit.
     with pytest.warns(UserWarning, match="150 weights"):
@@ -260,7 +260,7 @@ def test_attention_vectors_of_a_tfmath_model_give_its_weights():
     np.testing.assert_allclose(expected / expected.sum(-1, keepdims=True), weights, atol=1e-12)
     view = tfmath.attention_view(TOKENS, weights, query=query, key=key, scale=scale, mask=causal)
     assert _embedded(view)["neuron"]["scale"] == scale
-    with pytest.raises(ArgumentError, match="attention_vectors|cache must be"):
+    with pytest.raises(ArgumentError, match="cache must be"):
         tfmath.attention_vectors({})
 
 
