@@ -356,7 +356,7 @@ def _blob(array, dtype, *, deflate):
     return base64.b64encode(raw).decode("ascii"), False
 
 
-def _vectors(query, key, weights, visible, batch_index, layers, heads, scale):
+def _vectors(query, key, weights, dtype, visible, batch_index, layers, heads, scale):
     """The neuron view's float32 query and key vectors, checked against the weights."""
     if (query is None) != (key is None):
         raise ArgumentError("the neuron view needs both query and key, or neither")
@@ -395,7 +395,7 @@ def _vectors(query, key, weights, visible, batch_index, layers, heads, scale):
     scores -= scores.max(axis=-1, keepdims=True)
     recomputed = np.exp(scores)
     recomputed /= recomputed.sum(axis=-1, keepdims=True)
-    tolerance = _CONSISTENCY[min(8, max(2, weights.dtype.itemsize))]
+    tolerance = _CONSISTENCY[min(8, max(2, dtype.itemsize))]
     worst = float(np.abs(recomputed - weights).max())
     if worst > tolerance:
         raise ArgumentError(
@@ -517,7 +517,7 @@ def attention_view(
     array = given[layers][:, heads].astype(np.float32 if dtype.itemsize <= 4 else np.float64)
     visible = _mask(mask, length, sources)
     _validate_weights(array, dtype, visible)
-    neuron, blobs = _vectors(query, key, array, visible, batch_index, layers, heads, scale)
+    neuron, blobs = _vectors(query, key, array, dtype, visible, batch_index, layers, heads, scale)
     if view == "neuron" and neuron is None:
         raise ArgumentError("view='neuron' needs the query and key vectors: pass query= and key=")
     chosen = _selected(selected, (len(layers), len(heads), length))
