@@ -273,16 +273,20 @@ def _chosen(name, given, count):
 def _row_sum_tolerance(dtype, keys):
     """How far a row of ``keys`` weights of ``dtype`` may sum from 1.
 
-    Rounding each weight moves the sum by up to eps/2, and ``keys`` such steps walk
-    about sqrt(keys) eps/2; four times that covers the model's own accumulation
-    (float16 softmax rows are off by about 1.6e-4 and bfloat16 ones by 1.3e-3 on
-    a few hundred keys); float64 keeps the 1e-6 it always had.
+    Rounding each weight to ``dtype`` moves the sum by at most eps/2 of it
+    (the errors are relative to weights that sum to 1); the normalising sum,
+    accumulated in float32 for float32 and half precision (as PyTorch does) and
+    in float64 for float64, is off by a random walk of about sqrt(keys) of its
+    eps. The tolerance is twice the first plus four times the second, at least
+    the 1e-6 float64 weights always had: float16 softmax rows are off by about
+    1.6e-4 and bfloat16 ones by 1.3e-3, within 9.8e-4 and 7.8e-3.
     """
     if dtype.name == "bfloat16":
         eps = 2.0**-7
     else:
         eps = float(np.finfo(dtype if dtype.kind == "f" else np.float64).eps)
-    return max(_ROW_SUM_FLOOR, 4 * eps * math.sqrt(keys))
+    accumulated = float(np.finfo(np.float64 if eps < 1e-10 else np.float32).eps)
+    return max(_ROW_SUM_FLOOR, eps + 4 * accumulated * math.sqrt(keys))
 
 
 def _validate_weights(array, dtype, visible):
