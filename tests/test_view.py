@@ -191,6 +191,36 @@ def test_validation(weights, kwargs, error, words):
         tfmath.attention_view(TOKENS, weights, **kwargs)
 
 
+def _stored_mask(view):
+    bits = np.frombuffer(_blob(view.html, "mask"), np.uint8)
+    length, sources = _embedded(view)["shape"][2:]
+    return np.unpackbits(bits)[: length * sources].reshape(length, sources).astype(bool)
+
+
+def test_negative_weights_and_mask_violations_are_refused_and_masks_stored():
+    weights = np.full((1, 5, 5), 0.2)
+    weights[0, 0, 0] = -0.2
+    weights[0, 0, 1] = 0.6
+    with pytest.raises(ArgumentError, match="non-negative"):
+        tfmath.attention_view(TOKENS, weights)
+    causal = np.tril(np.ones((5, 5), dtype=bool))
+    with pytest.raises(ArgumentError, match="mask is False"):
+        tfmath.attention_view(TOKENS, np.full((1, 5, 5), 0.2), mask=causal)
+    with pytest.raises(ShapeError, match=re.escape("(5, 5) or (5,)")):
+        tfmath.attention_view(TOKENS, np.full((1, 5, 5), 0.2), mask=causal[:4])
+    with pytest.raises(ArgumentError, match="boolean"):
+        tfmath.attention_view(TOKENS, causal / causal.sum(1, keepdims=True), mask=causal * 1)
+    good = causal / causal.sum(axis=1, keepdims=True)
+    view = tfmath.attention_view(TOKENS, good[None], mask=causal)
+    np.testing.assert_array_equal(_stored_mask(view), causal)
+    assert 'data-name="mask"' not in tfmath.attention_view(TOKENS, good).html
+    # A padding mask, as a tokenizer gives: the same for every query.
+    padding = np.array([True, True, True, False, False])
+    padded = np.where(padding, 1 / 3, 0.0) * np.ones((5, 1))
+    view = tfmath.attention_view(TOKENS, padded, mask=padding)
+    np.testing.assert_array_equal(_stored_mask(view), np.tile(padding, (5, 1)))
+
+
 def test_large_inputs_drop_to_eight_bits_with_a_warning_and_larger_ones_are_refused(monkeypatch):
     monkeypatch.setattr(view_module, "_MAX_UINT16_WEIGHTS", 100)
     monkeypatch.setattr(view_module, "_MAX_WEIGHTS", 200)

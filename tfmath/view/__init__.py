@@ -312,8 +312,12 @@ def _mask(mask, length, sources):
     visible = host_array("mask", mask)
     if visible.dtype != np.bool_:
         raise ArgumentError(f"mask must be boolean, got dtype {visible.dtype}")
+    if visible.shape == (sources,):  # a padding mask, as a tokenizer's attention_mask
+        visible = np.broadcast_to(visible, (length, sources))
     if visible.shape != (length, sources):
-        raise ShapeError(f"mask must have shape {(length, sources)}, got {visible.shape}")
+        raise ShapeError(
+            f"mask must have shape {(length, sources)} or {(sources,)}, got {visible.shape}"
+        )
     return visible
 
 
@@ -448,7 +452,8 @@ def attention_view(
     query_tokens : sequence of str, optional
         The L query tokens, when they differ from ``tokens`` (cross-attention).
     mask : array_like of bool, optional
-        Shape (L, S); False marks a key the query cannot see (its weight must be 0).
+        Shape (L, S), or (S,) for every query alike (a tokenizer's padding
+        mask); False marks a key the query cannot see (its weight must be 0).
     title : str, optional
         The heading and page title.
     layer_names, head_names : sequence of str, optional
