@@ -108,7 +108,8 @@ class AttentionView:
         return (
             f'<div id="{root_id}" class="tfv"><style>{_asset("view.css")}</style>'
             f'<h2 class="tfv-title">{html.escape(self._title)}</h2>{_toolbar(self._data)}'
-            f'<div class="tfv-panel" aria-live="polite"></div>'
+            '<div class="tfv-panel"><p>Drawing the view. It needs '
+            "JavaScript (in Jupyter, a trusted notebook).</p></div>"
             f'<script type="application/json" class="tfv-data">{payload}</script>{blobs}'
             f"<script>{script}</script></div>"
         )
