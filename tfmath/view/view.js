@@ -158,6 +158,8 @@ function modelView(){
       cell.setAttribute('data-layer',l);cell.setAttribute('data-head',h);
       cell.setAttribute('aria-label','open '+data.layers[l]+', '+data.heads[h]+' in the head view');
       canvas.width=NK;canvas.height=NQ;
+      // Blocky when enlarged; smoothed when shrunk, so that no row or column is dropped.
+      canvas.style.imageRendering=NK<=96&&NQ<=96?'pixelated':'auto';
       paint(canvas,l,h);
       cell.append(canvas,mark);
       marks.push(mark);
@@ -174,7 +176,9 @@ function modelView(){
     marks.forEach(m=>{m.style.top=(100*i/NQ)+'%';m.style.height='max(2px,'+(100/NQ)+'%)';});
   }
   tokenButtons(queries,place);
-  panel.append(queries,grid);
+  const scroll=el('div','tfv-scroll');
+  scroll.append(grid);
+  panel.append(queries,scroll);
   place(state.query);
 }
 
