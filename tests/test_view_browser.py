@@ -144,6 +144,24 @@ def test_rows_view_clicking_each_token_shows_its_row_and_selectors_switch(browse
     assert errors == []
 
 
+@pytest.mark.parametrize("precision", ["uint16", "uint8"])
+@pytest.mark.parametrize(("tokens", "deflated"), [(TOKENS[:2], False), (TOKENS, True)])
+def test_every_stored_form_decodes_to_the_weights(browser, tmp_path, precision, tokens, deflated):
+    """16 and 8 bits, raw (a map too small to deflate) and deflated (peaked rows, most
+    weights near 0, as trained heads have)."""
+    scores = 12 * np.random.default_rng(9).standard_normal((2, len(tokens), len(tokens)))
+    weights = _softmax(scores)
+    view = tfmath.attention_view(tokens, weights, view="rows", precision=precision)
+    assert f'"deflate": {str(deflated).lower()}' in view.html
+    page, errors = _open(browser, tmp_path, view)
+    for head in (0, 1):
+        page.select_option("select.tfv-head", str(head))
+        shown = _shown_row(page)
+        values = [shown[k] for k in range(len(tokens))]
+        np.testing.assert_allclose(values, weights[head, 0], atol=view.max_error * 1.001, rtol=0)
+    assert errors == []
+
+
 def test_rows_view_opens_on_the_selected_layer_head_and_query(browser, tmp_path):
     weights = _weights(1, (2, 3, N, N))
     view = tfmath.attention_view(TOKENS, weights, selected=(1, 2, 7), view="rows")
