@@ -181,6 +181,7 @@ def test_cross_attention_has_its_own_query_tokens():
         (np.eye(5), {"view": "neuron"}, ArgumentError, "pass query= and key="),
         (np.eye(5), {"precision": "uint4"}, ArgumentError, "precision must be"),
         (np.eye(5), {}, None, None),
+        (np.zeros((0, 1, 5, 5)), {}, ShapeError, "at least one layer, head, query and key"),
     ],
 )
 def test_validation(weights, kwargs, error, words):

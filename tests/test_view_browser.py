@@ -232,6 +232,22 @@ def test_head_view_overlays_heads_with_hover_click_and_toggles(browser, tmp_path
     assert errors == []
 
 
+def test_cross_attention_lines_join_the_query_and_key_rows(browser, tmp_path):
+    """Three query tokens over ten keys (a decoder reading an encoder's output)."""
+    queries = ["Le", "chat", "dort"]
+    weights = _weights(8, (2, 3, N))
+    view = tfmath.attention_view(TOKENS, weights, query_tokens=queries, selected=(0, 0, 2))
+    page, errors = _open(browser, tmp_path, view)
+    assert page.eval_on_selector_all(".tfv-left button", "b => b.map(e => e.textContent)") == (
+        queries
+    )
+    _assert_lines(page, weights[:, 2], [0, 1], view.max_error * 1.001)  # and where they end
+    page.click('.tfv-tab[data-view="model"]')
+    sizes = page.eval_on_selector_all("canvas", "c => c.map(e => [e.width, e.height])")
+    assert sizes == [[N, 3], [N, 3]]
+    assert errors == []
+
+
 _PIXELS = """Array.from(document.querySelectorAll('.tfv-cell')).map(cell => {
   const canvas = cell.querySelector('canvas'), box = canvas.getBoundingClientRect();
   const mark = cell.querySelector('.tfv-rowmark').getBoundingClientRect();

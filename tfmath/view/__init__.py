@@ -515,6 +515,10 @@ def attention_view(
         batch_index = integer("batch_index", batch_index, minimum=0)
     given = _four_dimensional("weights", weights, batch_index, "L, S")
     dtype = given.dtype
+    if given.size == 0:
+        raise ShapeError(
+            f"weights must hold at least one layer, head, query and key, got {given.shape}"
+        )
     n_layers, n_heads, length, sources = given.shape
     if length != len(queries) or sources != len(keys):
         raise ShapeError(
