@@ -93,24 +93,26 @@ _LINES = """Array.from(document.querySelectorAll('svg.tfv-lines line')).map(line
   const svg = line.ownerSVGElement.getBoundingClientRect();
   const root = line.closest('.tfv');
   const query = root.querySelector('.tfv-left [data-token-index="' +
-    line.ownerSVGElement.dataset.query + '"]').getBoundingClientRect();
+    line.dataset.queryIndex + '"]').getBoundingClientRect();
   const key = root.querySelector('.tfv-right [data-key-token-index="' +
     line.dataset.keyIndex + '"]').getBoundingClientRect();
-  return {head: +line.dataset.head, key: +line.dataset.keyIndex, weight: +line.dataset.weight,
+  return {head: +line.dataset.head, query: +line.dataset.queryIndex, key: +line.dataset.keyIndex,
+    weight: +line.dataset.weight,
     opacity: +getComputedStyle(line).strokeOpacity,
     start: svg.top + line.y1.baseVal.value - (query.top + query.height / 2),
     end: svg.top + line.y2.baseVal.value - (key.top + key.height / 2)};
 })"""
 
 
-def _lines(page):
-    """Every line of the head view as {head: {key: opacity}}, checked against its data."""
+def _lines(page, by="key"):
+    """Every line of the head view as {head: {key (or query): opacity}}, each checked
+    against its data."""
     drawn = {}
     for line in page.evaluate(_LINES):
         # The opacity is the weight, and the line runs from the query's row to the key's.
         assert line["opacity"] == pytest.approx(line["weight"], abs=1e-6)
         assert abs(line["start"]) <= 1 and abs(line["end"]) <= 1
-        drawn.setdefault(line["head"], {})[line["key"]] = line["opacity"]
+        drawn.setdefault(line["head"], {})[line[by]] = line["opacity"]
     return drawn
 
 
@@ -222,6 +224,15 @@ def test_head_view_overlays_heads_with_hover_click_and_toggles(browser, tmp_path
     page.mouse.move(1300, 880)  # ...and leaving gives back the focused token's
     _assert_lines(page, stored[1, :, IT], [0, 1, 2], atol)
     page.click('[data-token-index="3"]')
+    page.mouse.move(1300, 880)
+    _assert_lines(page, stored[1, :, 3], [0, 1, 2], atol)
+    page.hover('.tfv-right [data-key-token-index="5"]')  # a key: every query's line to it
+    assert {line["key"] for line in page.evaluate(_LINES)} == {5}
+    drawn = _lines(page, by="query")
+    assert sorted(drawn) == [0, 1, 2]
+    for head in (0, 1, 2):
+        shown = [drawn[head][q] for q in range(N)]
+        np.testing.assert_allclose(shown, stored[1, head, :, 5], atol=atol, rtol=0)
     page.mouse.move(1300, 880)
     _assert_lines(page, stored[1, :, 3], [0, 1, 2], atol)
     page.uncheck('input.tfv-toggle[data-head="1"]')

@@ -4,7 +4,8 @@ Four views of the same data, switched by tabs:
 
 * **head**: every head of one layer overlaid in its own colour, a line from the
   focused query token to each key with the weight as its opacity; hover a token
-  to preview its lines, click or focus it to keep them; a toggle per head;
+  to preview its lines (a key token: every query's line to it), click or focus
+  a query token to keep them; a toggle per head;
 * **model**: the layers x heads grid of thumbnails (each the full map, one pixel
   per weight, the focused query's row marked); clicking one opens it in the head
   view;

@@ -97,31 +97,36 @@ function headView(){
     right.append(s);
     return s;
   });
-  function draw(i){
+  // The lines of query i to every key, or (toKey) of every query to key i.
+  function draw(i,toKey){
     svg.textContent='';
     const lines=document.createDocumentFragment();
     const heads=Array.from(state.heads).sort((a,b)=>a-b);
     for(const h of heads){
-      for(let k=0;k<NK;k++){
-        if(!visible(i,k)){continue;}
-        const w=weight(state.layer,h,i,k), line=document.createElementNS(SVG_NS,'line');
-        line.setAttribute('x1',0);line.setAttribute('y1',(i+0.5)*ROW);
+      for(let j=0;j<(toKey?NQ:NK);j++){
+        const q=toKey?j:i, k=toKey?i:j;
+        if(!visible(q,k)){continue;}
+        const w=weight(state.layer,h,q,k), line=document.createElementNS(SVG_NS,'line');
+        line.setAttribute('x1',0);line.setAttribute('y1',(q+0.5)*ROW);
         line.setAttribute('x2',LINES_WIDTH);line.setAttribute('y2',(k+0.5)*ROW);
         line.setAttribute('stroke',colour(h));line.setAttribute('stroke-width',2);
         line.setAttribute('stroke-opacity',w);
-        line.setAttribute('data-head',h);line.setAttribute('data-key-index',k);
-        line.setAttribute('data-weight',w);
+        line.setAttribute('data-head',h);line.setAttribute('data-query-index',q);
+        line.setAttribute('data-key-index',k);line.setAttribute('data-weight',w);
         lines.append(line);
       }
     }
     svg.append(lines);
-    svg.setAttribute('data-query',i);
-    keys.forEach((s,k)=>{s.className=visible(i,k)?'':'tfv-masked';});
+    keys.forEach((s,k)=>{s.className=toKey||visible(i,k)?'':'tfv-masked';});
   }
   const buttons=tokenButtons(left,draw);
   buttons.forEach((b,i)=>{
     b.addEventListener('mouseenter',()=>draw(i));
     b.addEventListener('mouseleave',()=>draw(state.query));
+  });
+  keys.forEach((s,k)=>{
+    s.addEventListener('mouseenter',()=>draw(k,true));
+    s.addEventListener('mouseleave',()=>draw(state.query));
   });
   draw(state.query);
 }
