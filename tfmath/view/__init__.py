@@ -185,7 +185,7 @@ def _names(name, given, count, default, chosen):
 
 def _host(name, value):
     """A NumPy array from an array, array-like or tensor (never importing torch):
-    anything with ``detach``/``cpu``/``numpy`` or ``__array__``; half precision widened."""
+    anything with ``detach``/``cpu``/``numpy`` or ``__array__``, of real numbers."""
     if hasattr(value, "detach") and hasattr(value, "cpu"):
         value = value.detach().cpu()
         if str(getattr(value, "dtype", "")) == "torch.bfloat16":
@@ -196,20 +196,20 @@ def _host(name, value):
             return value.float().numpy().astype(ml_dtypes.bfloat16)
         value = value.numpy()
     array = host_array(name, _cuda.to_host(value) if _cuda.is_device_array(value) else value)
-    if array.dtype.kind != "f" and array.dtype.name != "bfloat16":
-        if array.dtype.kind not in "biu":
-            raise DTypeError(f"{name} must hold real numbers, got dtype {array.dtype}")
+    if array.dtype.kind not in "fbiu" and array.dtype.name != "bfloat16":
+        raise DTypeError(f"{name} must hold real numbers, got dtype {array.dtype}")
     return array
 
 
 def _is_per_layer(value):
+    """Whether ``value`` is a tuple or list of arrays or tensors, one per layer."""
     if not isinstance(value, tuple | list) or len(value) == 0:
         return False
     return any(hasattr(value[0], name) for name in ("shape", "__array__", "detach"))
 
 
 def _four_dimensional(name, value, batch_index, core):
-    """``value`` as (layers, heads, rows, columns) and its original dtype.
+    """``value`` as a (layers, heads, rows, columns) array, in its own dtype.
 
     Takes (rows, columns), (heads, ...), (layers, heads, ...), (layers, batch,
     heads, ...), or a tuple or list of per-layer (heads, ...) or (batch, heads,
@@ -537,7 +537,8 @@ def attention_view(
         raise ArgumentError("view='neuron' needs the query and key vectors: pass query= and key=")
     chosen = _selected(selected, (len(layers), len(heads), length))
     levels = _LEVELS[stored]
-    quantised = np.rint(np.clip(array, 0.0, 1.0) * levels)
+    # In float64, so that no weight is rounded by more than half a level.
+    quantised = np.rint(np.clip(array.astype(np.float64), 0.0, 1.0) * levels)
     weights_text, deflated = _blob(quantised, stored, deflate=True)
     blobs = {"weights": weights_text, **blobs}
     if visible is not None:
