@@ -14,7 +14,7 @@ import pytest
 
 import tfmath
 import tfmath.view as view_module
-from tfmath.errors import ArgumentError, ShapeError
+from tfmath.errors import ArgumentError, DTypeError, ShapeError
 
 TOKENS = ["The", "cat", "sat", "on", "it"]
 
@@ -182,6 +182,7 @@ def test_cross_attention_has_its_own_query_tokens():
         (np.eye(5), {"precision": "uint4"}, ArgumentError, "precision must be"),
         (np.eye(5), {}, None, None),
         (np.zeros((0, 1, 5, 5)), {}, ShapeError, "at least one layer, head, query and key"),
+        (np.eye(5) + 0j, {}, DTypeError, "real numbers, got dtype complex128"),
     ],
 )
 def test_validation(weights, kwargs, error, words):
