@@ -1,12 +1,15 @@
-"""The report page in a real browser, at 1400 px and at a phone's 390 px.
+"""The report page in a real browser, at 1400 px and at a phone's 390 px, and the
+attention explorer's views inside it.
 
 Playwright launches the system chromium by ``executable_path`` and never
 downloads one; the tests skip when there is none.
 """
 
+import json
 import os
 import shutil
 
+import numpy as np
 import pytest
 
 from tfmath.report import RunSettings, build_report
@@ -94,3 +97,83 @@ def test_long_tables_unfold_and_rows_stay_short(browser, report):
         ".querySelectorAll('tr')).map(r => r.getBoundingClientRect().height)"
     )
     assert max(heights) < 80
+
+
+SENTENCE = "The cat sat on the mat because it was soft".split()
+IT = SENTENCE.index("it")
+
+
+@pytest.fixture(scope="module")
+def explorer(tmp_path_factory):
+    out = tmp_path_factory.mktemp("explorer") / "report"
+    index = build_report(out, RunSettings(backend="cpu"), only=["attention_explorer"])
+    data = json.loads((out / "attention_explorer" / "attention_explorer.json").read_text())
+    return index, data
+
+
+def _view(page, name):
+    """The attention view in the report's iframe ``name``, once it has drawn."""
+    frame = page.frame_locator(f'iframe[src$="{name}.html"]')
+    frame.locator(".tfv[data-ready]").wait_for()
+    return frame
+
+
+def _steps(frame, step):
+    return frame.locator(f'[data-step="{step}"]').evaluate_all(
+        "cells => cells.map(c => +c.dataset.value)"
+    )
+
+
+def test_the_explorer_opens_the_pronoun_model_in_the_model_view_on_it(browser, explorer):
+    """The README's report, as a user opens it: the trained model's layers x heads with
+    "it" marked, its best head opened in the head view, and the neuron view's softmax,
+    all equal to the weights the data hold."""
+    index, data = explorer
+    page, errors = _open(browser, index, 1400)
+    weights = np.array(data["pronoun_weights"])
+    n_layers, n_heads = weights.shape[:2]
+    headline = data["pronoun_models"][0]
+    layer, head = headline["layer"], headline["head"]
+    frame = _view(page, "pronoun_view")
+    assert frame.locator('.tfv-tab[aria-pressed="true"]').get_attribute("data-view") == "model"
+    cells = frame.locator(".tfv-cell").evaluate_all(
+        "cells => cells.map(c => [+c.dataset.layer, +c.dataset.head])"
+    )
+    assert sorted(cells) == [[i, j] for i in range(n_layers) for j in range(n_heads)]
+    pressed = frame.locator('[data-token-index][aria-pressed="true"]')
+    assert pressed.get_attribute("data-token-index") == str(IT)
+    frame.locator(f'.tfv-cell[data-layer="{layer}"][data-head="{head}"]').click()
+    lines = frame.locator("svg.tfv-lines line").evaluate_all(
+        "lines => lines.map(l => [+l.dataset.head, +l.dataset.keyIndex, "
+        "+getComputedStyle(l).strokeOpacity])"
+    )
+    assert {line[0] for line in lines} == {head}
+    drawn = [opacity for _, _, opacity in sorted(lines, key=lambda line: line[1])]
+    np.testing.assert_allclose(drawn, weights[layer, head, IT], atol=1e-5, rtol=0)
+    frame.locator('.tfv-tab[data-view="neuron"]').click()
+    assert frame.locator("select.tfv-head").input_value() == str(head)
+    # Recomputed in the page from the model's own queries and keys (float32 copies).
+    np.testing.assert_allclose(_steps(frame, "softmax"), weights[layer, head, IT], atol=1e-6)
+    assert errors == []
+
+
+def test_the_explorer_shows_seed_003_in_the_neuron_view_and_position_as_bars(browser, explorer):
+    from tfmath.analysis.worked_examples import projection_example
+
+    index, data = explorer
+    page, errors = _open(browser, index, 1400)
+    example = projection_example(backend="reference")
+    frame = _view(page, "worked_examples_view")
+    for query in range(3):
+        frame.locator(f'[data-token-index="{query}"]').click()
+        np.testing.assert_allclose(_steps(frame, "score"), example.scores[query], rtol=1e-6)
+        np.testing.assert_allclose(_steps(frame, "scaled"), example.scaled_scores[query], rtol=1e-6)
+        np.testing.assert_allclose(_steps(frame, "softmax"), example.weights[query], atol=1e-6)
+    frame = _view(page, "position_only_view")
+    frame.locator(f'[data-token-index="{IT}"]').click()
+    shown = frame.locator(".tfv-bars [data-weight]").evaluate_all(
+        "bars => bars.map(b => +b.dataset.weight)"
+    )
+    expected = np.array(data["position_only_weights"])[0, IT]
+    np.testing.assert_allclose(shown, expected, atol=0.5 / 65535 + 1e-12, rtol=0)
+    assert errors == []

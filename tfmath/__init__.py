@@ -68,7 +68,7 @@ from tfmath.variance import (
     score_variance,
     softmax_row_statistics,
 )
-from tfmath.view import AttentionView, attention_view
+from tfmath.view import AttentionView, attention_vectors, attention_view
 
 __all__ = [
     "ArgumentError",
@@ -84,6 +84,7 @@ __all__ = [
     "alibi_bias",
     "alibi_slopes",
     "attention_grad",
+    "attention_vectors",
     "attention_view",
     "backends",
     "chinchilla_loss",

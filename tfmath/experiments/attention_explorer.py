@@ -7,6 +7,7 @@ from tfmath.analysis.worked_examples import given_qkv_example, projection_exampl
 from tfmath.attention import softmax
 from tfmath.positional import alibi_bias, rotary_embedding, sinusoidal_encoding
 from tfmath.report import ExperimentResult, Table, experiment
+from tfmath.training.models import encoder_forward, self_attention_weights
 from tfmath.training.pronouns import (
     PRONOUN_POSITION,
     SEED_SENTENCE,
@@ -15,7 +16,7 @@ from tfmath.training.pronouns import (
     split_sentences,
     train_pronoun_resolver,
 )
-from tfmath.view import attention_view
+from tfmath.view import attention_vectors, attention_view
 
 _SENTENCE = "The cat sat on the mat because it was soft".split()
 _D_MODEL = 16
@@ -54,24 +55,34 @@ def _pronoun_models(settings):
         measured.append((seed, result))
         if headline_view is None:
             row = sentences.index_of(SEED_SENTENCE)
-            _, weights = resolver.forward(sentences.tokens[row], backend=settings.backend)
-            headline_view = weights, result, resolver.config
+            _, cache = encoder_forward(
+                resolver.params, sentences.tokens[row], resolver.config, backend=settings.backend
+            )
+            vectors = attention_vectors(cache)
+            headline_view = self_attention_weights(cache), vectors, result, resolver.config
     return sentences, splits, measured, headline_view
 
 
-def _pronoun_view(weights, result, config):
+def _pronoun_view(weights, vectors, result):
+    """Every layer and head of the model, opening in the model view on "it"; the
+    neuron view shows each weight computed from the model's own queries and keys."""
     n_layers, n_heads = weights.shape[:2]
     head_names = [
         f"head {h + 1}" + (" (resolves 'it' best)" if h == result.head else "")
         for h in range(n_heads)
     ]
+    query, key, scale = vectors
     return attention_view(
         _SENTENCE,
         weights,
-        title=f"A {config.n_layers}-layer encoder trained by tfmath to resolve 'it'",
+        title=f"A {n_layers}-layer, {n_heads}-head encoder trained by tfmath to resolve 'it'",
         layer_names=[f"layer {layer + 1}" for layer in range(n_layers)],
         head_names=head_names,
         selected=(result.layer, result.head, PRONOUN_POSITION),
+        view="model",
+        query=query,
+        key=key,
+        scale=scale,
     )
 
 
@@ -146,7 +157,8 @@ def _pronoun_caption(sentences, splits, measured, weights, config):
 )
 def attention_explorer(settings):
     """Interactive views: a model resolving "it", the worked examples, and position alone."""
-    sentences, splits, measured, (weights, result, config) = _pronoun_models(settings)
+    sentences, splits, measured, headline = _pronoun_models(settings)
+    weights, vectors, result, config = headline
     examples = [
         projection_example(backend=settings.backend),
         given_qkv_example(backend=settings.backend),
@@ -155,12 +167,15 @@ def attention_explorer(settings):
     worked = np.stack([example.weights for example in examples])
     position = _position_only_weights(settings.backend)
     pages = {
-        "pronoun_view": _pronoun_view(weights, result, config).html,
+        "pronoun_view": _pronoun_view(weights, vectors, result).html,
         "worked_examples_view": attention_view(
             tokens,
             worked,
             title="Worked examples (seed 003, seed 004)",
             head_names=[f"{example.name} ({example.source})" for example in examples],
+            view="neuron",
+            query=np.stack([example.query for example in examples]),
+            key=np.stack([example.key for example in examples]),
         ).html,
         "position_only_view": attention_view(
             _SENTENCE,
@@ -171,6 +186,7 @@ def attention_explorer(settings):
                 "RoPE (identical content)",
                 "ALiBi (no content)",
             ],
+            view="rows",
         ).html,
     }
     it = _SENTENCE.index("it")
@@ -179,10 +195,17 @@ def attention_explorer(settings):
         for name, row in zip(("sinusoidal", "RoPE", "ALiBi"), position[:, it], strict=True)
     )
     caption = _pronoun_caption(sentences, splits, measured, weights, config) + (
-        " Click or focus a token (arrow keys move) to see its attention over the keys; the "
-        "first view opens on 'it' in the best head, and its selectors switch layers and "
-        "heads; the others switch between the two worked examples, or between sinusoidal, "
-        "RoPE and ALiBi patterns computed from position alone on the same sentence. "
+        " The first view opens on every layer and head of that model (the model view: "
+        "each map one query per row, one key per column, darker for more weight), with the "
+        "row of 'it' marked; click a map to open it in the head view (lines from the "
+        "focused token to the keys it attends to, one colour per head, hover or click a "
+        "token), or choose the neuron view to see each weight computed from the model's own "
+        "query and key vectors. The second opens on seed 003's worked example in the neuron "
+        "view: the query and key vectors, their elementwise product, the score, the score "
+        "scaled by 1/sqrt(d_k) and the softmax, for any pair of tokens (the selectors switch "
+        "to seed 004's). The third shows, as bars, the sinusoidal, RoPE and ALiBi patterns "
+        "computed from position alone on the same sentence; the arrow keys move between "
+        "tokens. "
         "Position alone says where a token is, not what it means: the weight 'it' "
         f"puts on itself and on its two neighbours is {near}, and nothing singles out 'mat', "
         "the noun it refers to; a model has to learn that from content."
