@@ -399,3 +399,73 @@ def sum_to_shape(grad, shape):
     grad = grad.sum(axis=tuple(range(leading)))
     stretched = tuple(i for i, n in enumerate(shape) if n == 1 and grad.shape[i] != 1)
     return grad.sum(axis=stretched, keepdims=True) if stretched else grad
+
+
+class HeadGroups(NamedTuple):
+    """How :func:`group_query_heads` reshaped a grouped-query call, to undo it on results."""
+
+    query_shape: tuple
+    key_shape: tuple
+    value_shape: tuple
+    n_query_heads: int
+
+    def ungrouped(self, result, trailing=2):
+        """An output or weights (``trailing=2``: ``(..., L, Ev)``, ``(..., L, S)``) or
+        log-sum-exp (``trailing=1``) of the grouped call, with the query heads' two axes
+        ``(Hkv, G)`` merged back into one (a view: results are contiguous)."""
+        shape = shape_of(result)
+        axis = len(shape) - trailing - 2
+        return result.reshape((*shape[:axis], self.n_query_heads, *shape[axis + 2 :]))
+
+    def operand_gradients(self, grads):
+        """Gradients of the grouped operands, in the shapes the caller gave them."""
+        shapes = (self.query_shape, self.key_shape, self.value_shape)
+        return tuple(grad.reshape(shape) for grad, shape in zip(grads, shapes, strict=True))
+
+
+def group_query_heads(query, key, value, attn_mask):
+    """Grouped-query attention (``enable_gqa=True``) as broadcasting, without copying K/V.
+
+    With PyTorch's semantics, query head ``h`` of ``Hq`` reads key/value head
+    ``h // (Hq // Hkv)``; the heads are the third dimension from the end. Queries
+    ``(..., Hq, L, E)`` are viewed as ``(..., Hkv, G, L, E)`` and keys and values
+    ``(..., Hkv, S, E)`` as ``(..., Hkv, 1, S, E)``, so that the batch broadcasting
+    every backend already does (without materialising the broadcast) reads each
+    key/value head once per group. A per-head mask is split the same way.
+
+    Returns the operands to compute with and the :class:`HeadGroups` that undoes the
+    grouping on the results, or None in its place when the heads already match.
+    """
+    query = float_operand("query", query, half=True)
+    key = float_operand("key", key, half=True)
+    value = float_operand("value", value, half=True)
+    for name, array in (("query", query), ("key", key), ("value", value)):
+        require_ndim(name, array, 3, "(..., heads, rows, features) with enable_gqa=True")
+    query_shape, key_shape, value_shape = shape_of(query), shape_of(key), shape_of(value)
+    n_query_heads, n_kv_heads = query_shape[-3], key_shape[-3]
+    if value_shape[-3] != n_kv_heads or n_kv_heads == 0 or n_query_heads % n_kv_heads:
+        raise ShapeError(
+            "enable_gqa=True needs key and value with the same number of heads Hkv (third "
+            "dimension from the end), dividing the query's Hq; got query "
+            f"{query_shape}, key {key_shape} and value {value_shape}"
+        )
+    if n_query_heads == n_kv_heads:
+        return query, key, value, attn_mask, None
+    group = n_query_heads // n_kv_heads
+    groups = HeadGroups(query_shape, key_shape, value_shape, n_query_heads)
+    query = query.reshape((*query_shape[:-3], n_kv_heads, group, *query_shape[-2:]))
+    key = key.reshape((*key_shape[:-2], 1, *key_shape[-2:]))
+    value = value.reshape((*value_shape[:-2], 1, *value_shape[-2:]))
+    if attn_mask is not None:
+        attn_mask = host_array("attn_mask", _cuda.to_host(attn_mask))
+        if attn_mask.ndim >= 3:
+            mask_heads = attn_mask.shape[-3]
+            if mask_heads not in (1, n_query_heads):
+                raise ShapeError(
+                    f"attn_mask has {mask_heads} heads (third dimension from the end, shape "
+                    f"{attn_mask.shape}); with enable_gqa=True it must have 1 or the "
+                    f"query's {n_query_heads}"
+                )
+            split = (n_kv_heads, group) if mask_heads > 1 else (1, 1)
+            attn_mask = attn_mask.reshape((*attn_mask.shape[:-3], *split, *attn_mask.shape[-2:]))
+    return query, key, value, attn_mask, groups
