@@ -1,0 +1,129 @@
+"""``tfmath bench dropin``: a small GPT trained in PyTorch, its attention swapped for tfmath's.
+
+The same model, the same weights and the same batch take one training step
+(forward, loss, backward, AdamW update) with its attention computed by
+``torch.nn.functional.scaled_dot_product_attention`` and by
+:func:`tfmath.nn.scaled_dot_product_attention`, the one line that differs. The
+time per step at each context length is the best of interleaved rounds
+(:func:`~tfmath.analysis.timing.interleaved_best_times`), and the report gives the
+ratio of PyTorch's time to tfmath's: above 1, the drop-in is faster.
+
+torch is imported by the functions here, never at module import.
+"""
+
+import math
+
+from tfmath.analysis.timing import interleaved_best_times
+
+#: Context lengths of the measurement (``quick=True`` keeps the first two).
+CONTEXTS = (256, 512, 1024, 2048)
+
+
+def tiny_gpt(attention, *, vocab=256, d_model=256, n_heads=4, n_layers=2, seed=0):
+    """A pre-norm GPT (causal self-attention and a GELU MLP per block) whose attention
+    is ``attention(q, k, v, is_causal=True)`` on ``(batch, heads, L, d_k)`` tensors."""
+    import torch
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm_1, self.norm_2 = nn.LayerNorm(d_model), nn.LayerNorm(d_model)
+            self.qkv = nn.Linear(d_model, 3 * d_model)
+            self.out = nn.Linear(d_model, d_model)
+            self.mlp = nn.Sequential(
+                nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model)
+            )
+
+        def forward(self, x):
+            batch, length, _ = x.shape
+            qkv = self.qkv(self.norm_1(x)).view(batch, length, 3, n_heads, -1)
+            q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # (batch, heads, L, d_k) views
+            y = attention(q, k, v, is_causal=True)
+            x = x + self.out(y.transpose(1, 2).reshape(batch, length, d_model))
+            return x + self.mlp(self.norm_2(x))
+
+    class GPT(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(vocab, d_model)
+            self.blocks = nn.Sequential(*(Block() for _ in range(n_layers)))
+            self.norm = nn.LayerNorm(d_model)
+            self.head = nn.Linear(d_model, vocab, bias=False)
+
+        def forward(self, tokens):
+            positions = torch.arange(tokens.shape[-1])
+            x = self.embed(tokens) + _sinusoids(positions, d_model)
+            return self.head(self.norm(self.blocks(x)))
+
+    torch.manual_seed(seed)
+    return GPT()
+
+
+def _sinusoids(positions, d_model):
+    import torch
+
+    frequencies = torch.exp(-math.log(10000.0) * torch.arange(0, d_model, 2) / d_model)
+    angles = positions[:, None] * frequencies
+    return torch.cat((torch.sin(angles), torch.cos(angles)), dim=-1)
+
+
+def training_step(model, tokens):
+    """A call that runs one AdamW step of next-token prediction on ``tokens``."""
+    import torch
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step():
+        logits = model(tokens[:, :-1])
+        loss = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)
+        )
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    return step
+
+
+def dropin_rows(contexts=CONTEXTS, batch=1, repeats=2, rounds=3):
+    """``(context, torch seconds, tfmath seconds)`` per context: the best time of one
+    training step of the same model with each attention, from interleaved rounds."""
+    import torch
+    import torch.nn.functional as F
+
+    import tfmath.nn
+
+    rows = []
+    for context in contexts:
+        tokens = torch.randint(
+            0, 256, (batch, context + 1), generator=torch.Generator().manual_seed(0)
+        )
+        steps = {
+            "torch": training_step(tiny_gpt(F.scaled_dot_product_attention), tokens),
+            "tfmath": training_step(tiny_gpt(tfmath.nn.scaled_dot_product_attention), tokens),
+        }
+        best = interleaved_best_times(steps, repeats, rounds)
+        rows.append((context, best["torch"], best["tfmath"]))
+    return rows
+
+
+def print_dropin_report(quick=False, out=print):
+    """Print the drop-in table: time per training step and PyTorch's time over tfmath's."""
+    try:
+        import torch
+    except ImportError:
+        out("tfmath bench dropin: needs PyTorch (pip install torch)")
+        return
+    out(
+        f"A 2-layer GPT (d_model 256, 4 heads, batch 1) trained in PyTorch {torch.__version__}"
+        f" on the CPU ({torch.get_num_threads()} threads): one AdamW step, attention by"
+    )
+    out("PyTorch's SDPA or by tfmath.nn.scaled_dot_product_attention (best of interleaved rounds)")
+    out(f"{'context':>8} {'torch SDPA':>12} {'tfmath':>12} {'torch/tfmath':>13}")
+    for context, torch_seconds, tfmath_seconds in dropin_rows(CONTEXTS[:2] if quick else CONTEXTS):
+        out(
+            f"{context:>8} {torch_seconds * 1e3:>10.1f}ms {tfmath_seconds * 1e3:>10.1f}ms"
+            f" {torch_seconds / tfmath_seconds:>12.2f}x"
+        )
