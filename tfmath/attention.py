@@ -225,6 +225,11 @@ def scaled_dot_product_attention(
         lower triangle, as in PyTorch). Combines with ``attn_mask``.
     scale : float, optional
         Multiplies :math:`QK^\top`; default :math:`1/\sqrt{E}`.
+    enable_gqa : bool, optional
+        Grouped-query attention, as in PyTorch: key and value have ``Hkv``
+        heads (third dimension from the end), dividing the query's ``Hq``, and
+        query head ``h`` reads key/value head ``h // (Hq // Hkv)``. Keys and
+        values are not copied (see :doc:`/torch`).
     return_weights : bool, optional
         Also return the attention weights ``softmax(s Q K^T + M)``.
     return_log_sum_exp : bool, optional
@@ -260,7 +265,9 @@ def scaled_dot_product_attention(
     output : numpy.ndarray, shape (..., L, Ev)
         The attention output, in the operands' dtype (float64 when they mix
         float32 and float64; float16 and bfloat16 are computed in float32 and
-        rounded back). A device array when query, key or value was one.
+        rounded back). A device array when query, key or value was one; a
+        torch tensor when they were tensors (differentiable when one requires
+        grad, see :doc:`/torch`).
     weights : numpy.ndarray, shape (..., L, S)
         Only with ``return_weights=True``.
     log_sum_exp : numpy.ndarray, shape (..., L)
@@ -361,6 +368,11 @@ def _attention_of_tensors(args, options):
     enable_gqa = boolean_flag("enable_gqa", options["enable_gqa"])
 
     def attention_forward(query, key, value, attn_mask):
+        # Strided views (the heads of a (B, L, H, D) projection) are copied once here,
+        # where the kernels would copy them, so that the backward reuses the copies.
+        query, key, value = (
+            np.ascontiguousarray(a) if type(a) is np.ndarray else a for a in (query, key, value)
+        )
         groups = None
         if enable_gqa:
             query, key, value, attn_mask, groups = group_query_heads(query, key, value, attn_mask)

@@ -103,9 +103,7 @@ class AttentionProblem(NamedTuple):
                 # path of small problems, which come by the thousand.
                 n_batch = math.prod(batch)
                 if not (
-                    query.flags.c_contiguous
-                    and key.flags.c_contiguous
-                    and value.flags.c_contiguous
+                    query.flags.c_contiguous and key.flags.c_contiguous and value.flags.c_contiguous
                 ):
                     # Calls from plain_attention_problem are checked here, when there
                     # are copies to make.
