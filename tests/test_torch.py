@@ -107,10 +107,14 @@ def test_softmax_and_rotary_embedding_take_every_tensor_dtype(dtype):
         np.testing.assert_array_equal(as_numpy(result), np.float64(function(to_array("x", x))))
 
 
-def test_records_and_tuples_of_arrays_come_back_as_tensors():
+def test_records_tuples_and_scalars_come_back_as_tensors():
     scores = torch.randn(3, 5, dtype=torch.float64)
     statistics = tfmath.softmax_row_statistics(scores)
     assert isinstance(statistics.max_weight, torch.Tensor)
+    loss = tfmath.cross_entropy(scores.float(), torch.tensor([0, 1, 4]))
+    expected = F.cross_entropy(scores.float(), torch.tensor([0, 1, 4]))
+    assert isinstance(loss, torch.Tensor) and loss.shape == () and loss.dtype is torch.float32
+    np.testing.assert_allclose(loss.item(), expected.item(), rtol=1e-6)
     out, weights = tfmath.scaled_dot_product_attention(scores, scores, scores, return_weights=True)
     assert isinstance(out, torch.Tensor) and isinstance(weights, torch.Tensor)
 

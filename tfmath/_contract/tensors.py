@@ -90,8 +90,8 @@ def _wrap_results(result, device):
     """Results as tensors: arrays converted; tuples (named ones too), lists and the
     array fields of dataclass records walked; everything else (Python numbers, strings)
     returned as it is."""
-    if isinstance(result, np.ndarray) or _cuda.is_device_array(result):
-        return to_tensor(result, device)
+    if isinstance(result, np.ndarray | np.generic) or _cuda.is_device_array(result):
+        return to_tensor(result, device)  # a NumPy scalar (a mean loss) as a 0-d tensor
     if isinstance(result, tuple):
         items = [_wrap_results(item, device) for item in result]
         return type(result)._make(items) if hasattr(result, "_fields") else tuple(items)
