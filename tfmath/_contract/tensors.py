@@ -117,15 +117,20 @@ def _first_device(values):
     return next(value.device for value in values if isinstance(value, torch.Tensor))
 
 
-def call_with_arrays(function, name, args, kwargs):
+def call_with_arrays(function, name, args, kwargs, autograd=None):
     """``function(*args, **kwargs)`` with every tensor argument read as an array and
     every array result wrapped back as a tensor on the first tensor's device.
 
-    Refuses tensors that need a gradient: ``function`` has no backward, and a
-    result silently cut from the graph would train nothing.
+    ``autograd``, when given, returns the ``(forward, backward)`` pair of a block:
+    ``forward(*args, **kwargs)`` gives ``(result, cache)`` and ``backward(grad,
+    cache)`` the gradients of the leading positional arguments (one array or a
+    tuple); with it, tensors that need a gradient run through autograd. Without
+    it they are refused: a result silently cut from the graph would train nothing.
     """
     values = list(itertools.chain(args, kwargs.values()))
     if needs_grad(*values):
+        if autograd is not None:
+            return _block_through_autograd(*autograd(), args, kwargs)
         raise DTypeError(
             f"tfmath.{name} has no backward pass, but an argument requires grad; pass "
             "tensor.detach() or call it under torch.no_grad()"
@@ -138,20 +143,41 @@ def call_with_arrays(function, name, args, kwargs):
     return _wrap_results(result, device)
 
 
-def accepts_tensors(function):
-    """Let a public function take torch tensors and return them (see the module's doc).
+def accepts_tensors(function=None, *, autograd=None):
+    """Let a public function take torch tensors and return them (see the module's doc);
+    with ``autograd`` (see :func:`call_with_arrays`), differentiably.
 
     NumPy calls pay one dictionary lookup when torch is not imported, and one
     ``isinstance`` per argument when it is.
     """
+    if function is None:
+        return functools.partial(accepts_tensors, autograd=autograd)
 
     @functools.wraps(function)
     def wrapper(*args, **kwargs):
         if any_tensor(*args, *kwargs.values()):
-            return call_with_arrays(function, function.__name__, args, kwargs)
+            return call_with_arrays(function, function.__name__, args, kwargs, autograd)
         return function(*args, **kwargs)
 
     return wrapper
+
+
+def _block_through_autograd(forward, backward, args, kwargs):
+    """A block's ``forward``/``backward`` pair as one autograd node over its
+    positional arguments (keyword arguments are options)."""
+
+    def block_forward(*arrays):
+        result, cache = forward(*arrays, **kwargs)
+        return (result,), cache
+
+    def block_backward(cache, grad):
+        grads = backward(grad, cache)
+        grads = grads if isinstance(grads, tuple) else (grads,)
+        return (*grads, *(None,) * (len(args) - len(grads)))
+
+    names = [f"argument {i}" for i in range(len(args))]
+    (result,) = differentiable(Rule(block_forward, block_backward), names, args)
+    return result
 
 
 # -- autograd ------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from tfmath.training.layers._base import (
 )
 
 
-@accepts_tensors
+@accepts_tensors(autograd=lambda: (log_softmax_forward, log_softmax_backward))
 def log_softmax(x, *, backend="auto"):
     r"""Log-softmax over the last axis, computed without overflow.
 
@@ -83,7 +83,7 @@ def log_softmax_backward(grad_y, cache):
 REDUCTIONS = ("mean", "sum", "none")
 
 
-@accepts_tensors
+@accepts_tensors(autograd=lambda: (cross_entropy_forward, cross_entropy_backward))
 @half_precision
 def cross_entropy(
     logits, targets, *, label_smoothing=0.0, ignore_index=-100, reduction="mean", backend="auto"
