@@ -119,6 +119,15 @@ def test_records_tuples_and_scalars_come_back_as_tensors():
     assert isinstance(out, torch.Tensor) and isinstance(weights, torch.Tensor)
 
 
+def test_attention_grad_of_tensors_is_the_numpy_paths():
+    q, k, v, grad = (torch.randn(2, 3, 4, dtype=torch.float64) for _ in range(4))
+    ours = tfmath.attention_grad(q, k, v, grad, is_causal=True)
+    expected = tfmath.attention_grad(q.numpy(), k.numpy(), v.numpy(), grad.numpy(), is_causal=True)
+    for mine, theirs in zip(ours, expected, strict=True):
+        assert isinstance(mine, torch.Tensor)
+        np.testing.assert_array_equal(mine.numpy(), theirs)
+
+
 # -- no copies ------------------------------------------------------------------------------
 
 
