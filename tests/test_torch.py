@@ -331,3 +331,20 @@ def test_the_drop_in_has_pytorchs_signature():
 def test_importing_tfmath_does_not_import_torch():
     code = "import sys, tfmath, tfmath.nn; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_benchmarks_gpt_trains_the_same_with_either_attention():
+    from tfmath.tools.bench_dropin import tiny_gpt
+
+    tokens = torch.randint(0, 32, (2, 17), generator=torch.Generator().manual_seed(0))
+    losses, grads = [], []
+    for attention in (F.scaled_dot_product_attention, tfmath.nn.scaled_dot_product_attention):
+        model = tiny_gpt(attention, vocab=32, d_model=16, n_heads=2, n_layers=1)
+        logits = model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, 32), tokens[:, 1:].reshape(-1))
+        loss.backward()
+        losses.append(loss.item())
+        grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
+    tolerance = float(attention_tolerance(np.float32, 8, 16))
+    assert losses[0] == pytest.approx(losses[1], rel=tolerance)
+    np.testing.assert_allclose(grads[1].numpy(), grads[0].numpy(), rtol=1e-4, atol=tolerance)

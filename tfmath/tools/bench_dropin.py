@@ -87,9 +87,17 @@ def training_step(model, tokens):
     return step
 
 
+def _values_only(query, key, value, is_causal):
+    """No attention at all: the model's step less attention's cost, to say how much of
+    a step attention takes."""
+    return value
+
+
 def dropin_rows(contexts=CONTEXTS, batch=1, repeats=2, rounds=3):
-    """``(context, torch seconds, tfmath seconds)`` per context: the best time of one
-    training step of the same model with each attention, from interleaved rounds."""
+    """``(context, torch seconds, tfmath seconds, attention's share)`` per context: the
+    best time of one training step of the same model with each attention, from
+    interleaved rounds, and the fraction of PyTorch's step that its attention takes
+    (against the same model with the values passed through in its place)."""
     import torch
     import torch.nn.functional as F
 
@@ -103,9 +111,11 @@ def dropin_rows(contexts=CONTEXTS, batch=1, repeats=2, rounds=3):
         steps = {
             "torch": training_step(tiny_gpt(F.scaled_dot_product_attention), tokens),
             "tfmath": training_step(tiny_gpt(tfmath.nn.scaled_dot_product_attention), tokens),
+            "rest": training_step(tiny_gpt(_values_only), tokens),
         }
         best = interleaved_best_times(steps, repeats, rounds)
-        rows.append((context, best["torch"], best["tfmath"]))
+        share = max(0.0, 1.0 - best["rest"] / best["torch"])
+        rows.append((context, best["torch"], best["tfmath"], share))
     return rows
 
 
@@ -120,10 +130,12 @@ def print_dropin_report(quick=False, out=print):
         f"A 2-layer GPT (d_model 256, 4 heads, batch 1) trained in PyTorch {torch.__version__}"
         f" on the CPU ({torch.get_num_threads()} threads): one AdamW step, attention by"
     )
-    out("PyTorch's SDPA or by tfmath.nn.scaled_dot_product_attention (best of interleaved rounds)")
-    out(f"{'context':>8} {'torch SDPA':>12} {'tfmath':>12} {'torch/tfmath':>13}")
-    for context, torch_seconds, tfmath_seconds in dropin_rows(CONTEXTS[:2] if quick else CONTEXTS):
+    out("PyTorch's SDPA or by tfmath.nn.scaled_dot_product_attention (best of interleaved rounds);")
+    out("attention's share: of PyTorch's step, against the model with no attention")
+    out(f"{'context':>8} {'torch SDPA':>12} {'tfmath':>12} {'torch/tfmath':>13} {'attention':>10}")
+    rows = dropin_rows(CONTEXTS[:2] if quick else CONTEXTS)
+    for context, torch_seconds, tfmath_seconds, share in rows:
         out(
             f"{context:>8} {torch_seconds * 1e3:>10.1f}ms {tfmath_seconds * 1e3:>10.1f}ms"
-            f" {torch_seconds / tfmath_seconds:>12.2f}x"
+            f" {torch_seconds / tfmath_seconds:>12.2f}x {share:>10.0%}"
         )
