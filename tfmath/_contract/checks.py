@@ -197,9 +197,15 @@ def _check_dtype(name, dtype, half):
     if dtype.kind == "c":
         hint = "complex data has no ordering, so softmax is undefined for it"
     elif dtype.kind == "f" or is_half(dtype):
-        hint = f"cast it with .astype(np.float32) if {dtype} precision is enough"
+        hint = (
+            f"cast it with .astype(np.float32), or a tensor with .to(torch.float32), if "
+            f"{dtype} precision is enough"
+        )
     else:
-        hint = "cast it explicitly, for example with .astype(np.float64)"
+        hint = (
+            "cast it explicitly, for example with .astype(np.float64), or a tensor with "
+            ".to(torch.float64)"
+        )
     raise DTypeError(f"{name} must have dtype {accepted}, got {dtype} ({hint})")
 
 

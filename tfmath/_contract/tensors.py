@@ -15,6 +15,7 @@ if torch has been imported already, so :func:`any_tensor` looks it up in
 
 import dataclasses
 import functools
+import inspect
 import itertools
 import sys
 
@@ -61,7 +62,7 @@ def to_array(name, tensor):
             f"'cuda' tensors: move it with {name}.to('cpu')"
         )
     if tensor.dtype is torch.bfloat16:
-        import ml_dtypes
+        import ml_dtypes  # loaded with the first bfloat16 tensor
 
         return tensor.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
     try:
@@ -136,11 +137,18 @@ def call_with_arrays(function, name, args, kwargs, autograd=None):
             "tensor.detach() or call it under torch.no_grad()"
         )
     device = _first_device(values)
+    names = _parameter_names(function, len(args))
     result = function(
-        *(_unwrap(f"argument {i}", value) for i, value in enumerate(args)),
+        *(_unwrap(name, value) for name, value in zip(names, args, strict=True)),
         **{key: _unwrap(key, value) for key, value in kwargs.items()},
     )
     return _wrap_results(result, device)
+
+
+def _parameter_names(function, count):
+    """The names of ``function``'s first ``count`` positional parameters, for errors."""
+    parameters = list(inspect.signature(function).parameters)[:count]
+    return parameters + [f"argument {i}" for i in range(len(parameters), count)]
 
 
 def accepts_tensors(function=None, *, autograd=None):
@@ -175,7 +183,7 @@ def _block_through_autograd(forward, backward, args, kwargs):
         grads = grads if isinstance(grads, tuple) else (grads,)
         return (*grads, *(None,) * (len(args) - len(grads)))
 
-    names = [f"argument {i}" for i in range(len(args))]
+    names = _parameter_names(forward, len(args))
     (result,) = differentiable(Rule(block_forward, block_backward), names, args)
     return result
 

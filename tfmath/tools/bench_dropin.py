@@ -93,7 +93,7 @@ def _values_only(query, key, value, is_causal):
     return value
 
 
-def dropin_rows(contexts=CONTEXTS, batch=1, repeats=2, rounds=3):
+def dropin_rows(contexts=CONTEXTS, batch=1, repeats=2, rounds=5):
     """``(context, torch seconds, tfmath seconds, attention's share)`` per context: the
     best time of one training step of the same model with each attention, from
     interleaved rounds, and the fraction of PyTorch's step that its attention takes
