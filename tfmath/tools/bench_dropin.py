@@ -4,16 +4,19 @@ The same model, the same weights and the same batch take one training step
 (forward, loss, backward, AdamW update) with its attention computed by
 ``torch.nn.functional.scaled_dot_product_attention`` and by
 :func:`tfmath.nn.scaled_dot_product_attention`, the one line that differs. The
-time per step at each context length is the best of interleaved rounds
-(:func:`~tfmath.analysis.timing.interleaved_best_times`), and the report gives the
-ratio of PyTorch's time to tfmath's: above 1, the drop-in is faster.
+report gives the ratio of PyTorch's time to tfmath's, taken within interleaved
+rounds (above 1, the drop-in is faster), and the share of PyTorch's step that
+attention takes.
 
 torch is imported by the functions here, never at module import.
 """
 
 import math
+import statistics
+import time
+from typing import NamedTuple
 
-from tfmath.analysis.timing import interleaved_best_times
+from tfmath.analysis.timing import SETTLE_SECONDS
 
 #: Context lengths of the measurement (``quick=True`` keeps the first two).
 CONTEXTS = (256, 512, 1024, 2048)
@@ -93,11 +96,16 @@ def _values_only(query, key, value, is_causal):
     return value
 
 
-def dropin_rows(contexts=CONTEXTS, batch=1, repeats=2, rounds=5):
-    """``(context, torch seconds, tfmath seconds, attention's share)`` per context: the
-    best time of one training step of the same model with each attention, from
-    interleaved rounds, and the fraction of PyTorch's step that its attention takes
-    (against the same model with the values passed through in its place)."""
+def dropin_rows(contexts=CONTEXTS, batch=1, repeats=2, rounds=7):
+    """One :class:`DropinRow` per context, from interleaved rounds.
+
+    Each round times one training step of the same model with PyTorch's attention,
+    tfmath's and none (the values passed through), ``repeats`` times each, best
+    kept, in an order that alternates between rounds. The ratio of PyTorch's time to
+    tfmath's is taken within each round, whose timings share the machine's load of
+    that moment, and summarised by its median and range over the rounds; on a
+    shared machine, bests from different moments are not comparable.
+    """
     import torch
     import torch.nn.functional as F
 
@@ -105,18 +113,55 @@ def dropin_rows(contexts=CONTEXTS, batch=1, repeats=2, rounds=5):
 
     rows = []
     for context in contexts:
-        tokens = torch.randint(
-            0, 256, (batch, context + 1), generator=torch.Generator().manual_seed(0)
-        )
+        generator = torch.Generator().manual_seed(0)
+        tokens = torch.randint(0, 256, (batch, context + 1), generator=generator)
         steps = {
             "torch": training_step(tiny_gpt(F.scaled_dot_product_attention), tokens),
             "tfmath": training_step(tiny_gpt(tfmath.nn.scaled_dot_product_attention), tokens),
-            "rest": training_step(tiny_gpt(_values_only), tokens),
+            "none": training_step(tiny_gpt(_values_only), tokens),
         }
-        best = interleaved_best_times(steps, repeats, rounds)
-        share = max(0.0, 1.0 - best["rest"] / best["torch"])
-        rows.append((context, best["torch"], best["tfmath"], share))
+        for step in steps.values():
+            step()  # compiles tfmath's kernels, allocates the optimiser's state
+        times = {name: [] for name in steps}
+        for round_index in range(rounds):
+            order = list(steps) if round_index % 2 == 0 else list(reversed(steps))
+            for name in order:
+                time.sleep(SETTLE_SECONDS)
+                times[name].append(min(_seconds(steps[name]) for _ in range(repeats)))
+        ratios = [t / f for t, f in zip(times["torch"], times["tfmath"], strict=True)]
+        shares = [1 - n / t for n, t in zip(times["none"], times["torch"], strict=True)]
+        rows.append(
+            DropinRow(
+                context,
+                min(times["torch"]),
+                min(times["tfmath"]),
+                statistics.median(ratios),
+                min(ratios),
+                max(ratios),
+                max(0.0, statistics.median(shares)),
+            )
+        )
     return rows
+
+
+def _seconds(call):
+    start = time.perf_counter()
+    call()
+    return time.perf_counter() - start
+
+
+class DropinRow(NamedTuple):
+    """One context of ``tfmath bench dropin``: best step times, PyTorch's time over
+    tfmath's (median and range of the rounds' ratios), and attention's share of
+    PyTorch's step."""
+
+    context: int
+    torch_seconds: float
+    tfmath_seconds: float
+    ratio: float
+    ratio_low: float
+    ratio_high: float
+    attention_share: float
 
 
 def print_dropin_report(quick=False, out=print):
@@ -130,12 +175,16 @@ def print_dropin_report(quick=False, out=print):
         f"A 2-layer GPT (d_model 256, 4 heads, batch 1) trained in PyTorch {torch.__version__}"
         f" on the CPU ({torch.get_num_threads()} threads): one AdamW step, attention by"
     )
-    out("PyTorch's SDPA or by tfmath.nn.scaled_dot_product_attention (best of interleaved rounds);")
-    out("attention's share: of PyTorch's step, against the model with no attention")
-    out(f"{'context':>8} {'torch SDPA':>12} {'tfmath':>12} {'torch/tfmath':>13} {'attention':>10}")
-    rows = dropin_rows(CONTEXTS[:2] if quick else CONTEXTS)
-    for context, torch_seconds, tfmath_seconds, share in rows:
+    out("PyTorch's SDPA or by tfmath.nn.scaled_dot_product_attention. Ratio: PyTorch's time over")
+    out("tfmath's within each interleaved round, median [range]; attention: its share of")
+    out("PyTorch's step, against the same model without attention")
+    out(
+        f"{'context':>8} {'torch SDPA':>12} {'tfmath':>12} {'torch/tfmath':>13}"
+        f" {'[range]':>13} {'attention':>10}"
+    )
+    for row in dropin_rows(CONTEXTS[:2] if quick else CONTEXTS):
         out(
-            f"{context:>8} {torch_seconds * 1e3:>10.1f}ms {tfmath_seconds * 1e3:>10.1f}ms"
-            f" {torch_seconds / tfmath_seconds:>12.2f}x {share:>10.0%}"
+            f"{row.context:>8} {row.torch_seconds * 1e3:>10.1f}ms"
+            f" {row.tfmath_seconds * 1e3:>10.1f}ms {row.ratio:>12.2f}x"
+            f" [{row.ratio_low:.2f}-{row.ratio_high:.2f}] {row.attention_share:>10.0%}"
         )
