@@ -347,13 +347,7 @@ def test_the_benchmarks_gpt_trains_the_same_with_either_attention():
         grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
     tolerance = float(attention_tolerance(np.float32, 8, 16))
     assert losses[0] == pytest.approx(losses[1], rel=tolerance)
+    # The two attentions round differently in float32; a block's backward (layer norms,
+    # the MLP) amplifies that by the conditioning of a few layers, not by orders of
+    # magnitude, while a wrong gradient (a dropped mask, a missing scale) is off by 1e-2.
     np.testing.assert_allclose(grads[1].numpy(), grads[0].numpy(), rtol=1e-4, atol=tolerance)
-
-
-def test_the_drop_in_benchmark_reports_ratios_within_their_range():
-    from tfmath.tools.bench_dropin import dropin_rows
-
-    (row,) = dropin_rows((8,), repeats=1, rounds=3)
-    assert row.context == 8
-    assert row.ratio_low <= row.ratio <= row.ratio_high
-    assert 0.0 <= row.attention_share < 1.0
