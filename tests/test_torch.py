@@ -254,6 +254,19 @@ def test_half_precision_gradients_follow_the_float32_ones():
             np.testing.assert_allclose(as_numpy(h.grad), as_numpy(w.grad), atol=tolerance)
 
 
+def test_numpy_operands_beside_tensors_that_require_grad_get_no_gradient():
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    key = np.random.default_rng(9).standard_normal((5, 4))
+    tfmath.layer_norm(x, np.ones(4), np.zeros(4)).sum().backward()
+    expected = torch.autograd.grad(F.layer_norm(x, (4,)).sum(), x)[0]
+    np.testing.assert_allclose(x.grad.numpy(), expected.numpy(), atol=1e-12)
+    x.grad = None
+    tfmath.scaled_dot_product_attention(x, key, key).sum().backward()
+    keys = torch.from_numpy(key)
+    expected = torch.autograd.grad(F.scaled_dot_product_attention(x, keys, keys).sum(), x)[0]
+    np.testing.assert_allclose(x.grad.numpy(), expected.numpy(), atol=1e-12)
+
+
 def test_no_grad_calls_return_tensors_outside_the_graph():
     q = torch.randn(2, 3, 4, requires_grad=True)
     with torch.no_grad():

@@ -232,7 +232,13 @@ def _function_class():
                 ctx.saved,
                 *(None if g is None else _unwrap("grad_output", g) for g in grad_outputs),
             )
-            wrapped = (None if g is None else to_tensor(g, ctx.device) for g in grads)
+            # Only inputs that are tensors needing a gradient get one (NumPy arrays mixed
+            # with tensors, a weight without requires_grad, get None).
+            wanted = ctx.needs_input_grad[2:]
+            wrapped = (
+                to_tensor(g, ctx.device) if g is not None and want else None
+                for g, want in zip(grads, wanted, strict=True)
+            )
             return (None, None, *wrapped)
 
     return TfmathFunction
