@@ -31,6 +31,7 @@ LAYERS = (
             "tfmath.efficient",
             "tfmath.rnn",
             "tfmath.formulas",
+            "tfmath.nn",
         ),
     ),
     ("training", ("tfmath.training",)),

@@ -121,9 +121,24 @@ def test_byte_corpus_refuses_what_it_cannot_use(tmp_path):
     binary.write_bytes(bytes([0xFF, 0xFE, 0x00]) * 10)
     with pytest.raises(ArgumentError, match="not UTF-8"):
         ByteCorpus(binary)
-    short = ByteCorpus(text_file(tmp_path, text="tiny"))
+    short = ByteCorpus(text_file(tmp_path, text="tiny " * 4))
     with pytest.raises(ArgumentError, match="fewer than one sequence"):
         short.validation_sample(1, 8)
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda folder: folder / "missing.txt", "does not exist"),
+        (lambda folder: folder, "is a folder"),
+        (lambda folder: text_file(folder, text=""), "has 0 bytes"),
+        (lambda folder: text_file(folder, text="tiny"), "held-out part 1"),
+    ],
+    ids=["missing", "folder", "empty", "no-held-out-window"],
+)
+def test_byte_corpus_refuses_a_path_it_cannot_read_as_a_tfmath_error(tmp_path, make, message):
+    with pytest.raises(ArgumentError, match=message):
+        ByteCorpus(make(tmp_path))
 
 
 def test_every_source_is_a_token_source():

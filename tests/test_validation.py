@@ -112,3 +112,102 @@ def test_half_precision_is_refused_where_it_is_not_supported(kernels_must_not_ru
         tfmath.DTypeError,
         ["inputs", "float16", "float32 or float64"],
     )
+
+
+# -- defects of issue 27: each test failed before its fix ------------------------------------
+
+
+def _one_row_shifted(dtype):
+    q = np.random.default_rng(0).standard_normal((1, 1, 3, 4)).astype(dtype)
+    mask = np.zeros((3, 3))
+    mask[0, :] = -1e300  # a uniform shift of row 0, which leaves its softmax as it is
+    return q, mask
+
+
+def test_a_mask_that_would_overflow_in_the_scores_dtype_is_refused(kernels_must_not_run):
+    q, mask = _one_row_shifted(np.float32)
+    assert_refused(
+        lambda: tfmath.scaled_dot_product_attention(q, q, q, mask, backend="cpu"),
+        tfmath.DTypeError,
+        ["attn_mask", "float32", "-1e+300"],
+    )
+
+
+def test_the_same_mask_in_float64_is_a_finite_shift_not_a_forbidden_row():
+    # In float64 the shift is finite: row 0 is a softmax, not zeros. Scores of order 1
+    # vanish in the rounding of -1e300 + s, so its weights are uniform (PyTorch's
+    # float64 result too); the other rows are unmasked.
+    q, mask = _one_row_shifted(np.float64)
+    shifted = tfmath.scaled_dot_product_attention(q, q, q, mask)
+    plain = tfmath.scaled_dot_product_attention(q, q, q)
+    np.testing.assert_allclose(shifted[..., 0, :], q.mean(axis=-2), rtol=1e-12)
+    np.testing.assert_array_equal(shifted[..., 1:, :], plain[..., 1:, :])
+
+
+@pytest.mark.parametrize("dtype", [">f8", ">f4"])
+def test_big_endian_operands_are_read_as_their_values(dtype):
+    q = np.random.default_rng(1).standard_normal((2, 3, 4))
+    native = q.astype(np.dtype(dtype).newbyteorder("="))
+    out = tfmath.scaled_dot_product_attention(q.astype(dtype), native, native, backend="cpu")
+    assert out.dtype == native.dtype
+    np.testing.assert_array_equal(out, tfmath.scaled_dot_product_attention(native, native, native))
+
+
+def test_huge_requests_are_refused_before_allocating(monkeypatch, kernels_must_not_run):
+    from tfmath._contract import checks
+
+    monkeypatch.setattr(checks, "physical_memory_bytes", lambda: 16 * 2**30)
+    q = np.ones((1, 4), np.float32)
+    key = np.broadcast_to(q, (2**31, 4))  # 16 bytes of memory, 32 GiB as a copy
+    assert_refused(
+        lambda: tfmath.scaled_dot_product_attention(q, key, key, backend="cpu"),
+        tfmath.AllocationError,
+        ["copy of key", "34359738368 bytes", "16 GiB"],
+    )
+    rows = np.broadcast_to(np.ones((1, 4)), (2**17, 4))
+    assert_refused(
+        lambda: tfmath.scaled_dot_product_attention(rows, rows, rows, return_weights=True),
+        tfmath.AllocationError,
+        ["weights (return_weights=True)", "137438953472 bytes"],
+    )
+    assert issubclass(tfmath.AllocationError, MemoryError)
+
+
+def test_huge_plain_calls_are_refused_before_copying(monkeypatch):
+    from tfmath._contract import checks
+
+    monkeypatch.setattr(checks, "physical_memory_bytes", lambda: 16 * 2**30)
+    q = np.ones((1, 4), np.float32)
+    key = np.broadcast_to(q, (2**31, 4))
+    assert_refused(
+        lambda: tfmath.scaled_dot_product_attention(q, key, key),
+        tfmath.AllocationError,
+        ["copy of key", "34359738368 bytes"],
+    )
+
+
+def test_a_training_layer_mask_error_names_the_shape_given():
+    from tfmath.training.layers import attention_parameters, multi_head_attention_forward
+    from tfmath.training.params import Parameters
+
+    spec = attention_parameters(8, 4, n_kv_heads=2)
+    params = Parameters({name: np.ones(shape) for name, shape in spec.shapes().items()})
+    x = np.ones((2, 5, 8))
+    for mask_shape in [(2, 4, 5, 4), (3, 4, 5, 5), (2, 3, 5, 5)]:
+        assert_refused(
+            lambda shape=mask_shape: multi_head_attention_forward(
+                params, x, n_heads=4, n_kv_heads=2, attn_mask=np.ones(shape, bool)
+            ),
+            tfmath.ShapeError,
+            ["attn_mask", str(mask_shape), "(2, 4, 5, 5)"],
+        )
+
+
+def test_nested_lists_follow_one_rule_numbers_as_float64_booleans_as_a_boolean_mask():
+    q = np.random.default_rng(2).standard_normal((3, 4))
+    numbers, booleans = [[0, -1, 2]] * 3, [[True, False, True]] * 3
+    attend = tfmath.scaled_dot_product_attention
+    np.testing.assert_array_equal(attend(q, q, q, numbers), attend(q, q, q, np.float64(numbers)))
+    np.testing.assert_array_equal(attend(q, q, q, booleans), attend(q, q, q, np.array(booleans)))
+    integers = [[1, 0, 2, 0]] * 3
+    np.testing.assert_array_equal(attend(integers, q, q), attend(np.float64(integers), q, q))

@@ -32,6 +32,7 @@ from tfmath._version import __version__
 from tfmath.attention import attention_grad, scaled_dot_product_attention, softmax
 from tfmath.efficient import linear_attention, sparse_attention, sparse_attention_mask
 from tfmath.errors import (
+    AllocationError,
     ArgumentError,
     BackendUnavailableError,
     DTypeError,
@@ -71,6 +72,7 @@ from tfmath.variance import (
 from tfmath.view import AttentionView, attention_vectors, attention_view
 
 __all__ = [
+    "AllocationError",
     "ArgumentError",
     "AttentionView",
     "BackendInfo",

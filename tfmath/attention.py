@@ -15,6 +15,7 @@ import numpy as np
 from tfmath import _cuda
 from tfmath._contract.attention import (
     attention_problem,
+    group_query_heads,
     output_gradient,
     plain_attention_problem,
     saved_forward,
@@ -30,8 +31,15 @@ from tfmath._contract.checks import (
     require_ndim,
 )
 from tfmath._contract.layout import shape_of
+from tfmath._contract.tensors import (
+    Rule,
+    any_tensor,
+    call_with_arrays,
+    differentiable,
+    needs_grad,
+)
 from tfmath._dispatch import implementation, narrowed, resolve_backend, run
-from tfmath.errors import ArgumentError
+from tfmath.errors import ArgumentError, DTypeError
 
 __all__ = ["attention_grad", "scaled_dot_product_attention", "softmax"]
 
@@ -94,6 +102,8 @@ def softmax(x, axis=-1, *, accumulate=None, backend="auto"):
         # the checks the general path would make, answered here in a few comparisons.
         # The CPU kernel takes any C-contiguous shape, so x needs no reshaping.
         return implementation("softmax", "cpu")(x if x.flags.c_contiguous else x.copy())
+    if any_tensor(x):
+        return _softmax_of_tensor(x, axis, accumulate, backend)
     x = float_operand("x", x, half=True)
     require_ndim("x", x, 1, "(the axis to normalise over)")
     axis = integer("axis", axis)
@@ -108,6 +118,29 @@ def softmax(x, axis=-1, *, accumulate=None, backend="auto"):
         x = implementation("widen", backend)(x)
     result = _softmax_along(x, axis % x.ndim, backend)
     return implementation("narrow", backend)(result, dtype) if widen else result
+
+
+def _softmax_of_tensor(x, axis, accumulate, backend):
+    """:func:`softmax` of a torch tensor: a tensor out, through autograd when it requires
+    grad, with the backward :math:`dx = y \\circ (dy - \\sum_j dy_j\\, y_j)`."""
+    options = {"axis": axis, "accumulate": accumulate, "backend": backend}
+    if not needs_grad(x):
+        return call_with_arrays(softmax, "softmax", (x,), options)
+
+    def softmax_forward(x):
+        y = softmax(x, **options)
+        return (y,), y
+
+    def softmax_backward(y, grad_y):
+        # In float32 at least, as the forward computes half precision.
+        wide = np.result_type(y.dtype, grad_y.dtype, np.float32)
+        y_wide, grad_wide = y.astype(wide, copy=False), grad_y.astype(wide, copy=False)
+        along = axis % y.ndim
+        grad_x = y_wide * (grad_wide - (grad_wide * y_wide).sum(axis=along, keepdims=True))
+        return (grad_x.astype(y.dtype, copy=False),)
+
+    (y,) = differentiable(Rule(softmax_forward, softmax_backward), ("x",), (x,))
+    return y
 
 
 def _is_default_host_call(x, axis, accumulate, backend):
@@ -160,6 +193,7 @@ def scaled_dot_product_attention(
     is_causal=False,
     scale=None,
     *,
+    enable_gqa=False,
     return_weights=False,
     return_log_sum_exp=False,
     method="auto",
@@ -191,6 +225,11 @@ def scaled_dot_product_attention(
         lower triangle, as in PyTorch). Combines with ``attn_mask``.
     scale : float, optional
         Multiplies :math:`QK^\top`; default :math:`1/\sqrt{E}`.
+    enable_gqa : bool, optional
+        Grouped-query attention, as in PyTorch: key and value have ``Hkv``
+        heads (third dimension from the end), dividing the query's ``Hq``, and
+        query head ``h`` reads key/value head ``h // (Hq // Hkv)``. Keys and
+        values are not copied (see :doc:`/torch`).
     return_weights : bool, optional
         Also return the attention weights ``softmax(s Q K^T + M)``.
     return_log_sum_exp : bool, optional
@@ -226,7 +265,9 @@ def scaled_dot_product_attention(
     output : numpy.ndarray, shape (..., L, Ev)
         The attention output, in the operands' dtype (float64 when they mix
         float32 and float64; float16 and bfloat16 are computed in float32 and
-        rounded back). A device array when query, key or value was one.
+        rounded back). A device array when query, key or value was one; a
+        torch tensor when they were tensors (differentiable when one requires
+        grad, see :doc:`/torch`).
     weights : numpy.ndarray, shape (..., L, S)
         Only with ``return_weights=True``.
     log_sum_exp : numpy.ndarray, shape (..., L)
@@ -269,6 +310,19 @@ def scaled_dot_product_attention(
             # Non-empty float32/float64 host operands: nothing for run() to widen or
             # route to the reference, so the routine is called as it is.
             return implementation(_attention_routine(problem, method, False), "cpu")(problem)[0]
+    options = {
+        "enable_gqa": enable_gqa,
+        "return_weights": return_weights,
+        "return_log_sum_exp": return_log_sum_exp,
+        "method": method,
+        "accumulate": accumulate,
+        "backend": backend,
+    }
+    if any_tensor(query, key, value, attn_mask):
+        return _attention_of_tensors((query, key, value, attn_mask, is_causal, scale), options)
+    groups = None
+    if boolean_flag("enable_gqa", enable_gqa):
+        query, key, value, attn_mask, groups = group_query_heads(query, key, value, attn_mask)
     problem = attention_problem(
         query,
         key,
@@ -282,8 +336,73 @@ def scaled_dot_product_attention(
     )
     return_log_sum_exp = boolean_flag("return_log_sum_exp", return_log_sum_exp)
     output, extra = forward(problem, method, return_log_sum_exp=return_log_sum_exp)
+    if groups is not None:
+        output = groups.ungrouped(output)
+        extra = None if extra is None else groups.ungrouped(extra, 2 if return_weights else 1)
     if problem.return_weights or return_log_sum_exp:
         return output, extra
+    return output
+
+
+def _attention_of_tensors(args, options):
+    """:func:`scaled_dot_product_attention` of torch tensors: tensors out, and through
+    autograd (the flash forward, then :func:`attention_grad`'s backward, from the saved
+    output and log-sum-exp) when grad mode is on and an operand requires grad."""
+    query, key, value, attn_mask, is_causal, scale = args
+    if not needs_grad(query, key, value, attn_mask):
+        return call_with_arrays(
+            scaled_dot_product_attention, "scaled_dot_product_attention", args, options
+        )
+    if needs_grad(attn_mask):
+        raise DTypeError(
+            "attn_mask requires grad, but tfmath differentiates attention with respect to "
+            "query, key and value only; pass attn_mask.detach()"
+        )
+    if options["return_weights"] or options["return_log_sum_exp"]:
+        raise ArgumentError(
+            "with operands that require grad, scaled_dot_product_attention returns the "
+            "output alone: return_weights and return_log_sum_exp are not differentiable"
+        )
+    # The backward needs the log-sum-exp, which the flash and decode methods keep.
+    method = "auto" if options["method"] == "naive" else options["method"]
+    enable_gqa = boolean_flag("enable_gqa", options["enable_gqa"])
+
+    def attention_forward(query, key, value, attn_mask):
+        # Strided views (the heads of a (B, L, H, D) projection) are copied once here,
+        # where the kernels would copy them, so that the backward reuses the copies.
+        query, key, value = (
+            np.ascontiguousarray(a) if type(a) is np.ndarray else a for a in (query, key, value)
+        )
+        groups = None
+        if enable_gqa:
+            query, key, value, attn_mask, groups = group_query_heads(query, key, value, attn_mask)
+        problem = attention_problem(
+            query,
+            key,
+            value,
+            attn_mask,
+            is_causal,
+            scale,
+            accumulate=options["accumulate"],
+            backend=resolve_backend(options["backend"], query, key, value, attn_mask),
+        )
+        output, log_sum_exp = forward(problem, method, return_log_sum_exp=True)
+        result = output if groups is None else groups.ungrouped(output)
+        return (result,), (problem, groups, output, log_sum_exp)
+
+    def attention_backward(saved, grad_output):
+        problem, groups, output, log_sum_exp = saved
+        if groups is not None:
+            grad_output = grad_output.reshape(shape_of(output))
+        grads = gradients(problem, output_gradient(problem, grad_output), (output, log_sum_exp))
+        if groups is not None:
+            grads = groups.operand_gradients(grads)
+        return (*grads, None)
+
+    rule = Rule(attention_forward, attention_backward)
+    (output,) = differentiable(
+        rule, ("query", "key", "value", "attn_mask"), (query, key, value, attn_mask)
+    )
     return output
 
 
@@ -420,6 +539,13 @@ def attention_grad(
     >>> dv.shape
     (3, 3)
     """
+    if any_tensor(query, key, value, grad_output, attn_mask, output, log_sum_exp):
+        return call_with_arrays(
+            attention_grad,
+            "attention_grad",
+            (query, key, value, grad_output, attn_mask, is_causal, scale),
+            {"output": output, "log_sum_exp": log_sum_exp, "backend": backend},
+        )
     problem = attention_problem(
         query,
         key,

@@ -25,6 +25,7 @@ import math
 from tfmath._contract.attention import attention_problem
 from tfmath._contract.checks import choice, integer, real
 from tfmath._contract.efficient import FEATURE_MAPS, PATTERNS, SparsePattern, sparse_pattern
+from tfmath._contract.tensors import accepts_tensors
 from tfmath._dispatch import narrowed, resolve_backend, run
 
 __all__ = [
@@ -41,6 +42,7 @@ __all__ = [
 # --- linear attention ---------------------------------------------------------------------
 
 
+@accepts_tensors
 def linear_attention(
     query, key, value, *, is_causal=False, feature_map="elu+1", eps=1e-6, backend="auto"
 ):
@@ -129,6 +131,7 @@ def linear_attention(
 # --- sparse attention ---------------------------------------------------------------------
 
 
+@accepts_tensors
 def sparse_attention(
     query,
     key,

@@ -24,3 +24,7 @@ class ArgumentError(TfmathError, ValueError):
 
 class BackendUnavailableError(TfmathError, ValueError):
     """The requested backend is unknown, or cannot run on this machine."""
+
+
+class AllocationError(TfmathError, MemoryError):
+    """A call would need more memory than the machine has; refused before any work."""

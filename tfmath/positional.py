@@ -48,7 +48,14 @@ import math
 import numpy as np
 
 from tfmath import _cuda
-from tfmath._contract.checks import boolean_flag, float_operand, host_array, integer, require_ndim
+from tfmath._contract.checks import (
+    boolean_flag,
+    float_operand,
+    host_array,
+    integer,
+    is_half,
+    require_ndim,
+)
 from tfmath._contract.layout import as_batched_3d, shape_of
 from tfmath._contract.positional import (
     FrequencyTable,
@@ -57,6 +64,7 @@ from tfmath._contract.positional import (
     output_dtype,
     wavelength_base,
 )
+from tfmath._contract.tensors import accepts_tensors
 from tfmath._dispatch import implementation, resolve_backend
 from tfmath.errors import ArgumentError, DTypeError, ShapeError
 
@@ -145,6 +153,7 @@ def sinusoidal_encoding(
 # --- rotary embedding -------------------------------------------------------------------------
 
 
+@accepts_tensors
 def rotary_embedding(x, positions=None, *, base=10000.0, backend="auto"):
     r"""Rotary position embedding (RoPE): rotate feature pairs by position-dependent angles.
 
@@ -166,7 +175,8 @@ def rotary_embedding(x, positions=None, *, base=10000.0, backend="auto"):
     Parameters
     ----------
     x : array_like, shape (..., n, d)
-        Queries or keys, float32 or float64; ``d`` must be even.
+        Queries or keys, float16, bfloat16, float32 or float64 (half precision
+        is rotated in float32 and rounded back once); ``d`` must be even.
     positions : array_like of int, shape (n,), optional
         The position of each of the ``n`` rows; default ``0, 1, ..., n - 1``.
         Every position must satisfy :math:`|m| < 2^{31}`.
@@ -203,7 +213,7 @@ def rotary_embedding(x, positions=None, *, base=10000.0, backend="auto"):
     array([[1.        , 0.        ],
            [0.54030231, 0.84147098]])
     """
-    x = float_operand("x", x)
+    x = float_operand("x", x, half=True)
     require_ndim("x", x, 2, "(..., n, d)")
     n_rows, n_features = shape_of(x)[-2:]
     if n_features % 2:
@@ -217,10 +227,15 @@ def rotary_embedding(x, positions=None, *, base=10000.0, backend="auto"):
     if _cuda.is_device_array(x) and backend != "cuda":
         x = _cuda.to_host(x)
     table = frequency_table(max(n_features, 1), base)
+    dtype = np.dtype(x.dtype)
+    half = is_half(dtype)
+    if half:  # rotated in float32 and rounded once, as the attention kernels compute
+        x = implementation("widen", backend)(x)
     batch = math.prod(shape_of(x)[:-2])
     rows = as_batched_3d(x, batch)
     rotated = implementation("rotary_embedding", backend)(rows, positions, table)
-    return rotated.reshape(shape_of(x))
+    rotated = rotated.reshape(shape_of(x))
+    return implementation("narrow", backend)(rotated, dtype) if half else rotated
 
 
 def _positions(positions, n_rows):
@@ -330,6 +345,7 @@ def alibi_bias(n_heads, n_query, n_key, *, dtype=np.float64, backend="auto"):
 _POSITIONAL_CHOICES = ("sinusoidal", None, "an array of shape (n_max, d_model)")
 
 
+@accepts_tensors
 def embed(
     tokens,
     embedding_matrix,

@@ -12,11 +12,13 @@ those first, all together.
 """
 
 from tfmath._contract.rnn import RnnProblem, rnn_problem
+from tfmath._contract.tensors import accepts_tensors
 from tfmath._dispatch import resolve_backend, run
 
 __all__ = ["RnnProblem", "elman_rnn"]
 
 
+@accepts_tensors
 def elman_rnn(inputs, w_xh, w_hh, bias=None, h0=None, *, backend="auto"):
     r"""Run an Elman RNN over a sequence and return every hidden state.
 

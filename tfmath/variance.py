@@ -30,6 +30,7 @@ import numpy as np
 from tfmath import _cuda
 from tfmath._contract.checks import float_operand, integer, real, require_ndim
 from tfmath._contract.layout import shape_of
+from tfmath._contract.tensors import accepts_tensors
 from tfmath._contract.variance import (
     DISTRIBUTIONS,
     FOURTH_MOMENTS,
@@ -185,6 +186,7 @@ class VarianceInterval(NamedTuple):
     high: float
 
 
+@accepts_tensors
 def sample_variance(samples, confidence=0.95):
     r"""Unbiased sample variance with a normal-approximation confidence interval.
 
@@ -437,6 +439,7 @@ class PowerLawFit:
     confidence: float
 
 
+@accepts_tensors
 def fit_power_law(x, y, standard_error, confidence=0.95):
     r"""Fit :math:`y = a x^b` on log-log axes, weighting each point by its known error.
 
@@ -528,6 +531,7 @@ class RowStatistics:
         return np.exp(_cuda.to_host(self.entropy))
 
 
+@accepts_tensors
 def softmax_row_statistics(scores, *, scale=1.0, backend="auto"):
     r"""Saturation of the softmax along the last axis of ``scores``.
 

@@ -14,6 +14,7 @@ import numpy as np
 from tfmath import _cuda
 from tfmath._contract.checks import (
     boolean_flag,
+    check_allocations,
     compute_dtype,
     float_operand,
     host_array,
@@ -101,10 +102,17 @@ class AttentionProblem(NamedTuple):
                 # No broadcasting: each operand's entries are the output's. The short
                 # path of small problems, which come by the thousand.
                 n_batch = math.prod(batch)
+                if not (
+                    query.flags.c_contiguous and key.flags.c_contiguous and value.flags.c_contiguous
+                ):
+                    # Calls from plain_attention_problem are checked here, when there
+                    # are copies to make.
+                    check_allocations(_allocations(self))
+                    query, key, value = map(np.ascontiguousarray, (query, key, value))
                 return (
-                    np.ascontiguousarray(query).reshape(n_batch, self.n_query, self.n_features),
-                    np.ascontiguousarray(key).reshape(n_batch, self.n_key, self.n_features),
-                    np.ascontiguousarray(value).reshape(n_batch, self.n_key, self.value_dim),
+                    query.reshape(n_batch, self.n_query, self.n_features),
+                    key.reshape(n_batch, self.n_key, self.n_features),
+                    value.reshape(n_batch, self.n_key, self.value_dim),
                     None,
                     _identity_indices(n_batch),
                 )
@@ -231,7 +239,26 @@ def attention_problem(
         value_shape[-1],
         accumulation,
     )
+    check_allocations(_allocations(problem))
     return problem if backend == "cuda" else problem.on_host()
+
+
+def _allocations(problem):
+    """What a call on ``problem`` allocates in proportion to its sizes, as
+    ``(what, bytes)``: the output, the weights it returns, and the contiguous copies
+    the kernels take of strided or broadcast operands (a zero-stride view of 2**31
+    keys is 8 bytes of memory, and its copy is not)."""
+    itemsize = max(problem.dtype.itemsize, problem.compute_dtype.itemsize)
+    batch = math.prod(problem.batch_shape)
+    allocations = [("the output", batch * problem.n_query * problem.value_dim * itemsize)]
+    if problem.return_weights:
+        weights = batch * problem.n_query * problem.n_key * itemsize
+        allocations.append(("the weights (return_weights=True)", weights))
+    for name in ("query", "key", "value", "attn_mask"):
+        array = getattr(problem, name)
+        if isinstance(array, np.ndarray) and not array.flags.c_contiguous:
+            allocations.append((f"a contiguous copy of {name}", array.size * itemsize))
+    return allocations
 
 
 def plain_attention_problem(query, key, value, is_causal, scale):
@@ -331,13 +358,17 @@ def _attention_mask(attn_mask, n_query, n_key, dtype):
     if attn_mask is None:
         return None
     mask = host_array("attn_mask", _cuda.to_host(attn_mask))
+    if isinstance(attn_mask, list | tuple) and mask.dtype.kind in "iu":
+        # Nested lists read as every operand's do: numbers become float64 (here, an
+        # additive mask); booleans stay a boolean mask.
+        mask = mask.astype(np.float64)
     if mask.dtype != np.bool_:
         if mask.dtype.kind != "f" and not is_half(mask.dtype):
             raise DTypeError(
                 f"attn_mask must be boolean (True = may attend) or floating (added to "
                 f"the scores), got dtype {mask.dtype}"
             )
-        mask = mask.astype(dtype, copy=False)
+        mask = _mask_in(mask, dtype)
     if mask.ndim < 2:
         mask = mask.reshape((1,) * (2 - mask.ndim) + mask.shape)
     rows, columns = shape_of(mask)[-2:]
@@ -347,6 +378,30 @@ def _attention_mask(attn_mask, n_query, n_key, dtype):
             f"got shape {tuple(np.shape(attn_mask))}"
         )
     return mask
+
+
+def _mask_in(mask, dtype):
+    """A floating mask in the scores' dtype; refused if that turns a finite value infinite.
+
+    A float64 mask of -1e300 on a row of float32 scores is a uniform shift, which
+    leaves the softmax as it is; cast to float32 it would be -inf, a forbidden row,
+    and the output zeros. Such masks are refused rather than silently misread.
+    """
+    if mask.dtype == dtype:
+        return mask
+    with np.errstate(over="ignore"):  # an overflow is reported below, by name
+        cast = mask.astype(dtype)
+    if mask.dtype.itemsize >= dtype.itemsize:
+        overflowed = np.isinf(cast) & np.isfinite(mask)
+        if overflowed.any():
+            example = mask[overflowed].flat[0]
+            raise DTypeError(
+                f"attn_mask holds finite values beyond the range of {dtype}, the dtype the "
+                f"scores are computed in (for example {example:g}), which would become "
+                f"infinite there and forbid their pairs; forbid pairs with -inf or a boolean "
+                f"mask, keep shifts within {dtype}'s range, or compute in float64"
+            )
+    return cast
 
 
 def output_gradient(problem, grad_output):
@@ -399,3 +454,73 @@ def sum_to_shape(grad, shape):
     grad = grad.sum(axis=tuple(range(leading)))
     stretched = tuple(i for i, n in enumerate(shape) if n == 1 and grad.shape[i] != 1)
     return grad.sum(axis=stretched, keepdims=True) if stretched else grad
+
+
+class HeadGroups(NamedTuple):
+    """How :func:`group_query_heads` reshaped a grouped-query call, to undo it on results."""
+
+    query_shape: tuple
+    key_shape: tuple
+    value_shape: tuple
+    n_query_heads: int
+
+    def ungrouped(self, result, trailing=2):
+        """An output or weights (``trailing=2``: ``(..., L, Ev)``, ``(..., L, S)``) or
+        log-sum-exp (``trailing=1``) of the grouped call, with the query heads' two axes
+        ``(Hkv, G)`` merged back into one (a view: results are contiguous)."""
+        shape = shape_of(result)
+        axis = len(shape) - trailing - 2
+        return result.reshape((*shape[:axis], self.n_query_heads, *shape[axis + 2 :]))
+
+    def operand_gradients(self, grads):
+        """Gradients of the grouped operands, in the shapes the caller gave them."""
+        shapes = (self.query_shape, self.key_shape, self.value_shape)
+        return tuple(grad.reshape(shape) for grad, shape in zip(grads, shapes, strict=True))
+
+
+def group_query_heads(query, key, value, attn_mask):
+    """Grouped-query attention (``enable_gqa=True``) as broadcasting, without copying K/V.
+
+    With PyTorch's semantics, query head ``h`` of ``Hq`` reads key/value head
+    ``h // (Hq // Hkv)``; the heads are the third dimension from the end. Queries
+    ``(..., Hq, L, E)`` are viewed as ``(..., Hkv, G, L, E)`` and keys and values
+    ``(..., Hkv, S, E)`` as ``(..., Hkv, 1, S, E)``, so that the batch broadcasting
+    every backend already does (without materialising the broadcast) reads each
+    key/value head once per group. A per-head mask is split the same way.
+
+    Returns the operands to compute with and the :class:`HeadGroups` that undoes the
+    grouping on the results, or None in its place when the heads already match.
+    """
+    query = float_operand("query", query, half=True)
+    key = float_operand("key", key, half=True)
+    value = float_operand("value", value, half=True)
+    for name, array in (("query", query), ("key", key), ("value", value)):
+        require_ndim(name, array, 3, "(..., heads, rows, features) with enable_gqa=True")
+    query_shape, key_shape, value_shape = shape_of(query), shape_of(key), shape_of(value)
+    n_query_heads, n_kv_heads = query_shape[-3], key_shape[-3]
+    if value_shape[-3] != n_kv_heads or n_kv_heads == 0 or n_query_heads % n_kv_heads:
+        raise ShapeError(
+            "enable_gqa=True needs key and value with the same number of heads Hkv (third "
+            "dimension from the end), dividing the query's Hq; got query "
+            f"{query_shape}, key {key_shape} and value {value_shape}"
+        )
+    if n_query_heads == n_kv_heads:
+        return query, key, value, attn_mask, None
+    group = n_query_heads // n_kv_heads
+    groups = HeadGroups(query_shape, key_shape, value_shape, n_query_heads)
+    query = query.reshape((*query_shape[:-3], n_kv_heads, group, *query_shape[-2:]))
+    key = key.reshape((*key_shape[:-2], 1, *key_shape[-2:]))
+    value = value.reshape((*value_shape[:-2], 1, *value_shape[-2:]))
+    if attn_mask is not None:
+        attn_mask = host_array("attn_mask", _cuda.to_host(attn_mask))
+        if attn_mask.ndim >= 3:
+            mask_heads = attn_mask.shape[-3]
+            if mask_heads not in (1, n_query_heads):
+                raise ShapeError(
+                    f"attn_mask has {mask_heads} heads (third dimension from the end, shape "
+                    f"{attn_mask.shape}); with enable_gqa=True it must have 1 or the "
+                    f"query's {n_query_heads}"
+                )
+            split = (n_kv_heads, group) if mask_heads > 1 else (1, 1)
+            attn_mask = attn_mask.reshape((*attn_mask.shape[:-3], *split, *attn_mask.shape[-2:]))
+    return query, key, value, attn_mask, groups

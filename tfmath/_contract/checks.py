@@ -9,13 +9,15 @@ out of range or an unknown option, :class:`~tfmath.errors.ShapeError` (a
 ``ValueError``) for shapes.
 """
 
+import functools
 import math
 import numbers
+import os
 
 import numpy as np
 
 from tfmath import _cuda
-from tfmath.errors import ArgumentError, DTypeError, ShapeError
+from tfmath.errors import AllocationError, ArgumentError, DTypeError, ShapeError
 
 #: The floating dtypes the kernels are compiled for.
 KERNEL_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
@@ -173,7 +175,18 @@ def float_operand(name, value, *, half=False):
     array = host_array(name, value)
     if not isinstance(value, np.ndarray | np.generic) and array.dtype.kind in "biu":
         array = array.astype(np.float64)
-    _check_dtype(name, array.dtype, half)
+    return native_byte_order(name, array, half)
+
+
+def native_byte_order(name, array, half=False):
+    """``array`` checked, and in the machine's byte order: a big-endian ``>f8`` array
+    holds float64 values, which the kernels read after one conversion (a copy)."""
+    dtype = array.dtype
+    if not dtype.isnative:
+        dtype = dtype.newbyteorder("=")
+        _check_dtype(name, dtype, half)
+        return array.astype(dtype)
+    _check_dtype(name, dtype, half)
     return array
 
 
@@ -184,9 +197,15 @@ def _check_dtype(name, dtype, half):
     if dtype.kind == "c":
         hint = "complex data has no ordering, so softmax is undefined for it"
     elif dtype.kind == "f" or is_half(dtype):
-        hint = f"cast it with .astype(np.float32) if {dtype} precision is enough"
+        hint = (
+            f"cast it with .astype(np.float32), or a tensor with .to(torch.float32), if "
+            f"{dtype} precision is enough"
+        )
     else:
-        hint = "cast it explicitly, for example with .astype(np.float64)"
+        hint = (
+            "cast it explicitly, for example with .astype(np.float64), or a tensor with "
+            ".to(torch.float64)"
+        )
     raise DTypeError(f"{name} must have dtype {accepted}, got {dtype} ({hint})")
 
 
@@ -197,3 +216,34 @@ def require_ndim(name, array, minimum, meaning):
             f"{name} must have at least {minimum} dimensions {meaning}, "
             f"got shape {tuple(array.shape)}"
         )
+
+
+@functools.cache
+def physical_memory_bytes():
+    """The machine's physical memory in bytes, or None where the OS does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def check_allocations(allocations):
+    """Refuse, before any work, a call whose ``(what, bytes)`` allocations add up to
+    more than the machine's physical memory, naming the largest.
+
+    NumPy would fail with ``Unable to allocate 128. GiB`` from deep inside the call,
+    without saying which argument asked for it.
+    """
+    limit = physical_memory_bytes()
+    total = sum(size for _, size in allocations)
+    if limit is None or total <= limit:
+        return
+    what, size = max(allocations, key=lambda allocation: allocation[1])
+    raise AllocationError(
+        f"this call would allocate {_gib(total)} GiB, more than this machine's "
+        f"{_gib(limit)} GiB of memory; {what} alone takes {size} bytes ({_gib(size)} GiB)"
+    )
+
+
+def _gib(size):
+    return f"{size / 2**30:.3g}"

@@ -66,7 +66,11 @@ def _parser():
     info.set_defaults(handler=_info)
 
     bench = commands.add_parser("bench", help="time tfmath's kernels against their peers")
-    bench.add_argument("topic", choices=("attention",), help="what to benchmark")
+    bench.add_argument(
+        "topic",
+        choices=("attention", "dropin"),
+        help="what to benchmark (dropin: a PyTorch GPT's training step with tfmath's attention)",
+    )
     bench.add_argument("--quick", action="store_true", help="shorter sequences only")
     bench.add_argument(
         "--matrix",
@@ -91,6 +95,11 @@ def _parser():
 
 
 def _bench(args):
+    if args.topic == "dropin":
+        from tfmath.tools.bench_dropin import print_dropin_report
+
+        print_dropin_report(quick=args.quick)
+        return 0
     from tfmath.tools.bench import print_attention_report, print_matrix_report, print_small_report
 
     if args.matrix or args.small:

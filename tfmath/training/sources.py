@@ -64,6 +64,10 @@ class TokenSource(ABC):
         training run's key)."""
 
 
+#: Bytes in the shortest window a part of a :class:`ByteCorpus` must hold: a word and its target.
+_SHORTEST_WINDOW = 2
+
+
 class ByteCorpus(TokenSource):
     r"""A UTF-8 text file as a byte-level language (vocabulary 256).
 
@@ -82,8 +86,9 @@ class ByteCorpus(TokenSource):
     Raises
     ------
     ArgumentError
-        For a file that is not UTF-8 text, or too short to hold a training and
-        a validation window.
+        For a path that is missing or not a file, a file that is not UTF-8
+        text, or one too short to hold a training and a validation window (of
+        one byte and its successor each).
 
     Examples
     --------
@@ -99,6 +104,9 @@ class ByteCorpus(TokenSource):
     def __init__(self, path, *, holdout=0.1):
         self.path = Path(path)
         self.holdout = real("holdout", holdout, above=0.0, below=1.0)
+        if not self.path.is_file():
+            state = "is a folder" if self.path.is_dir() else "does not exist"
+            raise ArgumentError(f"ByteCorpus needs a text file, but {self.path} {state}")
         raw = self.path.read_bytes()
         try:
             raw.decode("utf-8")
@@ -108,6 +116,13 @@ class ByteCorpus(TokenSource):
         data = np.frombuffer(raw, dtype=np.uint8).astype(np.int64)
         split = len(data) - max(1, round(self.holdout * len(data)))
         self.train_bytes, self.validation_bytes = data[:split], data[split:]
+        if min(self.train_bytes.size, self.validation_bytes.size) < _SHORTEST_WINDOW:
+            raise ArgumentError(
+                f"{self.path} has {len(data)} bytes: with holdout={self.holdout} its training "
+                f"part has {self.train_bytes.size} and its held-out part "
+                f"{self.validation_bytes.size}, and each needs at least {_SHORTEST_WINDOW} "
+                "(one byte and the byte after it)"
+            )
 
     @property
     def vocab_size(self):

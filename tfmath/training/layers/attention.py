@@ -240,7 +240,7 @@ def multi_head_attention_forward(
         _group_heads(query, layout),
         key[..., None, :, :],
         value[..., None, :, :],
-        _grouped_mask(attn_mask, layout),
+        _grouped_mask(attn_mask, layout, (*query.shape[:-1], key.shape[-2])),
         is_causal,
         backend=resolve_backend(backend, x, attn_mask),
     )
@@ -370,20 +370,25 @@ def _group_heads(heads, layout):
     return heads.reshape(*batch, layout.n_kv_heads, layout.group, length, d_head)
 
 
-def _grouped_mask(attn_mask, layout):
+def _grouped_mask(attn_mask, layout, scores_shape):
     """A mask broadcastable to ``(..., h, L, S)`` as one for the grouped heads,
-    ``(..., h_kv, group, L, S)``: its heads axis split, or given a size-1 axis."""
+    ``(..., h_kv, group, L, S)``: its heads axis split, or given a size-1 axis.
+
+    Its shape is checked here, against the scores' ``(..., h, L, S)``, so that an
+    error names the shape the caller gave, not the grouped one."""
     if attn_mask is None:
         return None
     mask = host_array("attn_mask", _cuda.to_host(attn_mask))
+    try:
+        np.broadcast_shapes(mask.shape, scores_shape)
+    except ValueError:
+        raise ShapeError(
+            f"attn_mask must broadcast to the scores' (..., n_heads, L, S) = {scores_shape}, "
+            f"got shape {mask.shape}"
+        ) from None
     if mask.ndim < 3:
         return mask
     heads = mask.shape[-3]
-    if heads not in (1, layout.n_heads):
-        raise ShapeError(
-            f"attn_mask must broadcast to (..., n_heads, L, S) with n_heads = {layout.n_heads}, "
-            f"got shape {mask.shape}"
-        )
     if heads == 1:
         return mask[..., None, :, :]
     return mask.reshape(*mask.shape[:-3], layout.n_kv_heads, layout.group, *mask.shape[-2:])

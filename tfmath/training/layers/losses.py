@@ -7,6 +7,7 @@ from tfmath._contract.checks import (
     host_array,
     real,
 )
+from tfmath._contract.tensors import accepts_tensors
 from tfmath._dispatch import implementation, resolve_backend
 from tfmath.errors import ArgumentError, DTypeError, ShapeError
 from tfmath.training.layers._base import (
@@ -20,6 +21,7 @@ from tfmath.training.layers._base import (
 )
 
 
+@accepts_tensors(autograd=lambda: (log_softmax_forward, log_softmax_backward))
 def log_softmax(x, *, backend="auto"):
     r"""Log-softmax over the last axis, computed without overflow.
 
@@ -81,6 +83,7 @@ def log_softmax_backward(grad_y, cache):
 REDUCTIONS = ("mean", "sum", "none")
 
 
+@accepts_tensors(autograd=lambda: (cross_entropy_forward, cross_entropy_backward))
 @half_precision
 def cross_entropy(
     logits, targets, *, label_smoothing=0.0, ignore_index=-100, reduction="mean", backend="auto"

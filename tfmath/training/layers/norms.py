@@ -4,6 +4,7 @@ from tfmath._contract.checks import (
     choice,
     integer,
 )
+from tfmath._contract.tensors import accepts_tensors
 from tfmath._dispatch import implementation, resolve_backend
 from tfmath.training.layers._base import (
     Cache,
@@ -22,6 +23,7 @@ from tfmath.training.params import Parameters, ParameterSpec
 NORMS = ("layer_norm", "rms_norm")
 
 
+@accepts_tensors(autograd=lambda: (layer_norm_forward, layer_norm_backward))
 def layer_norm(x, weight, bias, eps=1e-5, *, backend="auto"):
     r"""Layer normalisation over the last dimension (the seeds' formula).
 
@@ -119,6 +121,7 @@ def layer_norm_backward(grad_y, cache):
     return grad_x.reshape(saved["shape"]), grad_weight, grad_bias
 
 
+@accepts_tensors(autograd=lambda: (rms_norm_forward, rms_norm_backward))
 def rms_norm(x, weight, eps=1e-6, *, backend="auto"):
     r"""Root-mean-square normalisation over the last dimension (Zhang and Sennrich 2019).
 

@@ -1,0 +1,366 @@
+"""PyTorch tensors in, PyTorch tensors out: the NumPy path's results, autograd, GQA, no copies.
+
+Every test skips when torch is not installed. Shapes are tiny and hypothesis draws
+few examples: what is checked is the plumbing (types, dtypes, strides, devices,
+the autograd graph), since the kernels are tested against the reference elsewhere.
+"""
+
+import inspect
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import tfmath
+import tfmath.nn
+from tests._tolerances import attention_tolerance, half_tolerance
+from tfmath._contract.attention import attention_problem, group_query_heads
+from tfmath._contract.tensors import to_array, to_tensor
+from tfmath.errors import ArgumentError, DTypeError, ShapeError
+
+torch = pytest.importorskip("torch")
+F = torch.nn.functional
+
+DTYPES = {
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+}
+FEW = settings(max_examples=12, deadline=None)
+
+
+def as_numpy(tensor):
+    """The tensor's values as a NumPy array (bfloat16 through float32, exactly)."""
+    tensor = tensor.detach()
+    return (tensor.float() if tensor.dtype is torch.bfloat16 else tensor).numpy()
+
+
+def tensor_like(rng, shape, dtype, transposed=False):
+    """A random tensor; ``transposed`` gives it the strides of a (B, L, H, D) view."""
+    if transposed and len(shape) == 4:
+        batch, heads, rows, width = shape
+        data = rng.standard_normal((batch, rows, heads, width))
+        return torch.from_numpy(data).to(DTYPES[dtype]).transpose(1, 2)
+    return torch.from_numpy(rng.standard_normal(shape)).to(DTYPES[dtype])
+
+
+@st.composite
+def attention_cases(draw):
+    batch, heads = draw(st.integers(1, 2)), draw(st.integers(1, 3))
+    n_query, n_key = draw(st.integers(1, 5)), draw(st.integers(1, 5))
+    features, value_dim = draw(st.integers(1, 4)), draw(st.integers(1, 4))
+    return {
+        "shapes": (
+            (batch, heads, n_query, features),
+            (batch, heads, n_key, features),
+            (batch, heads, n_key, value_dim),
+        ),
+        "dtype": draw(st.sampled_from(sorted(DTYPES))),
+        "mask": draw(st.sampled_from([None, "bool", "float", "key_padding"])),
+        "is_causal": draw(st.booleans()),
+        "transposed": draw(st.booleans()),
+        "seed": draw(st.integers(0, 2**16)),
+    }
+
+
+def make_mask(rng, kind, batch, n_query, n_key, dtype):
+    if kind is None:
+        return None
+    if kind == "key_padding":
+        keep = rng.random((batch, 1, 1, n_key)) < 0.7
+        keep[..., 0] = True
+        return torch.from_numpy(keep)
+    if kind == "bool":
+        keep = rng.random((n_query, n_key)) < 0.7
+        keep[:, 0] = True  # no row with nothing to attend: PyTorch gives NaN there, tfmath 0
+        return torch.from_numpy(keep)
+    # An additive mask in the operands' own dtype, as PyTorch requires.
+    return torch.from_numpy(rng.standard_normal((n_query, n_key))).to(DTYPES[dtype])
+
+
+@FEW
+@given(attention_cases())
+def test_attention_of_tensors_is_the_numpy_paths_result_as_a_tensor(case):
+    rng = np.random.default_rng(case["seed"])
+    q, k, v = (tensor_like(rng, s, case["dtype"], case["transposed"]) for s in case["shapes"])
+    batch, _, n_query, _ = case["shapes"][0]
+    mask = make_mask(rng, case["mask"], batch, n_query, case["shapes"][1][2], case["dtype"])
+    out = tfmath.scaled_dot_product_attention(q, k, v, mask, case["is_causal"])
+    assert isinstance(out, torch.Tensor)
+    assert out.dtype is q.dtype and out.device == q.device and not out.requires_grad
+    numpy_operands = [to_array(name, t) for name, t in zip("qkv", (q, k, v), strict=True)]
+    numpy_mask = None if mask is None else to_array("mask", mask)
+    expected = tfmath.scaled_dot_product_attention(*numpy_operands, numpy_mask, case["is_causal"])
+    np.testing.assert_array_equal(as_numpy(out), np.asarray(expected, dtype=np.float64))
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+def test_softmax_and_rotary_embedding_take_every_tensor_dtype(dtype):
+    x = tensor_like(np.random.default_rng(0), (2, 3, 4), dtype)
+    for function in (tfmath.softmax, tfmath.rotary_embedding):
+        result = function(x)
+        assert isinstance(result, torch.Tensor) and result.dtype is x.dtype
+        np.testing.assert_array_equal(as_numpy(result), np.float64(function(to_array("x", x))))
+
+
+def test_records_tuples_and_scalars_come_back_as_tensors():
+    scores = torch.randn(3, 5, dtype=torch.float64)
+    statistics = tfmath.softmax_row_statistics(scores)
+    assert isinstance(statistics.max_weight, torch.Tensor)
+    loss = tfmath.cross_entropy(scores.float(), torch.tensor([0, 1, 4]))
+    expected = F.cross_entropy(scores.float(), torch.tensor([0, 1, 4]))
+    assert isinstance(loss, torch.Tensor) and loss.shape == () and loss.dtype is torch.float32
+    np.testing.assert_allclose(loss.item(), expected.item(), rtol=1e-6)
+    out, weights = tfmath.scaled_dot_product_attention(scores, scores, scores, return_weights=True)
+    assert isinstance(out, torch.Tensor) and isinstance(weights, torch.Tensor)
+
+
+def test_attention_grad_of_tensors_is_the_numpy_paths():
+    q, k, v, grad = (torch.randn(2, 3, 4, dtype=torch.float64) for _ in range(4))
+    ours = tfmath.attention_grad(q, k, v, grad, is_causal=True)
+    expected = tfmath.attention_grad(q.numpy(), k.numpy(), v.numpy(), grad.numpy(), is_causal=True)
+    for mine, theirs in zip(ours, expected, strict=True):
+        assert isinstance(mine, torch.Tensor)
+        np.testing.assert_array_equal(mine.numpy(), theirs)
+
+
+# -- no copies ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+def test_tensors_are_read_and_results_wrapped_without_copies(dtype):
+    rng = np.random.default_rng(1)
+    for tensor in (
+        tensor_like(rng, (1, 2, 3, 4), dtype),
+        tensor_like(rng, (1, 2, 3, 4), dtype, True),
+    ):
+        array = to_array("x", tensor)
+        assert array.ctypes.data == tensor.data_ptr()
+        assert array.strides == tuple(s * tensor.element_size() for s in tensor.stride())
+    result = to_array("x", tensor_like(rng, (2, 3), dtype)).copy()
+    assert to_tensor(result, "cpu").data_ptr() == result.ctypes.data
+
+
+def test_contiguous_tensors_reach_the_kernels_without_copies():
+    q, k, v = (torch.randn(2, 3, 4, 8) for _ in range(3))
+    problem = attention_problem(
+        *(to_array(n, t) for n, t in zip("qkv", (q, k, v), strict=True)), backend="cpu"
+    )
+    for operand, tensor in zip(problem.kernel_operands()[:3], (q, k, v), strict=True):
+        assert np.shares_memory(operand, tensor.numpy())
+
+
+# -- autograd -------------------------------------------------------------------------------
+
+
+def mask_layouts(heads, n_query, n_key):
+    """Every mask layout, boolean and additive, for (1, heads, L, S) scores."""
+    rng = np.random.default_rng(2)
+    keep = rng.random((1, heads, n_query, n_key)) < 0.7
+    keep[..., 0] = True
+    return {
+        "none": None,
+        "bool_full": torch.from_numpy(keep[0, 0]),
+        "bool_per_head": torch.from_numpy(keep),
+        "key_padding": torch.from_numpy(keep[:, :1, :1, :]),
+        "float_full": torch.from_numpy(rng.standard_normal((n_query, n_key))),
+        "float_per_head": torch.from_numpy(rng.standard_normal((1, heads, n_query, n_key))),
+    }
+
+
+def leaves(rng, shapes, dtype=torch.float64):
+    return [torch.from_numpy(rng.standard_normal(s)).to(dtype).requires_grad_() for s in shapes]
+
+
+@pytest.mark.parametrize(
+    ("mask", "is_causal"),
+    [*((mask, False) for mask in mask_layouts(2, 2, 3)), ("none", True), ("key_padding", True)],
+)
+def test_gradcheck_of_attention_in_float64(mask, is_causal):
+    # Two query heads reading one key/value head: grouped-query attention too.
+    q, k, v = leaves(np.random.default_rng(3), [(1, 2, 2, 2), (1, 1, 3, 2), (1, 1, 3, 2)])
+    attn_mask = mask_layouts(2, 2, 3)[mask]
+
+    def attention(q, k, v):
+        return tfmath.scaled_dot_product_attention(q, k, v, attn_mask, is_causal, enable_gqa=True)
+
+    assert torch.autograd.gradcheck(attention, (q, k, v))
+
+
+def test_gradcheck_of_softmax_in_float64():
+    (x,) = leaves(np.random.default_rng(4), [(2, 3, 4)])
+    assert torch.autograd.gradcheck(lambda x: tfmath.softmax(x, axis=1), (x,))
+    assert torch.autograd.gradcheck(lambda x: tfmath.nn.softmax(x, dim=-1), (x,))
+
+
+def pytorch_attention(q, k, v, mask, is_causal):
+    """PyTorch's SDPA, with ``is_causal`` folded into the mask (it takes one or the other)."""
+    if is_causal and mask is not None:
+        lower = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril()
+        mask = mask & lower if mask.dtype is torch.bool else mask.masked_fill(~lower, -torch.inf)
+        is_causal = False
+    return F.scaled_dot_product_attention(q, k, v, mask, is_causal=is_causal)
+
+
+def test_gradcheck_of_the_blocks_in_float64():
+    x, weight, bias = leaves(np.random.default_rng(8), [(2, 3, 5), (5,), (5,)])
+    targets = torch.tensor([[0, 1, 2], [4, 3, 2]])
+    blocks = {
+        "layer_norm": (lambda x, w, b: tfmath.layer_norm(x, w, b), (x, weight, bias)),
+        "rms_norm": (lambda x, w: tfmath.rms_norm(x, w), (x, weight)),
+        "log_softmax": (lambda x: tfmath.log_softmax(x), (x,)),
+        "cross_entropy": (lambda x: tfmath.cross_entropy(x, targets, reduction="none"), (x,)),
+    }
+    for name, (block, inputs) in blocks.items():
+        assert torch.autograd.gradcheck(block, inputs), name
+
+
+@FEW
+@given(attention_cases())
+def test_gradients_equal_pytorch_sdpas(case):
+    dtype = case["dtype"] if case["dtype"] in ("float32", "float64") else "float64"
+    rng = np.random.default_rng(case["seed"])
+    shapes = case["shapes"]
+    ours = leaves(rng, shapes, DTYPES[dtype])
+    theirs = [t.detach().clone().requires_grad_() for t in ours]
+    batch, _, n_query, features = shapes[0]
+    mask = make_mask(rng, case["mask"], batch, n_query, shapes[1][2], dtype)
+    grad = torch.from_numpy(rng.standard_normal((*shapes[0][:3], shapes[2][3]))).to(DTYPES[dtype])
+    out = tfmath.nn.scaled_dot_product_attention(*ours, mask, is_causal=case["is_causal"])
+    expected = pytorch_attention(*theirs, mask, case["is_causal"])
+    out.backward(grad)
+    expected.backward(grad)
+    tolerance = 1e-10 if dtype == "float64" else attention_tolerance(np.float32, features, 8)
+    pairs = zip((out, *(t.grad for t in ours)), (expected, *(t.grad for t in theirs)), strict=True)
+    for mine, peer in pairs:
+        np.testing.assert_allclose(as_numpy(mine), as_numpy(peer), rtol=tolerance, atol=tolerance)
+
+
+def test_half_precision_gradients_follow_the_float32_ones():
+    rng = np.random.default_rng(5)
+    shapes = [(1, 2, 4, 8), (1, 2, 6, 8), (1, 2, 6, 8)]
+    for dtype in (torch.float16, torch.bfloat16):
+        half = leaves(rng, shapes, dtype)
+        wide = [t.detach().float().requires_grad_() for t in half]
+        tfmath.scaled_dot_product_attention(*half, is_causal=True).sum().backward()
+        tfmath.scaled_dot_product_attention(*wide, is_causal=True).sum().backward()
+        for h, w in zip(half, wide, strict=True):
+            assert h.grad.dtype is dtype
+            tolerance = 8 * half_tolerance(np.dtype(str(dtype).removeprefix("torch.")), 8)
+            np.testing.assert_allclose(as_numpy(h.grad), as_numpy(w.grad), atol=tolerance)
+
+
+def test_numpy_operands_beside_tensors_that_require_grad_get_no_gradient():
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    key = np.random.default_rng(9).standard_normal((5, 4))
+    tfmath.layer_norm(x, np.ones(4), np.zeros(4)).sum().backward()
+    expected = torch.autograd.grad(F.layer_norm(x, (4,)).sum(), x)[0]
+    np.testing.assert_allclose(x.grad.numpy(), expected.numpy(), atol=1e-12)
+    x.grad = None
+    tfmath.scaled_dot_product_attention(x, key, key).sum().backward()
+    keys = torch.from_numpy(key)
+    expected = torch.autograd.grad(F.scaled_dot_product_attention(x, keys, keys).sum(), x)[0]
+    np.testing.assert_allclose(x.grad.numpy(), expected.numpy(), atol=1e-12)
+
+
+def test_no_grad_calls_return_tensors_outside_the_graph():
+    q = torch.randn(2, 3, 4, requires_grad=True)
+    with torch.no_grad():
+        out = tfmath.scaled_dot_product_attention(q, q, q)
+    assert isinstance(out, torch.Tensor) and not out.requires_grad
+
+
+def test_what_cannot_be_differentiated_is_refused_by_name():
+    q = torch.randn(2, 3, 4, requires_grad=True)
+    with pytest.raises(DTypeError, match="rotary_embedding has no backward"):
+        tfmath.rotary_embedding(q)
+    mask = torch.zeros(3, 3, requires_grad=True)
+    with pytest.raises(DTypeError, match="attn_mask requires grad"):
+        tfmath.scaled_dot_product_attention(q, q, q, mask)
+    with pytest.raises(ArgumentError, match="not differentiable"):
+        tfmath.scaled_dot_product_attention(q, q, q, return_weights=True)
+    with pytest.raises(ArgumentError, match="dropout_p must be 0"):
+        tfmath.nn.scaled_dot_product_attention(q, q, q, dropout_p=0.1)
+
+
+def test_an_in_place_change_before_the_backward_is_caught():
+    q = torch.randn(1, 3, 4, requires_grad=True)
+    k = torch.randn(1, 3, 4)
+    out = tfmath.scaled_dot_product_attention(q, k, k)
+    k.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+
+
+# -- grouped-query attention -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mask", list(mask_layouts(6, 3, 4)))
+def test_enable_gqa_equals_pytorchs_for_numpy_and_tensors(mask):
+    rng = np.random.default_rng(6)
+    q, k, v = (
+        torch.from_numpy(rng.standard_normal(s)) for s in [(2, 6, 3, 4), (2, 2, 4, 4), (2, 2, 4, 5)]
+    )
+    attn_mask = mask_layouts(6, 3, 4)[mask]
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask, enable_gqa=True).numpy()
+    ours = tfmath.scaled_dot_product_attention(q, k, v, attn_mask, enable_gqa=True)
+    numpy_mask = None if attn_mask is None else attn_mask.numpy()
+    from_numpy = tfmath.scaled_dot_product_attention(
+        q.numpy(), k.numpy(), v.numpy(), numpy_mask, enable_gqa=True
+    )
+    tolerance = attention_tolerance(np.float64, 4, 4)
+    np.testing.assert_allclose(ours.numpy(), expected, rtol=tolerance, atol=tolerance)
+    np.testing.assert_allclose(from_numpy, expected, rtol=tolerance, atol=tolerance)
+
+
+def test_enable_gqa_reads_keys_and_values_without_copies():
+    k = np.random.default_rng(7).standard_normal((1, 2, 5, 4))
+    q = np.ones((1, 6, 3, 4))
+    grouped = group_query_heads(q, k, k, None)
+    assert all(np.shares_memory(a, b) for a, b in zip(grouped[:3], (q, k, k), strict=True))
+
+
+def test_enable_gqa_names_the_head_counts_that_do_not_divide():
+    q, k = np.ones((1, 6, 3, 4)), np.ones((1, 4, 5, 4))
+    with pytest.raises(ShapeError, match="enable_gqa=True needs"):
+        tfmath.scaled_dot_product_attention(q, k, k, enable_gqa=True)
+    with pytest.raises(ShapeError, match="batch dimensions do not broadcast"):
+        tfmath.scaled_dot_product_attention(q, k, k)
+
+
+# -- the drop-in module ----------------------------------------------------------------------
+
+
+def test_the_drop_in_has_pytorchs_signature():
+    ours = inspect.signature(tfmath.nn.scaled_dot_product_attention)
+    theirs = ["query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"]
+    assert list(ours.parameters) == theirs
+
+
+def test_importing_tfmath_does_not_import_torch():
+    code = "import sys, tfmath, tfmath.nn; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_benchmarks_gpt_trains_the_same_with_either_attention():
+    from tfmath.tools.bench_dropin import tiny_gpt
+
+    tokens = torch.randint(0, 32, (2, 17), generator=torch.Generator().manual_seed(0))
+    losses, grads = [], []
+    for attention in (F.scaled_dot_product_attention, tfmath.nn.scaled_dot_product_attention):
+        model = tiny_gpt(attention, vocab=32, d_model=16, n_heads=2, n_layers=1)
+        logits = model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, 32), tokens[:, 1:].reshape(-1))
+        loss.backward()
+        losses.append(loss.item())
+        grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
+    tolerance = float(attention_tolerance(np.float32, 8, 16))
+    assert losses[0] == pytest.approx(losses[1], rel=tolerance)
+    # The two attentions round differently in float32; a block's backward (layer norms,
+    # the MLP) amplifies that by the conditioning of a few layers, not by orders of
+    # magnitude, while a wrong gradient (a dropped mask, a missing scale) is off by 1e-2.
+    np.testing.assert_allclose(grads[1].numpy(), grads[0].numpy(), rtol=1e-4, atol=tolerance)

@@ -1,0 +1,250 @@
+"""PyTorch tensors in, PyTorch tensors out: the array types a public function returns.
+
+tfmath computes on NumPy arrays (and, on the GPU, Numba device arrays). A
+public function given a ``torch.Tensor`` reads the tensor's memory without a
+copy (``Tensor.numpy()`` on the CPU, bfloat16 through an int16 view and
+``ml_dtypes.bfloat16``; ``__cuda_array_interface__`` on the GPU), computes, and
+wraps its results back as tensors on the tensor's device (``torch.from_numpy``,
+again without a copy). Tensors that require gradients go through a
+``torch.autograd.Function`` whose backward is tfmath's own (:func:`differentiable`).
+
+torch stays optional: it is never imported here. A value can only be a tensor
+if torch has been imported already, so :func:`any_tensor` looks it up in
+``sys.modules``, a dictionary lookup when it is absent.
+"""
+
+import dataclasses
+import functools
+import inspect
+import itertools
+import sys
+
+import numpy as np
+
+from tfmath import _cuda
+from tfmath.errors import DTypeError
+
+
+def any_tensor(*values):
+    """Whether some value is a ``torch.Tensor`` (False at once when torch is not imported)."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return False
+    tensor = torch.Tensor
+    return any(isinstance(value, tensor) for value in values)
+
+
+def needs_grad(*values):
+    """Whether autograd must record a call on these values: grad mode is on and some
+    tensor among them requires a gradient."""
+    torch = sys.modules["torch"]
+    return torch.is_grad_enabled() and any(
+        isinstance(value, torch.Tensor) and value.requires_grad for value in values
+    )
+
+
+def to_array(name, tensor):
+    """The tensor's data as a NumPy array (CPU) or Numba device array (CUDA), without a copy.
+
+    Strides carry over as they are; the kernels' own layout rules decide later
+    whether a contiguous copy is needed, exactly as for a NumPy view.
+    """
+    torch = sys.modules["torch"]
+    tensor = tensor.detach()
+    if tensor.is_conj() or tensor.is_neg():
+        tensor = tensor.resolve_conj().resolve_neg()
+    device = tensor.device.type
+    if device == "cuda":
+        return _cuda.as_device_array(tensor)
+    if device != "cpu":
+        raise DTypeError(
+            f"{name} is a tensor on device {tensor.device}; tfmath computes on 'cpu' and "
+            f"'cuda' tensors: move it with {name}.to('cpu')"
+        )
+    if tensor.dtype is torch.bfloat16:
+        import ml_dtypes  # loaded with the first bfloat16 tensor
+
+        return tensor.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    try:
+        return tensor.numpy()
+    except TypeError as error:  # torch dtypes NumPy has no counterpart for
+        raise DTypeError(
+            f"{name} has dtype {tensor.dtype}, which tfmath cannot read: {error}"
+        ) from None
+
+
+def to_tensor(array, device):
+    """Wrap a result array as a tensor on ``device``, without a copy where NumPy's
+    strides allow (torch has no negative strides)."""
+    torch = sys.modules["torch"]
+    if _cuda.is_device_array(array):
+        return torch.as_tensor(array, device=device)
+    array = np.asarray(array)
+    if any(stride < 0 for stride in array.strides) or not array.flags.writeable:
+        array = array.copy()
+    if array.dtype.name == "bfloat16":
+        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(array)
+
+
+def _wrap_results(result, device):
+    """Results as tensors: arrays converted; tuples (named ones too), lists and the
+    array fields of dataclass records walked; everything else (Python numbers, strings)
+    returned as it is."""
+    if isinstance(result, np.ndarray | np.generic) or _cuda.is_device_array(result):
+        return to_tensor(result, device)  # a NumPy scalar (a mean loss) as a 0-d tensor
+    if isinstance(result, tuple):
+        items = [_wrap_results(item, device) for item in result]
+        return type(result)._make(items) if hasattr(result, "_fields") else tuple(items)
+    if isinstance(result, list):
+        return [_wrap_results(item, device) for item in result]
+    if dataclasses.is_dataclass(result) and not isinstance(result, type):
+        arrays = {
+            field.name: to_tensor(getattr(result, field.name), device)
+            for field in dataclasses.fields(result)
+            if field.init and isinstance(getattr(result, field.name), np.ndarray)
+        }
+        return dataclasses.replace(result, **arrays) if arrays else result
+    return result
+
+
+def _unwrap(name, value):
+    torch = sys.modules["torch"]
+    return to_array(name, value) if isinstance(value, torch.Tensor) else value
+
+
+def _first_device(values):
+    torch = sys.modules["torch"]
+    return next(value.device for value in values if isinstance(value, torch.Tensor))
+
+
+def call_with_arrays(function, name, args, kwargs, autograd=None):
+    """``function(*args, **kwargs)`` with every tensor argument read as an array and
+    every array result wrapped back as a tensor on the first tensor's device.
+
+    ``autograd``, when given, returns the ``(forward, backward)`` pair of a block:
+    ``forward(*args, **kwargs)`` gives ``(result, cache)`` and ``backward(grad,
+    cache)`` the gradients of the leading positional arguments (one array or a
+    tuple); with it, tensors that need a gradient run through autograd. Without
+    it they are refused: a result silently cut from the graph would train nothing.
+    """
+    values = list(itertools.chain(args, kwargs.values()))
+    if needs_grad(*values):
+        if autograd is not None:
+            return _block_through_autograd(*autograd(), args, kwargs)
+        raise DTypeError(
+            f"tfmath.{name} has no backward pass, but an argument requires grad; pass "
+            "tensor.detach() or call it under torch.no_grad()"
+        )
+    device = _first_device(values)
+    names = _parameter_names(function, len(args))
+    result = function(
+        *(_unwrap(name, value) for name, value in zip(names, args, strict=True)),
+        **{key: _unwrap(key, value) for key, value in kwargs.items()},
+    )
+    return _wrap_results(result, device)
+
+
+def _parameter_names(function, count):
+    """The names of ``function``'s first ``count`` positional parameters, for errors."""
+    parameters = list(inspect.signature(function).parameters)[:count]
+    return parameters + [f"argument {i}" for i in range(len(parameters), count)]
+
+
+def accepts_tensors(function=None, *, autograd=None):
+    """Let a public function take torch tensors and return them (see the module's doc);
+    with ``autograd`` (see :func:`call_with_arrays`), differentiably.
+
+    NumPy calls pay one dictionary lookup when torch is not imported, and one
+    ``isinstance`` per argument when it is.
+    """
+    if function is None:
+        return functools.partial(accepts_tensors, autograd=autograd)
+
+    @functools.wraps(function)
+    def wrapper(*args, **kwargs):
+        if any_tensor(*args, *kwargs.values()):
+            return call_with_arrays(function, function.__name__, args, kwargs, autograd)
+        return function(*args, **kwargs)
+
+    return wrapper
+
+
+def _block_through_autograd(forward, backward, args, kwargs):
+    """A block's ``forward``/``backward`` pair as one autograd node over its
+    positional arguments (keyword arguments are options)."""
+
+    def block_forward(*arrays):
+        result, cache = forward(*arrays, **kwargs)
+        return (result,), cache
+
+    def block_backward(cache, grad):
+        grads = backward(grad, cache)
+        grads = grads if isinstance(grads, tuple) else (grads,)
+        return (*grads, *(None,) * (len(args) - len(grads)))
+
+    names = _parameter_names(forward, len(args))
+    (result,) = differentiable(Rule(block_forward, block_backward), names, args)
+    return result
+
+
+# -- autograd ------------------------------------------------------------------------------
+
+
+class Rule:
+    """A differentiable computation on arrays, for :func:`differentiable`.
+
+    ``forward(*arrays)`` returns ``(outputs, saved)``: a tuple of result arrays and
+    whatever the backward needs. ``backward(saved, *grad_outputs)`` returns one
+    gradient (or None) per input of ``forward``. Gradients of outputs that nothing
+    used arrive as None.
+    """
+
+    def __init__(self, forward, backward):
+        self.forward = forward
+        self.backward = backward
+
+
+@functools.cache
+def _function_class():
+    """The ``torch.autograd.Function`` that runs a :class:`Rule` (defined at first use,
+    so that torch is imported only by a caller that already has tensors)."""
+    torch = sys.modules["torch"]
+    from torch.autograd.function import once_differentiable
+
+    class TfmathFunction(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, rule, names, *inputs):
+            device = _first_device(inputs)
+            arrays = [_unwrap(name, value) for name, value in zip(names, inputs, strict=True)]
+            outputs, saved = rule.forward(*arrays)
+            # The inputs are saved as tensors, so that torch's version counters catch an
+            # in-place change between the forward and the backward.
+            ctx.save_for_backward(*(v if isinstance(v, torch.Tensor) else None for v in inputs))
+            ctx.rule, ctx.saved, ctx.device, ctx.n_inputs = rule, saved, device, len(inputs)
+            return tuple(to_tensor(output, device) for output in outputs)
+
+        @staticmethod
+        @once_differentiable
+        def backward(ctx, *grad_outputs):
+            ctx.saved_tensors  # noqa: B018 (raises if an input was changed in place)
+            grads = ctx.rule.backward(
+                ctx.saved,
+                *(None if g is None else _unwrap("grad_output", g) for g in grad_outputs),
+            )
+            # Only inputs that are tensors needing a gradient get one (NumPy arrays mixed
+            # with tensors, a weight without requires_grad, get None).
+            wanted = ctx.needs_input_grad[2:]
+            wrapped = (
+                to_tensor(g, ctx.device) if g is not None and want else None
+                for g, want in zip(grads, wanted, strict=True)
+            )
+            return (None, None, *wrapped)
+
+    return TfmathFunction
+
+
+def differentiable(rule, names, inputs):
+    """Apply ``rule`` to tensor ``inputs`` (named ``names`` for errors) through
+    autograd; returns the tuple of output tensors."""
+    return _function_class().apply(rule, tuple(names), *inputs)
