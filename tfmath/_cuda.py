@@ -106,11 +106,27 @@ def launch_shape(n_threads, threads_per_block=THREADS_PER_BLOCK):
     return (n_threads + threads - 1) // threads, threads
 
 
+@functools.cache
+def numba_types():
+    """The module of Numba types that CUDA kernels are typed with.
+
+    NVIDIA's numba-cuda (0.2x and later) has its own type system,
+    ``numba.cuda.types``, and refuses ``numba.float32`` and the like as the
+    dtype of a shared or local array; Numba's built-in target uses
+    ``numba.core.types``.
+    """
+    cuda = numba_cuda()
+    if hasattr(cuda, "types"):
+        return cuda.types
+    from numba.core import types
+
+    return types
+
+
 def numba_dtype(dtype):
     """The Numba scalar type kernels are compiled for, for a float32 or float64 dtype."""
-    import numba
-
-    return {np.dtype(np.float32): numba.float32, np.dtype(np.float64): numba.float64}[
+    types = numba_types()
+    return {np.dtype(np.float32): types.float32, np.dtype(np.float64): types.float64}[
         np.dtype(dtype)
     ]
 

@@ -36,8 +36,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from tfmath import _cuda
+from tfmath import _config, _cuda
 from tfmath._contract.attention import dense_additive_mask
+from tfmath.kernels.cuda import half
 from tfmath.kernels.cuda.attention import SHARED_MEMORY_BYTES
 
 cuda = _cuda.numba_cuda()
@@ -105,14 +106,16 @@ def _forward_shared(tiles, n_features, n_values):
 def _stage(tile, stride, source, batch, start, n_rows, width, tid, n_threads):
     """Copy rows ``start .. start + n_rows`` of ``source[batch]`` into the shared ``tile``
     (row ``r`` at ``r * stride``), zeros past the source's end; the block's threads read
-    consecutive numbers (coalesced). Returns whether this thread copied a non-finite one."""
+    consecutive numbers (coalesced). Returns 1 if this thread copied a non-finite one, else 0
+    (an integer, as ``cuda.syncthreads_or`` takes)."""
     n_source = source.shape[1]
-    bad = False
+    bad = 0
     for flat in range(tid, n_rows * width, n_threads):
         r = flat // width
         e = flat - r * width
         x = source[batch, start + r, e] if start + r < n_source else source.dtype.type(0)
-        bad = bad or not abs(x) < math.inf
+        if not abs(x) < math.inf:
+            bad = 1
         tile[r * stride + e] = x
     return bad
 
@@ -145,12 +148,13 @@ def _forward_kernel(numba_dtype, n_features, n_values, tiles):
     P0 = V0 + BC * EV
     R0 = P0 + BR * PS
     NT = TR * TC
+    SCORES, OUTPUTS_V = RM * CM, RM * VP  # array sizes must be constants, not expressions
 
     @cuda.jit
     def kernel(query, key, value, mask, index, is_causal, scale, out, log_sum_exp):
         shared = cuda.shared.array(0, dtype=numba_dtype)
-        scores = cuda.local.array(RM * CM, dtype=numba_dtype)
-        acc = cuda.local.array(RM * VP, dtype=numba_dtype)
+        scores = cuda.local.array(SCORES, dtype=numba_dtype)
+        acc = cuda.local.array(OUTPUTS_V, dtype=numba_dtype)
         row_max = cuda.local.array(RM, dtype=numba_dtype)
         row_sum = cuda.local.array(RM, dtype=numba_dtype)
         q_reg = cuda.local.array(RM, dtype=numba_dtype)
@@ -175,7 +179,7 @@ def _forward_kernel(numba_dtype, n_features, n_values, tiles):
         n_visible = min(first_row + BR, n_key) if is_causal else n_key
         for start in range(0, n_visible, BC):
             bad = _stage(shared[K0:], QS, key, k, start, BC, E, tid, NT)
-            bad = _stage(shared[V0:], EV, value, v, start, BC, EV, tid, NT) or bad
+            bad |= _stage(shared[V0:], EV, value, v, start, BC, EV, tid, NT)
             value_has_garbage = cuda.syncthreads_or(bad)
             # S = Q K^T, one outer product per feature.
             for c in range(RM * CM):
@@ -283,6 +287,7 @@ def _query_gradient_kernel(numba_dtype, n_features, n_values, tiles):
     V0 = K0 + BC * QS
     P0 = V0 + BC * GS
     NT = TR * TC
+    SCORES, OUTPUTS_K = RM * CM, RM * EP  # array sizes must be constants, not expressions
 
     @cuda.jit
     def kernel(
@@ -290,9 +295,9 @@ def _query_gradient_kernel(numba_dtype, n_features, n_values, tiles):
         grad_query, delta,
     ):  # fmt: skip
         shared = cuda.shared.array(0, dtype=numba_dtype)
-        scores = cuda.local.array(RM * CM, dtype=numba_dtype)
-        grad_p = cuda.local.array(RM * CM, dtype=numba_dtype)
-        acc = cuda.local.array(RM * EP, dtype=numba_dtype)
+        scores = cuda.local.array(SCORES, dtype=numba_dtype)
+        grad_p = cuda.local.array(SCORES, dtype=numba_dtype)
+        acc = cuda.local.array(OUTPUTS_K, dtype=numba_dtype)
         lse = cuda.local.array(RM, dtype=numba_dtype)
         row_delta = cuda.local.array(RM, dtype=numba_dtype)
         a_reg = cuda.local.array(RM, dtype=numba_dtype)
@@ -418,6 +423,8 @@ def _key_gradient_kernel(numba_dtype, n_features, n_values, tiles):
     L0 = D0 + BR * PS
     DL0 = L0 + BC
     NT = TR * TC
+    # Array sizes must be constants, not expressions.
+    SCORES, OUTPUTS_K, OUTPUTS_V = RM * CM, RM * EP, RM * VP
 
     @cuda.jit
     def kernel(
@@ -425,10 +432,10 @@ def _key_gradient_kernel(numba_dtype, n_features, n_values, tiles):
         grad_key, grad_value,
     ):  # fmt: skip
         shared = cuda.shared.array(0, dtype=numba_dtype)
-        scores = cuda.local.array(RM * CM, dtype=numba_dtype)
-        grad_p = cuda.local.array(RM * CM, dtype=numba_dtype)
-        acc_k = cuda.local.array(RM * EP, dtype=numba_dtype)
-        acc_v = cuda.local.array(RM * VP, dtype=numba_dtype)
+        scores = cuda.local.array(SCORES, dtype=numba_dtype)
+        grad_p = cuda.local.array(SCORES, dtype=numba_dtype)
+        acc_k = cuda.local.array(OUTPUTS_K, dtype=numba_dtype)
+        acc_v = cuda.local.array(OUTPUTS_V, dtype=numba_dtype)
         a_reg = cuda.local.array(RM, dtype=numba_dtype)
         b_reg = cuda.local.array(CM, dtype=numba_dtype)
         q_reg = cuda.local.array(EP, dtype=numba_dtype)
@@ -453,7 +460,7 @@ def _key_gradient_kernel(numba_dtype, n_features, n_values, tiles):
         first_query = first_col if is_causal else 0
         for start in range(first_query, n_query, BC):
             bad = _stage(shared[Q0:], QS, query, q, start, BC, E, tid, NT)
-            bad = _stage(shared[G0:], GS, grad_output, b, start, BC, EV, tid, NT) or bad
+            bad |= _stage(shared[G0:], GS, grad_output, b, start, BC, EV, tid, NT)
             for t in range(tid, BC, NT):
                 in_range = start + t < n_query
                 shared[L0 + t] = log_sum_exp[b, start + t] if in_range else -math.inf
@@ -581,7 +588,19 @@ def _launch_forward(problem, operands):
 
 def flash_attention(problem):
     """Launch the flash forward kernel on a validated ``AttentionProblem``: returns the
-    output ``batch_shape + (L, Ev)`` and log-sum-exp ``batch_shape + (L,)``."""
+    output ``batch_shape + (L, Ev)`` and log-sum-exp ``batch_shape + (L,)``.
+
+    Half-precision operands arrive as they are (see ``_dispatch.HALF_NATIVE``): on a
+    GPU with ``TFMATH_CUDA_TENSOR_CORES=1`` they run on the tensor cores when
+    :func:`.tensor_core.supports` the problem; otherwise they are widened to float32.
+    Either way the results are float32, which the caller rounds.
+    """
+    if problem.needs_widening:
+        if _tensor_cores_serve(problem):
+            from tfmath.kernels.cuda import tensor_core
+
+            return tensor_core.flash_attention(problem)
+        problem = problem.widened(half.widen)
     _check_head_size(problem)
     out, log_sum_exp = _launch_forward(problem, _device_operands(problem))
     out = out.reshape(problem.output_shape())
@@ -589,6 +608,16 @@ def flash_attention(problem):
     if problem.on_device:
         return out, log_sum_exp
     return out.copy_to_host(), log_sum_exp.copy_to_host()
+
+
+def _tensor_cores_serve(problem):
+    """Whether the tensor-core forward takes this half-precision problem: asked for,
+    on a real GPU (the simulator cannot run its CUDA C++), with heads it supports."""
+    if not (_config.cuda_tensor_cores() and _cuda.status().real_gpu):
+        return False
+    from tfmath.kernels.cuda import tensor_core
+
+    return tensor_core.supports(problem)
 
 
 def attention_grad(problem, grad_output, saved=None):
