@@ -158,21 +158,27 @@ def _find_spec(name):
 
 @pytest.fixture(scope="module")
 def ptx_files(tmp_path_factory):
-    """Every flash kernel's PTX for sm_80 and sm_90, compiled once, in a subprocess: the
-    tests run on the simulator, and PTX needs Numba's real CUDA target."""
+    """Every flash kernel's PTX for sm_80 and sm_90, compiled once, in two subprocesses
+    at a time (one per target): the tests run on the simulator, and PTX needs Numba's
+    real CUDA target."""
     reason = _ptx_toolchain_missing()
     if reason:
         pytest.skip(reason)
     folder = tmp_path_factory.mktemp("ptx")
     env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "0", "PYTHONPATH": str(ROOT)}
-    result = subprocess.run(
-        [sys.executable, "-m", "tfmath.tools.ptx", "--cc", "80", "90", "--out", str(folder)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    processes = [
+        subprocess.Popen(
+            [sys.executable, "-m", "tfmath.tools.ptx", "--cc", cc, "--out", str(folder)],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for cc in ("80", "90")
+    ]
+    for process in processes:
+        _, stderr = process.communicate(timeout=600)
+        assert process.returncode == 0, stderr[-3000:]
     return folder
 
 

@@ -180,3 +180,47 @@ def device_empty(shape, dtype):
 def device_version():
     """Which CUDA target is installed: Numba's built-in one or NVIDIA's numba-cuda."""
     return getattr(numba_cuda(), "implementation", "unknown")
+
+
+class _CompileOnlyDevice:
+    """Stands in for the GPU while compiling to PTX: numba-cuda compiles each device
+    function a kernel calls for the current device's compute capability, and asks the
+    driver for it even when the kernel's own target is given."""
+
+    def __init__(self, cc):
+        self.compute_capability = cc
+
+
+def compile_ptx(kernel, signature, cc):
+    """PTX of ``kernel`` (a ``cuda.jit`` dispatcher or its Python function) for compute
+    capability ``cc``, compiled by NVVM; needs no GPU or driver, but the real CUDA target
+    (not the simulator) and NVIDIA's numba-cuda. Meant for a process of its own (see
+    :mod:`tfmath.tools.ptx`): it points numba-cuda's device functions at ``cc``."""
+    cuda = numba_cuda()
+    from numba.cuda import dispatcher
+
+    dispatcher.get_current_device = lambda: _CompileOnlyDevice(cc)
+    ptx, _ = cuda.compile_ptx(getattr(kernel, "py_func", kernel), signature, cc=cc)
+    return ptx
+
+
+def nvrtc_ptx(source, name, cc):
+    """PTX of the CUDA C++ ``source`` for ``cc``, compiled by NVRTC (no driver needed),
+    with the CUDA headers numba-cuda finds (pip's, for the ``ptx`` extra)."""
+    from cuda.bindings import nvrtc
+    from numba.cuda.cuda_paths import get_cuda_paths
+
+    include = get_cuda_paths()["include_dir"].info
+    _, program = nvrtc.nvrtcCreateProgram(source.encode(), name.encode(), 0, [], [])
+    options = [f"--gpu-architecture=sm_{cc[0]}{cc[1]}".encode(), b"-rdc=true"]
+    options.append(f"-I{include}".encode())
+    (err,) = nvrtc.nvrtcCompileProgram(program, len(options), options)
+    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        _, size = nvrtc.nvrtcGetProgramLogSize(program)
+        log = b" " * size
+        nvrtc.nvrtcGetProgramLog(program, log)
+        raise RuntimeError(f"NVRTC could not compile {name}: {log.decode()}")
+    _, size = nvrtc.nvrtcGetPTXSize(program)
+    ptx = b" " * size
+    nvrtc.nvrtcGetPTX(program, ptx)
+    return ptx.decode().rstrip("\0 ")

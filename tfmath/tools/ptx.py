@@ -28,20 +28,6 @@ PATTERNS = {
 }
 
 
-class _CompileOnlyDevice:
-    """Stands in for the GPU when numba-cuda compiles a device function that a kernel
-    calls: it asks the current device for its compute capability, and there is none."""
-
-    def __init__(self, cc):
-        self.compute_capability = cc
-
-
-def _compile_without_a_device(cc):
-    from numba.cuda import dispatcher
-
-    dispatcher.get_current_device = lambda: _CompileOnlyDevice(cc)
-
-
 def _float32_kernels():
     from tfmath import _cuda
     from tfmath.kernels.cuda import flash_attention as flash
@@ -70,44 +56,21 @@ def _float32_kernels():
 def kernel_ptx(cc):
     """``{name: ptx}`` for every flash kernel at compute capability ``cc`` (a pair), and
     for the CUDA C++ of the tensor-core products (``tensor_core.cu``, through NVRTC)."""
-    from numba import cuda
-
     from tfmath import _cuda
     from tfmath.kernels.cuda import tensor_core
 
-    _compile_without_a_device(cc)
     t = _cuda.numba_types()
     found = {}
     for name, (kernel, argtypes) in _float32_kernels().items():
-        found[name], _ = cuda.compile_ptx(kernel.py_func, t.void(*argtypes), cc=cc)
+        found[name] = _cuda.compile_ptx(kernel, t.void(*argtypes), cc)
     for format_name in tensor_core.FORMATS:
         function = tensor_core.forward_function(format_name, HEAD_DIM, HEAD_DIM)
-        found[f"flash_forward_{format_name}"], _ = cuda.compile_ptx(
-            function, tensor_core.forward_signature(), cc=cc
+        found[f"flash_forward_{format_name}"] = _cuda.compile_ptx(
+            function, tensor_core.forward_signature(), cc
         )
-    found["tensor_core.cu"] = nvrtc_ptx(tensor_core.SOURCE.read_text(), cc)
+    source = tensor_core.SOURCE
+    found["tensor_core.cu"] = _cuda.nvrtc_ptx(source.read_text(), source.name, cc)
     return found
-
-
-def nvrtc_ptx(source, cc):
-    """PTX of a CUDA C++ ``source`` for ``cc``, compiled by NVRTC (no driver needed)."""
-    from cuda.bindings import nvrtc
-    from numba.cuda.cuda_paths import get_cuda_paths
-
-    include = get_cuda_paths()["include_dir"].info
-    err, program = nvrtc.nvrtcCreateProgram(source.encode(), b"tensor_core.cu", 0, [], [])
-    options = [f"--gpu-architecture=sm_{cc[0]}{cc[1]}".encode(), b"-rdc=true"]
-    options.append(f"-I{include}".encode())
-    (err,) = nvrtc.nvrtcCompileProgram(program, len(options), options)
-    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
-        _, size = nvrtc.nvrtcGetProgramLogSize(program)
-        log = b" " * size
-        nvrtc.nvrtcGetProgramLog(program, log)
-        raise RuntimeError(f"NVRTC could not compile tensor_core.cu: {log.decode()}")
-    _, size = nvrtc.nvrtcGetPTXSize(program)
-    ptx = b" " * size
-    nvrtc.nvrtcGetPTX(program, ptx)
-    return ptx.decode().rstrip("\0 ")
 
 
 def instruction_counts(ptx):
