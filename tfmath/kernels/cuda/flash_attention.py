@@ -361,10 +361,15 @@ def _query_gradient_kernel(numba_dtype, n_features, n_values, tiles):
                     bias = zero
                     if has_mask and row < n_query and col < n_key:
                         bias = mask[m, row, col]
-                    s = _masked(
+                    scores[i * CM + j] = _masked(
                         scale * scores[i * CM + j], bias, has_mask, row, col, n_query, n_key,
                         is_causal,
                     )  # fmt: skip
+            # A separate loop: small loop bodies are unrolled, so the micro-tiles stay
+            # in registers (a loop left rolled indexes them at run time, in local memory).
+            for i in range(RM):
+                for j in range(CM):
+                    s = scores[i * CM + j]
                     grad_s = zero
                     if s != -math.inf and lse[i] != -math.inf:
                         grad_s = math.exp(s - lse[i]) * (grad_p[i * CM + j] - row_delta[i])
@@ -493,10 +498,15 @@ def _key_gradient_kernel(numba_dtype, n_features, n_values, tiles):
                     bias = zero
                     if has_mask and row < n_query and col < n_key:
                         bias = mask[m, row, col]
-                    s = _masked(
+                    scores[i * CM + j] = _masked(
                         scale * scores[i * CM + j], bias, has_mask, row, col, n_query, n_key,
                         is_causal,
                     )  # fmt: skip
+            # A separate loop, so that both stay unrolled (see the dQ pass).
+            for i in range(RM):
+                for j in range(CM):
+                    t = tx + j * TC
+                    s = scores[i * CM + j]
                     lse = shared[L0 + t]
                     p = zero
                     grad_s = zero
