@@ -21,7 +21,8 @@ tests first); on its own::
    ``__cuda_array_interface__``, and the public API still rounds a device
    result to half precision on the host); float16 also through the public
    API on torch tensors, to show that cost. Half-precision backward passes
-   run on widened float32 copies (made on the host): timed as they are.
+   run on widened float32 copies (made on the host): float16's is timed as
+   it is; bfloat16's is not timed (its inputs would start on the host).
 
 Writes ``gpu_check.json`` and ``gpu_check.csv`` (every number),
 ``gpu_check.png`` and ``gpu_check.svg`` (torch time / tfmath time against L;
