@@ -411,13 +411,13 @@ def test_flash_cuda_matches_reference(inputs):
 
 @pytest.fixture
 def small_cuda_tiles(monkeypatch):
-    """Two rows per block (and two threads per row in the flash kernels, so tiles
-    of four rows): tiny simulator shapes still cross tile boundaries."""
+    """Two rows per block in the naive kernel, and flash tiles of two rows (a 2 x 2 thread
+    grid with 1 x 2 micro-tiles, so 4 columns): tiny simulator shapes still cross tile
+    boundaries, and each thread still holds several scores."""
     from tfmath.kernels.cuda import attention, flash_attention
 
     monkeypatch.setattr(attention, "MAX_ROWS_PER_BLOCK", 2)
-    monkeypatch.setattr(flash_attention, "ROWS_PER_BLOCK", 2)
-    monkeypatch.setattr(flash_attention, "KEY_SPLITS", 2)
+    monkeypatch.setattr(flash_attention, "TILE_CHOICES", (flash_attention.Tiles(2, 2, 1, 2),))
 
 
 def _multi_tile_case(dtype, n_query, n_key, seed=13):

@@ -15,6 +15,10 @@ Environment variables read once, at the first kernel compilation:
 ``TFMATH_THREADING_LAYER``
     Numba threading layer for the parallel CPU kernels: ``default`` (Numba's own
     choice among tbb, omp and workqueue), ``tbb``, ``omp`` or ``workqueue``.
+``TFMATH_CUDA_TENSOR_CORES``
+    ``1`` runs half-precision flash attention forwards on the GPU's tensor
+    cores (read at each call; default ``0``: widened to float32). Opt-in until
+    a GPU has measured it; see :func:`cuda_tensor_cores`.
 
 Compiled kernels are never written beside the installed sources: an install may
 be read-only, and files left there outlive ``pip uninstall`` (a later editable
@@ -128,6 +132,12 @@ def kernel_cache():
 def cache_enabled():
     """Whether compiled CPU kernels are cached on disk (see :func:`kernel_cache`)."""
     return kernel_cache().enabled
+
+
+def cuda_tensor_cores():
+    """Whether ``TFMATH_CUDA_TENSOR_CORES=1`` asks for the tensor-core flash forward
+    (:mod:`tfmath.kernels.cuda.tensor_core`) for float16 and bfloat16 on a real GPU."""
+    return os.environ.get("TFMATH_CUDA_TENSOR_CORES", "0") == "1"
 
 
 def requested_threading_layer():

@@ -106,11 +106,27 @@ def launch_shape(n_threads, threads_per_block=THREADS_PER_BLOCK):
     return (n_threads + threads - 1) // threads, threads
 
 
+@functools.cache
+def numba_types():
+    """The module of Numba types that CUDA kernels are typed with.
+
+    NVIDIA's numba-cuda (0.2x and later) has its own type system,
+    ``numba.cuda.types``, and refuses ``numba.float32`` and the like as the
+    dtype of a shared or local array; Numba's built-in target uses
+    ``numba.core.types``.
+    """
+    cuda = numba_cuda()
+    if hasattr(cuda, "types"):
+        return cuda.types
+    from numba.core import types
+
+    return types
+
+
 def numba_dtype(dtype):
     """The Numba scalar type kernels are compiled for, for a float32 or float64 dtype."""
-    import numba
-
-    return {np.dtype(np.float32): numba.float32, np.dtype(np.float64): numba.float64}[
+    types = numba_types()
+    return {np.dtype(np.float32): types.float32, np.dtype(np.float64): types.float64}[
         np.dtype(dtype)
     ]
 
@@ -164,3 +180,47 @@ def device_empty(shape, dtype):
 def device_version():
     """Which CUDA target is installed: Numba's built-in one or NVIDIA's numba-cuda."""
     return getattr(numba_cuda(), "implementation", "unknown")
+
+
+class _CompileOnlyDevice:
+    """Stands in for the GPU while compiling to PTX: numba-cuda compiles each device
+    function a kernel calls for the current device's compute capability, and asks the
+    driver for it even when the kernel's own target is given."""
+
+    def __init__(self, cc):
+        self.compute_capability = cc
+
+
+def compile_ptx(kernel, signature, cc):
+    """PTX of ``kernel`` (a ``cuda.jit`` dispatcher or its Python function) for compute
+    capability ``cc``, compiled by NVVM; needs no GPU or driver, but the real CUDA target
+    (not the simulator) and NVIDIA's numba-cuda. Meant for a process of its own (see
+    :mod:`tfmath.tools.ptx`): it points numba-cuda's device functions at ``cc``."""
+    cuda = numba_cuda()
+    from numba.cuda import dispatcher
+
+    dispatcher.get_current_device = lambda: _CompileOnlyDevice(cc)
+    ptx, _ = cuda.compile_ptx(getattr(kernel, "py_func", kernel), signature, cc=cc)
+    return ptx
+
+
+def nvrtc_ptx(source, name, cc):
+    """PTX of the CUDA C++ ``source`` for ``cc``, compiled by NVRTC (no driver needed),
+    with the CUDA headers numba-cuda finds (pip's, for the ``ptx`` extra)."""
+    from cuda.bindings import nvrtc
+    from numba.cuda.cuda_paths import get_cuda_paths
+
+    include = get_cuda_paths()["include_dir"].info
+    _, program = nvrtc.nvrtcCreateProgram(source.encode(), name.encode(), 0, [], [])
+    options = [f"--gpu-architecture=sm_{cc[0]}{cc[1]}".encode(), b"-rdc=true"]
+    options.append(f"-I{include}".encode())
+    (err,) = nvrtc.nvrtcCompileProgram(program, len(options), options)
+    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        _, size = nvrtc.nvrtcGetProgramLogSize(program)
+        log = b" " * size
+        nvrtc.nvrtcGetProgramLog(program, log)
+        raise RuntimeError(f"NVRTC could not compile {name}: {log.decode()}")
+    _, size = nvrtc.nvrtcGetPTXSize(program)
+    ptx = b" " * size
+    nvrtc.nvrtcGetPTX(program, ptx)
+    return ptx.decode().rstrip("\0 ")

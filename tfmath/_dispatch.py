@@ -77,8 +77,9 @@ ROUTINES = {
 
 
 #: Implementations that take half-precision operands as they are, and widen them
-#: themselves (decoding streams its keys and values at 2 bytes a number).
-HALF_NATIVE = {("decode_attention", "cpu")}
+#: themselves (decoding streams its keys and values at 2 bytes a number; the CUDA
+#: flash forward may run them on the tensor cores).
+HALF_NATIVE = {("decode_attention", "cpu"), ("flash_attention", "cuda")}
 
 
 def target(routine, backend):

@@ -64,8 +64,6 @@ def compute_dtype(dtype, accumulate, backend):
                 f"accumulate='float32' would round {dtype} operands; leave accumulate=None"
             )
         return dtype
-    if backend == "cuda" and dtype.name == "bfloat16":
-        raise DTypeError("bfloat16 runs on backend='cpu' and 'reference'; on the GPU use float16")
     if accumulate != "input":
         return np.dtype(np.float32)
     if backend != "reference":

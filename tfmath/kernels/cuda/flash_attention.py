@@ -1,385 +1,574 @@
-r"""CUDA FlashAttention: a single-pass forward with an online softmax, and its backward.
+r"""CUDA FlashAttention, tiled as FlashAttention-2: register micro-tiles, shared-memory tiles.
 
-Forward: one thread block per (batch entry, tile of query rows), with
-``KEY_SPLITS`` threads per query row, each taking every ``KEY_SPLITS``-th key
-of the key/value tiles staged through shared memory. Each thread keeps its
-share's running maximum :math:`m`, normaliser :math:`\ell` and unnormalised
-output in registers (the kernel is compiled per head size, so these are
-fixed-size arrays), rescaling them by :math:`e^{m_{old} - m_{new}}` whenever
-the maximum grows; at the end the shares are merged through shared memory
-and the output and the row's log-sum-exp written once.
+Every kernel here runs blocks of ``TR x TC`` threads over a tile of
+``BR = TR * RM`` rows (query rows in the forward and the :math:`dQ` pass,
+key rows in the :math:`dK, dV` pass) against tiles of ``BC = TC * CM``
+entries of the other sequence, both staged in shared memory. Thread
+``(ty, tx)`` owns rows ``ty + i * TR`` (``i < RM``) and, of each tile,
+columns ``tx + j * TC`` (``j < CM``): an ``RM x CM`` micro-tile of scores,
+computed as a sum of outer products of ``RM`` numbers of one operand by
+``CM`` of the other, feature by feature, so each number read from shared
+memory feeds several multiply-adds held in registers (the thread's arrays
+have compile-time sizes). It also owns features ``tx + f * TC`` of its
+rows' outputs: an ``RM x ceil(Ev / TC)`` register tile that the
+probabilities, written once to shared memory, update the same way.
 
-Backward (FlashAttention-2, split in two kernels so that no gradient needs
-atomic additions): the first runs over query rows like the forward and
-writes :math:`dQ` and :math:`D_i = dO_i \cdot O_i`; the second runs over
-key rows, staging query rows, their output gradients, log-sum-exps and
-:math:`D_i` through shared memory, and writes :math:`dK` and :math:`dV`.
-Both recompute the probabilities from the saved log-sum-exp. Every sum runs
-in a fixed order, so, as on the CPU, the same input gives the same bits.
+Forward (FlashAttention-2, Dao 2023, Algorithm 1): one block per (batch
+entry, tile of query rows). Each row's running maximum and normaliser live
+in the registers of the ``TC`` threads that share the row; the tile's
+maximum is agreed through shared memory, and the normaliser is summed over
+those threads once, at the end. Backward (Algorithm 2, split in two kernels
+so that no gradient needs atomic additions): a :math:`dQ` pass over query
+tiles, which also writes :math:`D_i = dO_i \cdot O_i`, then a :math:`dK, dV`
+pass over key tiles; both recompute the probabilities from the saved
+log-sum-exp. Every sum runs in a fixed order, so the same input gives the
+same bits.
+
+Positions a row may not attend (masked, causal, padding) get probability
+exactly 0 and are never read: a tile that holds a non-finite number takes a
+slower loop that skips zero weights, so garbage in padding cannot leak into
+a result (``0 * nan`` would).
 """
 
 import functools
 import math
+from typing import NamedTuple
 
 import numpy as np
 
-from tfmath import _cuda
+from tfmath import _config, _cuda
 from tfmath._contract.attention import dense_additive_mask
-from tfmath.kernels.cuda.attention import SHARED_MEMORY_BYTES, _query_tile
+from tfmath.kernels.cuda import half
+from tfmath.kernels.cuda.attention import SHARED_MEMORY_BYTES
 
 cuda = _cuda.numba_cuda()
 
-#: Largest head size (E and Ev) a thread can hold in its local arrays.
+#: Largest head size (E and Ev) the kernels accept.
 MAX_HEAD_DIM = 256
-#: Rows (queries, or keys in the backward) per block: one warp...
-ROWS_PER_BLOCK = 32
-#: ...and threads sharing each row's work, so a block runs ROWS_PER_BLOCK * KEY_SPLITS threads.
-KEY_SPLITS = 4
+
+
+class Tiles(NamedTuple):
+    """A block's thread grid and each thread's micro-tile (see the module docstring)."""
+
+    row_threads: int  # TR
+    col_threads: int  # TC
+    rows_per_thread: int  # RM
+    cols_per_thread: int  # CM
+
+    @property
+    def block_rows(self):
+        return self.row_threads * self.rows_per_thread
+
+    @property
+    def block_cols(self):
+        return self.col_threads * self.cols_per_thread
+
+
+#: Tile shapes in order of preference; a launch takes the first whose shared memory
+#: fits in :data:`SHARED_MEMORY_BYTES` and whose block rows do not outnumber the rows
+#: to compute. 128 threads of 4 x 4 micro-tiles (64 x 32 tiles) for head sizes up to
+#: 64 in float32; smaller micro-tiles, then fewer threads, for wider heads, float64
+#: and short sequences (a decoding step's few query rows).
+TILE_CHOICES = (
+    Tiles(16, 8, 4, 4),
+    Tiles(16, 8, 2, 4),
+    Tiles(16, 8, 2, 2),
+    Tiles(16, 8, 1, 2),
+    Tiles(16, 8, 1, 1),
+    Tiles(4, 8, 1, 4),
+    Tiles(2, 16, 1, 4),
+    Tiles(1, 32, 1, 2),
+    Tiles(8, 8, 1, 1),
+    Tiles(4, 4, 1, 1),
+)
+
+
+def _choose_tiles(shared_elements, itemsize, n_rows):
+    """The first of :data:`TILE_CHOICES` whose ``shared_elements(tiles)`` numbers fit and
+    whose block rows are at most ``n_rows``; else the fitting one with the fewest rows."""
+    fitting = [t for t in TILE_CHOICES if shared_elements(t) * itemsize <= SHARED_MEMORY_BYTES]
+    if not fitting:
+        raise ValueError("no tile shape fits in shared memory")  # MAX_HEAD_DIM prevents this
+    short_enough = [t for t in fitting if t.block_rows <= n_rows]
+    return short_enough[0] if short_enough else min(fitting, key=lambda t: t.block_rows)
+
+
+def _forward_shared(tiles, n_features, n_values):
+    """Shared numbers of the forward: Q, K, V and P tiles, and one number per (row, column
+    thread) for agreeing on maxima and summing normalisers. Q and K rows are padded by one
+    so that threads reading different rows at one feature hit different banks."""
+    br, bc = tiles.block_rows, tiles.block_cols
+    stride = n_features + 1
+    return br * stride + bc * stride + bc * n_values + br * (bc + 1) + br * tiles.col_threads
+
+
+@cuda.jit(device=True)
+def _stage(tile, stride, source, batch, start, n_rows, width, tid, n_threads):
+    """Copy rows ``start .. start + n_rows`` of ``source[batch]`` into the shared ``tile``
+    (row ``r`` at ``r * stride``), zeros past the source's end; the block's threads read
+    consecutive numbers (coalesced). Returns 1 if this thread copied a non-finite one, else 0
+    (an integer, as ``cuda.syncthreads_or`` takes)."""
+    n_source = source.shape[1]
+    bad = 0
+    for flat in range(tid, n_rows * width, n_threads):
+        r = flat // width
+        e = flat - r * width
+        x = source[batch, start + r, e] if start + r < n_source else source.dtype.type(0)
+        if not abs(x) < math.inf:
+            bad = 1
+        tile[r * stride + e] = x
+    return bad
+
+
+@cuda.jit(device=True)
+def _masked(x, bias, has_mask, row, col, n_rows, n_cols, is_causal):
+    """Score ``x`` of (query ``row``, key ``col``) with its mask applied: ``-inf`` where the
+    row may not attend (padding, causal, a ``-inf`` bias), whatever ``x`` is."""
+    if row >= n_rows or col >= n_cols or (is_causal and col > row):
+        return -math.inf
+    if has_mask:
+        if bias == -math.inf:
+            return -math.inf
+        return x + bias
+    return x
 
 
 @functools.cache
-def _forward_kernel(numba_dtype, n_features, n_values):
-    """The forward kernel for one dtype and head size.
-
-    The head sizes are compile-time constants, so each thread's query row and
-    output accumulator are fixed-size arrays the compiler can keep in
-    registers, and the feature loops can be unrolled.
-    """
-    # Local arrays need a positive size; E = 0 or Ev = 0 leave them unused.
-    query_size, accumulator_size = max(n_features, 1), max(n_values, 1)
+def _forward_kernel(numba_dtype, n_features, n_values, tiles):
+    """The forward kernel for one dtype, head size and tile shape (compile-time constants,
+    so each thread's micro-tiles are fixed-size arrays kept in registers)."""
+    TR, TC, RM, CM = tiles
+    BR, BC = tiles.block_rows, tiles.block_cols
+    E, EV = n_features, n_values
+    QS = E + 1  # padded row stride of the Q and K tiles
+    PS = BC + 1  # ... and of the P tile
+    VP = max(1, -(-EV // TC))  # output features per thread
+    Q0, K0 = 0, BR * QS
+    V0 = K0 + BC * QS
+    P0 = V0 + BC * EV
+    R0 = P0 + BR * PS
+    NT = TR * TC
+    SCORES, OUTPUTS_V = RM * CM, RM * VP  # array sizes must be constants, not expressions
 
     @cuda.jit
-    def kernel(query, key, value, mask, index, is_causal, scale, keys_per_tile, out, log_sum_exp):
+    def kernel(query, key, value, mask, index, is_causal, scale, out, log_sum_exp):
         shared = cuda.shared.array(0, dtype=numba_dtype)
-        query_row = cuda.local.array(query_size, dtype=numba_dtype)
-        accumulator = cuda.local.array(accumulator_size, dtype=numba_dtype)
+        scores = cuda.local.array(SCORES, dtype=numba_dtype)
+        acc = cuda.local.array(OUTPUTS_V, dtype=numba_dtype)
+        row_max = cuda.local.array(RM, dtype=numba_dtype)
+        row_sum = cuda.local.array(RM, dtype=numba_dtype)
+        q_reg = cuda.local.array(RM, dtype=numba_dtype)
+        k_reg = cuda.local.array(CM, dtype=numba_dtype)
+        v_reg = cuda.local.array(VP, dtype=numba_dtype)
+        tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
+        tid = ty * TC + tx
         n_query, n_key = query.shape[1], key.shape[1]
-        rows_per_block = cuda.blockDim.x
-        split, n_splits = cuda.threadIdx.y, cuda.blockDim.y
-        tid = split * rows_per_block + cuda.threadIdx.x
-        b, row, visible, block_visible = _query_tile(n_query, n_key, is_causal)
-        active = row < n_query
+        tiles_per_batch = (n_query + BR - 1) // BR
+        b = cuda.blockIdx.x // tiles_per_batch
+        first_row = (cuda.blockIdx.x - b * tiles_per_batch) * BR
         q, k, v, m = index[b, 0], index[b, 1], index[b, 2], index[b, 3]
         has_mask = mask.shape[1] != 0
-        key_tile = shared[: keys_per_tile * n_features]
-        value_tile = shared[keys_per_tile * n_features : keys_per_tile * (n_features + n_values)]
-        for e in range(n_features):
-            query_row[e] = query[q, row, e] if active else 0
-        for e in range(n_values):
-            accumulator[e] = 0
-        # Typed, so float32 rows keep float32 arithmetic (a bare -inf is float64).
-        row_max = numba_dtype(-math.inf)
-        total = numba_dtype(0)
         zero = numba_dtype(0)
-        for start in range(0, block_visible, keys_per_tile):
-            tile_keys = min(keys_per_tile, n_key - start)
-            _stage_rows(key_tile, key, k, start, tile_keys, n_features, tid)
-            _stage_rows(value_tile, value, v, start, tile_keys, n_values, tid)
+        _stage(shared[Q0:], QS, query, q, first_row, BR, E, tid, NT)
+        for i in range(RM):
+            row_max[i] = -math.inf
+            row_sum[i] = 0
+            for f in range(VP):
+                acc[i * VP + f] = 0
+        # Causal: no row of this block attends past its last row.
+        n_visible = min(first_row + BR, n_key) if is_causal else n_key
+        for start in range(0, n_visible, BC):
+            bad = _stage(shared[K0:], QS, key, k, start, BC, E, tid, NT)
+            bad |= _stage(shared[V0:], EV, value, v, start, BC, EV, tid, NT)
+            value_has_garbage = cuda.syncthreads_or(bad)
+            # S = Q K^T, one outer product per feature.
+            for c in range(RM * CM):
+                scores[c] = 0
+            for e in range(E):
+                for i in range(RM):
+                    q_reg[i] = shared[Q0 + (ty + i * TR) * QS + e]
+                for j in range(CM):
+                    k_reg[j] = shared[K0 + (tx + j * TC) * QS + e]
+                for i in range(RM):
+                    for j in range(CM):
+                        scores[i * CM + j] += q_reg[i] * k_reg[j]
+            for i in range(RM):
+                row = first_row + ty + i * TR
+                tile_max = numba_dtype(-math.inf)
+                for j in range(CM):
+                    col = start + tx + j * TC
+                    bias = zero
+                    if has_mask and row < n_query and col < n_key:
+                        bias = mask[m, row, col]
+                    s = _masked(
+                        scale * scores[i * CM + j], bias, has_mask, row, col, n_query, n_key,
+                        is_causal,
+                    )  # fmt: skip
+                    scores[i * CM + j] = s
+                    tile_max = max(tile_max, s)
+                shared[R0 + (ty + i * TR) * TC + tx] = tile_max
             cuda.syncthreads()
-            if active:
-                # The block's key splits take every n_splits-th key of the tile.
-                for t in range(split, min(tile_keys, visible - start), n_splits):
-                    bias = mask[m, row, start + t] if has_mask else zero
-                    if bias == -math.inf:
+            # The row's new maximum, agreed by its TC threads; rescale, then P = exp(S - m).
+            for i in range(RM):
+                r = ty + i * TR
+                new_max = row_max[i]
+                for t in range(TC):
+                    new_max = max(new_max, shared[R0 + r * TC + t])
+                if new_max != -math.inf:
+                    rescale = math.exp(row_max[i] - new_max)
+                    row_sum[i] *= rescale
+                    for f in range(VP):
+                        acc[i * VP + f] *= rescale
+                row_max[i] = new_max
+                for j in range(CM):
+                    s = scores[i * CM + j]
+                    p = zero if s == -math.inf else math.exp(s - new_max)
+                    row_sum[i] += p
+                    shared[P0 + r * PS + tx + j * TC] = p
+            cuda.syncthreads()
+            # O += P V, one outer product per key.
+            for t in range(BC):
+                for f in range(VP):
+                    feature = tx + f * TC
+                    v_reg[f] = shared[V0 + t * EV + feature] if feature < EV else zero
+                for i in range(RM):
+                    p = shared[P0 + (ty + i * TR) * PS + t]
+                    if value_has_garbage and p == 0:
                         continue
-                    dot = zero
-                    for e in range(n_features):
-                        dot += query_row[e] * key_tile[t * n_features + e]
-                    s = scale * dot + bias
-                    if s > row_max:
-                        rescale = math.exp(row_max - s)
-                        total *= rescale
-                        for e in range(n_values):
-                            accumulator[e] *= rescale
-                        row_max = s
-                    elif s != s:
-                        row_max = s
-                    if s != -math.inf:
-                        p = math.exp(s - row_max)
-                        total += p
-                        if p != 0:
-                            for e in range(n_values):
-                                accumulator[e] += p * value_tile[t * n_values + e]
+                    for f in range(VP):
+                        acc[i * VP + f] += p * v_reg[f]
             cuda.syncthreads()
-        _merge_key_splits(
-            shared, accumulator, row_max, total, active, b, row, n_values, out, log_sum_exp
-        )
+        # Each row's normaliser, summed over its TC threads in a fixed order.
+        for i in range(RM):
+            shared[R0 + (ty + i * TR) * TC + tx] = row_sum[i]
+        cuda.syncthreads()
+        for i in range(RM):
+            r = ty + i * TR
+            row = first_row + r
+            if row < n_query:
+                total = zero
+                for t in range(TC):
+                    total += shared[R0 + r * TC + t]
+                empty = row_max[i] == -math.inf and total == 0
+                for f in range(VP):
+                    feature = tx + f * TC
+                    if feature < EV:
+                        out[b, row, feature] = zero if empty else acc[i * VP + f] / total
+                if tx == 0:
+                    log_sum_exp[b, row] = -math.inf if empty else row_max[i] + math.log(total)
 
     return kernel
 
 
-@cuda.jit(device=True)
-def _merge_key_splits(shared, accumulator, row_max, total, active, b, row, n_values, out, lse):
-    r"""Combine the partial softmax states of a row's key splits and write the row.
-
-    Split ``s`` saw keys with maximum :math:`m_s`, sum :math:`\ell_s` and output
-    :math:`O_s`; with :math:`M = \max_s m_s`, the row's state is
-    :math:`\ell = \sum_s \ell_s e^{m_s - M}` and :math:`O = \sum_s O_s e^{m_s - M}`.
-    A NaN in any split makes the row NaN; a row no split saw anything for gets
-    output 0 and log-sum-exp ``-inf``. The splits share the writing of the
-    output features.
-    """
-    rows_per_block, n_splits = cuda.blockDim.x, cuda.blockDim.y
-    r, split = cuda.threadIdx.x, cuda.threadIdx.y
-    # The key tiles are no longer needed: the shared memory now holds, per
-    # (split, row), the running maximum, the sum and the output.
-    maxima = shared[: n_splits * rows_per_block]
-    sums = shared[n_splits * rows_per_block : 2 * n_splits * rows_per_block]
-    partial = shared[2 * n_splits * rows_per_block :]
-    slot = split * rows_per_block + r
-    maxima[slot] = row_max
-    sums[slot] = total
-    for e in range(n_values):
-        partial[slot * n_values + e] = accumulator[e]
-    cuda.syncthreads()
-    if not active:
-        return
-    row_max = -math.inf
-    is_nan = False
-    for other in range(n_splits):
-        m = maxima[other * rows_per_block + r]
-        is_nan = is_nan or m != m
-        row_max = max(row_max, m)
-    total = total * 0
-    for other in range(n_splits):
-        m = maxima[other * rows_per_block + r]
-        if m != -math.inf:
-            total += sums[other * rows_per_block + r] * math.exp(m - row_max)
-    for e in range(split, n_values, n_splits):
-        value = total * 0
-        for other in range(n_splits):
-            m = maxima[other * rows_per_block + r]
-            if m != -math.inf:
-                value += partial[(other * rows_per_block + r) * n_values + e] * math.exp(
-                    m - row_max
-                )
-        if is_nan:
-            value = math.nan
-        elif row_max == -math.inf:
-            value = 0
-        else:
-            value /= total
-        out[b, row, e] = value
-    if split == 0:
-        if is_nan:
-            lse[b, row] = math.nan
-        elif row_max == -math.inf:
-            lse[b, row] = -math.inf
-        else:
-            lse[b, row] = row_max + math.log(total)
+def _query_gradient_shared(tiles, n_features, n_values):
+    """Shared numbers of the dQ pass: Q, dO, K, V and dS tiles."""
+    br, bc = tiles.block_rows, tiles.block_cols
+    return (br + bc) * (n_features + 1 + n_values + 1) + br * (bc + 1)
 
 
 @functools.cache
-def _query_gradient_kernel(numba_dtype, n_features, n_values):
-    r"""Backward, part one: one row of :math:`dQ` per query row, no atomics.
+def _query_gradient_kernel(numba_dtype, n_features, n_values, tiles):
+    r"""Backward, part one: :math:`dQ` and :math:`D`, one block per tile of query rows.
 
-    Each thread (query row :math:`i`, key split) recomputes
-    :math:`P_{ij} = e^{s_{ij} - \operatorname{lse}_i}`, :math:`dP_{ij} = dO_i \cdot v_j`
-    and :math:`dS_{ij} = P_{ij}(dP_{ij} - D_i)` for its keys and sums
-    :math:`dS_{ij} k_j`; the splits' sums are added through shared memory. It
-    also writes :math:`D_i = dO_i \cdot O_i` for part two.
+    For each key tile: :math:`S = QK^\top` and :math:`dP = dO\,V^\top` as register
+    micro-tiles, :math:`P = e^{sS + M - \operatorname{lse}}`,
+    :math:`dS = P \circ (dP - D)` written to shared memory, then
+    :math:`dQ \mathrel{+}= dS\,K`; finally :math:`dQ` is scaled by :math:`s`.
     """
-    query_size, grad_size = max(n_features, 1), max(n_values, 1)
+    TR, TC, RM, CM = tiles
+    BR, BC = tiles.block_rows, tiles.block_cols
+    E, EV = n_features, n_values
+    QS, GS = E + 1, EV + 1
+    PS = BC + 1
+    EP = max(1, -(-E // TC))  # dQ features per thread
+    Q0 = 0
+    G0 = Q0 + BR * QS
+    K0 = G0 + BR * GS
+    V0 = K0 + BC * QS
+    P0 = V0 + BC * GS
+    NT = TR * TC
+    SCORES, OUTPUTS_K = RM * CM, RM * EP  # array sizes must be constants, not expressions
 
     @cuda.jit
     def kernel(
         query, key, value, grad_output, output, log_sum_exp, mask, index, is_causal, scale,
-        keys_per_tile, grad_query, delta,
+        grad_query, delta,
     ):  # fmt: skip
         shared = cuda.shared.array(0, dtype=numba_dtype)
-        query_row = cuda.local.array(query_size, dtype=numba_dtype)
-        grad_row = cuda.local.array(grad_size, dtype=numba_dtype)
-        accumulator = cuda.local.array(query_size, dtype=numba_dtype)
+        scores = cuda.local.array(SCORES, dtype=numba_dtype)
+        grad_p = cuda.local.array(SCORES, dtype=numba_dtype)
+        acc = cuda.local.array(OUTPUTS_K, dtype=numba_dtype)
+        lse = cuda.local.array(RM, dtype=numba_dtype)
+        row_delta = cuda.local.array(RM, dtype=numba_dtype)
+        a_reg = cuda.local.array(RM, dtype=numba_dtype)
+        b_reg = cuda.local.array(CM, dtype=numba_dtype)
+        k_reg = cuda.local.array(EP, dtype=numba_dtype)
+        tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
+        tid = ty * TC + tx
         n_query, n_key = query.shape[1], key.shape[1]
-        rows_per_block, n_splits = cuda.blockDim.x, cuda.blockDim.y
-        split = cuda.threadIdx.y
-        tid = split * rows_per_block + cuda.threadIdx.x
-        b, row, visible, block_visible = _query_tile(n_query, n_key, is_causal)
-        active = row < n_query
+        tiles_per_batch = (n_query + BR - 1) // BR
+        b = cuda.blockIdx.x // tiles_per_batch
+        first_row = (cuda.blockIdx.x - b * tiles_per_batch) * BR
         q, k, v, m = index[b, 0], index[b, 1], index[b, 2], index[b, 3]
         has_mask = mask.shape[1] != 0
         zero = numba_dtype(0)
-        lse = log_sum_exp[b, row] if active else numba_dtype(-math.inf)
-        row_delta = zero
-        for e in range(n_values):
-            grad_row[e] = grad_output[b, row, e] if active else 0
-            row_delta += grad_row[e] * (output[b, row, e] if active else 0)
-        for e in range(n_features):
-            query_row[e] = query[q, row, e] if active else 0
-            accumulator[e] = 0
-        if active and split == 0:
-            delta[b, row] = row_delta
-        key_tile = shared[: keys_per_tile * n_features]
-        value_tile = shared[keys_per_tile * n_features : keys_per_tile * (n_features + n_values)]
-        for start in range(0, block_visible, keys_per_tile):
-            tile_keys = min(keys_per_tile, n_key - start)
-            _stage_rows(key_tile, key, k, start, tile_keys, n_features, tid)
-            _stage_rows(value_tile, value, v, start, tile_keys, n_values, tid)
+        _stage(shared[Q0:], QS, query, q, first_row, BR, E, tid, NT)
+        _stage(shared[G0:], GS, grad_output, b, first_row, BR, EV, tid, NT)
+        cuda.syncthreads()
+        for i in range(RM):
+            r = ty + i * TR
+            row = first_row + r
+            d = zero
+            if row < n_query:
+                for e in range(EV):
+                    d += shared[G0 + r * GS + e] * output[b, row, e]
+                lse[i] = log_sum_exp[b, row]
+                if tx == 0:
+                    delta[b, row] = d
+            else:
+                lse[i] = -math.inf
+            row_delta[i] = d
+            for f in range(EP):
+                acc[i * EP + f] = 0
+        n_visible = min(first_row + BR, n_key) if is_causal else n_key
+        for start in range(0, n_visible, BC):
+            bad = _stage(shared[K0:], QS, key, k, start, BC, E, tid, NT)
+            _stage(shared[V0:], GS, value, v, start, BC, EV, tid, NT)
+            key_has_garbage = cuda.syncthreads_or(bad)
+            for c in range(RM * CM):
+                scores[c] = 0
+                grad_p[c] = 0
+            for e in range(E):
+                for i in range(RM):
+                    a_reg[i] = shared[Q0 + (ty + i * TR) * QS + e]
+                for j in range(CM):
+                    b_reg[j] = shared[K0 + (tx + j * TC) * QS + e]
+                for i in range(RM):
+                    for j in range(CM):
+                        scores[i * CM + j] += a_reg[i] * b_reg[j]
+            for e in range(EV):
+                for i in range(RM):
+                    a_reg[i] = shared[G0 + (ty + i * TR) * GS + e]
+                for j in range(CM):
+                    b_reg[j] = shared[V0 + (tx + j * TC) * GS + e]
+                for i in range(RM):
+                    for j in range(CM):
+                        grad_p[i * CM + j] += a_reg[i] * b_reg[j]
+            for i in range(RM):
+                row = first_row + ty + i * TR
+                for j in range(CM):
+                    col = start + tx + j * TC
+                    bias = zero
+                    if has_mask and row < n_query and col < n_key:
+                        bias = mask[m, row, col]
+                    scores[i * CM + j] = _masked(
+                        scale * scores[i * CM + j], bias, has_mask, row, col, n_query, n_key,
+                        is_causal,
+                    )  # fmt: skip
+            # A separate loop: small loop bodies are unrolled, so the micro-tiles stay
+            # in registers (a loop left rolled indexes them at run time, in local memory).
+            for i in range(RM):
+                for j in range(CM):
+                    s = scores[i * CM + j]
+                    grad_s = zero
+                    if s != -math.inf and lse[i] != -math.inf:
+                        grad_s = math.exp(s - lse[i]) * (grad_p[i * CM + j] - row_delta[i])
+                    shared[P0 + (ty + i * TR) * PS + tx + j * TC] = grad_s
             cuda.syncthreads()
-            # A row with nothing to attend (lse = -inf) gets no gradient.
-            if active and lse != -math.inf:
-                for t in range(split, min(tile_keys, visible - start), n_splits):
-                    bias = mask[m, row, start + t] if has_mask else zero
-                    if bias == -math.inf:
+            for t in range(BC):
+                for f in range(EP):
+                    feature = tx + f * TC
+                    k_reg[f] = shared[K0 + t * QS + feature] if feature < E else zero
+                for i in range(RM):
+                    grad_s = shared[P0 + (ty + i * TR) * PS + t]
+                    if key_has_garbage and grad_s == 0:
                         continue
-                    dot = zero
-                    for e in range(n_features):
-                        dot += query_row[e] * key_tile[t * n_features + e]
-                    p = math.exp(scale * dot + bias - lse)
-                    grad_p = zero
-                    for e in range(n_values):
-                        grad_p += grad_row[e] * value_tile[t * n_values + e]
-                    grad_s = p * (grad_p - row_delta)
-                    for e in range(n_features):
-                        accumulator[e] += grad_s * key_tile[t * n_features + e]
+                    for f in range(EP):
+                        acc[i * EP + f] += grad_s * k_reg[f]
             cuda.syncthreads()
-        _sum_splits(shared, accumulator, n_features, active, scale, grad_query, b, row)
+        for i in range(RM):
+            row = first_row + ty + i * TR
+            if row < n_query:
+                for f in range(EP):
+                    feature = tx + f * TC
+                    if feature < E:
+                        grad_query[b, row, feature] = scale * acc[i * EP + f]
 
     return kernel
 
 
-@functools.cache
-def _key_gradient_kernel(numba_dtype, n_features, n_values):
-    r"""Backward, part two: one row of :math:`dK` and :math:`dV` per key, no atomics.
+def _key_gradient_shared(tiles, n_features, n_values):
+    """Shared numbers of the dK, dV pass: K, V, Q, dO, P and dS tiles, log-sum-exps and D."""
+    br, bc = tiles.block_rows, tiles.block_cols
+    return (br + bc) * (n_features + 1 + n_values + 1) + 2 * br * (bc + 1) + 2 * bc
 
-    Each thread (key :math:`j`, query split) recomputes :math:`P_{ij}` and
-    :math:`dS_{ij}` for its queries from the saved log-sum-exp and
-    :math:`D_i`, summing :math:`P_{ij}\, dO_i` into :math:`dV_j` and
-    :math:`dS_{ij}\, q_i` into :math:`dK_j`; the splits' sums are added
-    through shared memory.
+
+@functools.cache
+def _key_gradient_kernel(numba_dtype, n_features, n_values, tiles):
+    r"""Backward, part two: :math:`dK` and :math:`dV`, one block per tile of key rows.
+
+    The block's rows are keys and its columns queries: for each query tile,
+    :math:`S^\top = KQ^\top` and :math:`dP^\top = V\,dO^\top` as register
+    micro-tiles, :math:`P^\top` and :math:`dS^\top` written to shared memory, then
+    :math:`dV \mathrel{+}= P^\top dO` and :math:`dK \mathrel{+}= dS^\top Q`.
     """
-    key_size, value_size = max(n_features, 1), max(n_values, 1)
-    row_width = n_features + n_values + 2
+    TR, TC, RM, CM = tiles
+    BR, BC = tiles.block_rows, tiles.block_cols
+    E, EV = n_features, n_values
+    QS, GS = E + 1, EV + 1
+    PS = BC + 1
+    EP = max(1, -(-E // TC))
+    VP = max(1, -(-EV // TC))
+    K0 = 0
+    V0 = K0 + BR * QS
+    Q0 = V0 + BR * GS
+    G0 = Q0 + BC * QS
+    P0 = G0 + BC * GS
+    D0 = P0 + BR * PS
+    L0 = D0 + BR * PS
+    DL0 = L0 + BC
+    NT = TR * TC
+    # Array sizes must be constants, not expressions.
+    SCORES, OUTPUTS_K, OUTPUTS_V = RM * CM, RM * EP, RM * VP
 
     @cuda.jit
     def kernel(
         query, key, value, grad_output, log_sum_exp, delta, mask, index, is_causal, scale,
-        queries_per_tile, grad_key, grad_value,
+        grad_key, grad_value,
     ):  # fmt: skip
         shared = cuda.shared.array(0, dtype=numba_dtype)
-        key_row = cuda.local.array(key_size, dtype=numba_dtype)
-        value_row = cuda.local.array(value_size, dtype=numba_dtype)
-        grad_key_row = cuda.local.array(key_size, dtype=numba_dtype)
-        grad_value_row = cuda.local.array(value_size, dtype=numba_dtype)
+        scores = cuda.local.array(SCORES, dtype=numba_dtype)
+        grad_p = cuda.local.array(SCORES, dtype=numba_dtype)
+        acc_k = cuda.local.array(OUTPUTS_K, dtype=numba_dtype)
+        acc_v = cuda.local.array(OUTPUTS_V, dtype=numba_dtype)
+        a_reg = cuda.local.array(RM, dtype=numba_dtype)
+        b_reg = cuda.local.array(CM, dtype=numba_dtype)
+        q_reg = cuda.local.array(EP, dtype=numba_dtype)
+        g_reg = cuda.local.array(VP, dtype=numba_dtype)
+        tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
+        tid = ty * TC + tx
         n_query, n_key = query.shape[1], key.shape[1]
-        cols_per_block, n_splits = cuda.blockDim.x, cuda.blockDim.y
-        split = cuda.threadIdx.y
-        tid = split * cols_per_block + cuda.threadIdx.x
-        n_threads = cols_per_block * n_splits
-        # The blocks tile the keys as the forward's tile the queries.
-        b, col, _, _ = _query_tile(n_key, n_query, False)
-        first_col = col - cuda.threadIdx.x
-        active = col < n_key
+        tiles_per_batch = (n_key + BR - 1) // BR
+        b = cuda.blockIdx.x // tiles_per_batch
+        first_col = (cuda.blockIdx.x - b * tiles_per_batch) * BR
         q, k, v, m = index[b, 0], index[b, 1], index[b, 2], index[b, 3]
         has_mask = mask.shape[1] != 0
         zero = numba_dtype(0)
-        for e in range(n_features):
-            key_row[e] = key[k, col, e] if active else 0
-            grad_key_row[e] = 0
-        for e in range(n_values):
-            value_row[e] = value[v, col, e] if active else 0
-            grad_value_row[e] = 0
-        query_tile = shared[: queries_per_tile * n_features]
-        grad_tile = shared[queries_per_tile * n_features : queries_per_tile * (row_width - 2)]
-        lse_tile = shared[queries_per_tile * (row_width - 2) : queries_per_tile * (row_width - 1)]
-        delta_tile = shared[queries_per_tile * (row_width - 1) : queries_per_tile * row_width]
+        _stage(shared[K0:], QS, key, k, first_col, BR, E, tid, NT)
+        _stage(shared[V0:], GS, value, v, first_col, BR, EV, tid, NT)
+        for i in range(RM):
+            for f in range(EP):
+                acc_k[i * EP + f] = 0
+            for f in range(VP):
+                acc_v[i * VP + f] = 0
         # Causal: no query before this block's first key attends to any of its keys.
         first_query = first_col if is_causal else 0
-        for start in range(first_query, n_query, queries_per_tile):
-            tile_rows = min(queries_per_tile, n_query - start)
-            _stage_rows(query_tile, query, q, start, tile_rows, n_features, tid)
-            _stage_rows(grad_tile, grad_output, b, start, tile_rows, n_values, tid)
-            for t in range(tid, tile_rows, n_threads):
-                lse_tile[t] = log_sum_exp[b, start + t]
-                delta_tile[t] = delta[b, start + t]
-            cuda.syncthreads()
-            if active:
-                for t in range(split, tile_rows, n_splits):
+        for start in range(first_query, n_query, BC):
+            bad = _stage(shared[Q0:], QS, query, q, start, BC, E, tid, NT)
+            bad |= _stage(shared[G0:], GS, grad_output, b, start, BC, EV, tid, NT)
+            for t in range(tid, BC, NT):
+                in_range = start + t < n_query
+                shared[L0 + t] = log_sum_exp[b, start + t] if in_range else -math.inf
+                shared[DL0 + t] = delta[b, start + t] if in_range else zero
+            query_has_garbage = cuda.syncthreads_or(bad)
+            for c in range(RM * CM):
+                scores[c] = 0
+                grad_p[c] = 0
+            for e in range(E):
+                for i in range(RM):
+                    a_reg[i] = shared[K0 + (ty + i * TR) * QS + e]
+                for j in range(CM):
+                    b_reg[j] = shared[Q0 + (tx + j * TC) * QS + e]
+                for i in range(RM):
+                    for j in range(CM):
+                        scores[i * CM + j] += a_reg[i] * b_reg[j]
+            for e in range(EV):
+                for i in range(RM):
+                    a_reg[i] = shared[V0 + (ty + i * TR) * GS + e]
+                for j in range(CM):
+                    b_reg[j] = shared[G0 + (tx + j * TC) * GS + e]
+                for i in range(RM):
+                    for j in range(CM):
+                        grad_p[i * CM + j] += a_reg[i] * b_reg[j]
+            for i in range(RM):
+                col = first_col + ty + i * TR
+                for j in range(CM):
+                    t = tx + j * TC
                     row = start + t
-                    if (is_causal and col > row) or lse_tile[t] == -math.inf:
-                        continue
-                    bias = mask[m, row, col] if has_mask else zero
-                    if bias == -math.inf:
-                        continue
-                    dot = zero
-                    for e in range(n_features):
-                        dot += query_tile[t * n_features + e] * key_row[e]
-                    p = math.exp(scale * dot + bias - lse_tile[t])
-                    grad_p = zero
-                    for e in range(n_values):
-                        grad_value_row[e] += p * grad_tile[t * n_values + e]
-                        grad_p += grad_tile[t * n_values + e] * value_row[e]
-                    grad_s = p * (grad_p - delta_tile[t])
-                    for e in range(n_features):
-                        grad_key_row[e] += grad_s * query_tile[t * n_features + e]
+                    bias = zero
+                    if has_mask and row < n_query and col < n_key:
+                        bias = mask[m, row, col]
+                    scores[i * CM + j] = _masked(
+                        scale * scores[i * CM + j], bias, has_mask, row, col, n_query, n_key,
+                        is_causal,
+                    )  # fmt: skip
+            # A separate loop, so that both stay unrolled (see the dQ pass).
+            for i in range(RM):
+                for j in range(CM):
+                    t = tx + j * TC
+                    s = scores[i * CM + j]
+                    lse = shared[L0 + t]
+                    p = zero
+                    grad_s = zero
+                    if s != -math.inf and lse != -math.inf:
+                        p = math.exp(s - lse)
+                        grad_s = p * (grad_p[i * CM + j] - shared[DL0 + t])
+                    shared[P0 + (ty + i * TR) * PS + t] = p
+                    shared[D0 + (ty + i * TR) * PS + t] = grad_s
             cuda.syncthreads()
-        _sum_splits(shared, grad_key_row, n_features, active, scale, grad_key, b, col)
-        cuda.syncthreads()
-        _sum_splits(shared, grad_value_row, n_values, active, zero + 1, grad_value, b, col)
+            for t in range(BC):
+                for f in range(EP):
+                    feature = tx + f * TC
+                    q_reg[f] = shared[Q0 + t * QS + feature] if feature < E else zero
+                for f in range(VP):
+                    feature = tx + f * TC
+                    g_reg[f] = shared[G0 + t * GS + feature] if feature < EV else zero
+                for i in range(RM):
+                    p = shared[P0 + (ty + i * TR) * PS + t]
+                    grad_s = shared[D0 + (ty + i * TR) * PS + t]
+                    if query_has_garbage and p == 0:
+                        continue
+                    for f in range(VP):
+                        acc_v[i * VP + f] += p * g_reg[f]
+                    for f in range(EP):
+                        acc_k[i * EP + f] += grad_s * q_reg[f]
+            cuda.syncthreads()
+        for i in range(RM):
+            col = first_col + ty + i * TR
+            if col < n_key:
+                for f in range(EP):
+                    feature = tx + f * TC
+                    if feature < E:
+                        grad_key[b, col, feature] = scale * acc_k[i * EP + f]
+                for f in range(VP):
+                    feature = tx + f * TC
+                    if feature < EV:
+                        grad_value[b, col, feature] = acc_v[i * VP + f]
 
     return kernel
-
-
-@cuda.jit(device=True)
-def _stage_rows(tile, source, batch, start, n_rows, width, tid):
-    """Copy ``n_rows`` rows of ``source[batch]`` from row ``start`` into the flat shared
-    ``tile``, the block's threads reading consecutive elements (coalesced)."""
-    n_threads = cuda.blockDim.x * cuda.blockDim.y
-    for flat in range(tid, n_rows * width, n_threads):
-        tile[flat] = source[batch, start + flat // width, flat % width]
-
-
-@cuda.jit(device=True)
-def _sum_splits(shared, partial, width, active, factor, out, b, row):
-    """``out[b, row] = factor * sum over the block's splits of partial``, the splits
-    sharing the additions; a fixed order, so the result is deterministic."""
-    rows_per_block, n_splits = cuda.blockDim.x, cuda.blockDim.y
-    r, split = cuda.threadIdx.x, cuda.threadIdx.y
-    slot = split * rows_per_block + r
-    for e in range(width):
-        shared[slot * width + e] = partial[e]
-    cuda.syncthreads()
-    if active:
-        for e in range(split, width, n_splits):
-            total = shared[0] * 0
-            for other in range(n_splits):
-                total += shared[(other * rows_per_block + r) * width + e]
-            out[b, row, e] = factor * total
 
 
 def _check_head_size(problem):
     if max(problem.n_features, problem.value_dim) > MAX_HEAD_DIM:
         raise ValueError(
-            f"the cuda flash kernels hold a head of at most {MAX_HEAD_DIM} features per "
-            f"thread, got E = {problem.n_features} and Ev = {problem.value_dim}; use "
-            "method='naive' or backend='cpu'"
+            f"the cuda flash kernels take heads of at most {MAX_HEAD_DIM} features, got "
+            f"E = {problem.n_features} and Ev = {problem.value_dim}; use method='naive' or "
+            "backend='cpu'"
         )
 
 
-def _launch_shape(problem, n_rows, state_width, tile_width):
-    """``(rows, splits, rows_per_tile)`` of a block of ``rows x splits`` threads.
-
-    Each of the block's ``rows`` rows is shared by ``splits`` threads that take
-    alternate entries of the other sequence, which multiplies the threads a
-    short batch offers the GPU. The block's shared memory holds first a tile of
-    the other sequence (``tile_width`` numbers per entry), then every thread's
-    partial state (``state_width`` numbers), so both must fit.
-    """
-    itemsize = problem.dtype.itemsize
-    splits = KEY_SPLITS
-    state_bytes = splits * max(state_width, 1) * itemsize
-    rows = min(ROWS_PER_BLOCK, max(n_rows, 1), SHARED_MEMORY_BYTES // state_bytes)
-    rows_per_tile = min(rows * splits, SHARED_MEMORY_BYTES // (max(tile_width, 1) * itemsize))
-    return rows, splits, rows_per_tile
-
-
-def _launch(kernel, dtype, n_blocks, shape, tile_width, state_width, *args):
-    """Launch ``kernel`` on ``n_blocks`` blocks of ``shape`` (see :func:`_launch_shape`),
-    with shared memory for a tile or for the partial states, whichever is larger."""
-    rows, splits, rows_per_tile = shape
+def _launch(build, shared_elements, problem, n_batch, n_rows, *args):
+    """Build (once) and launch a kernel over ``n_rows`` rows of each of ``n_batch`` batch
+    entries, with the first tile shape of :data:`TILE_CHOICES` whose shared memory fits."""
+    dtype, n_features, n_values = problem.dtype, problem.n_features, problem.value_dim
+    tiles = _choose_tiles(
+        lambda t: shared_elements(t, n_features, n_values), dtype.itemsize, n_rows
+    )
+    kernel = build(_cuda.numba_dtype(dtype), n_features, n_values, tiles)
+    n_blocks = n_batch * math.ceil(n_rows / tiles.block_rows)
+    shared_bytes = shared_elements(tiles, n_features, n_values) * dtype.itemsize
     if n_blocks > 0:
-        shared_elements = max(rows_per_tile * tile_width, rows * splits * state_width)
-        kernel[n_blocks, (rows, splits), 0, shared_elements * dtype.itemsize](*args)
+        kernel[n_blocks, (tiles.col_threads, tiles.row_threads), 0, shared_bytes](*args)
 
 
 def _mask_or_empty(mask, problem):
@@ -396,15 +585,12 @@ def _device_operands(problem):
 def _launch_forward(problem, operands):
     query, key, value, mask, index = operands
     dtype = problem.dtype
-    n_batch, E, Ev = index.shape[0], problem.n_features, problem.value_dim
-    out = _cuda.device_empty((n_batch, problem.n_query, Ev), dtype)
+    n_batch = index.shape[0]
+    out = _cuda.device_empty((n_batch, problem.n_query, problem.value_dim), dtype)
     log_sum_exp = _cuda.device_empty((n_batch, problem.n_query), dtype)
-    # The merge holds each thread's maximum, sum and Ev outputs.
-    shape = _launch_shape(problem, problem.n_query, Ev + 2, E + Ev)
-    kernel = _forward_kernel(_cuda.numba_dtype(dtype), E, Ev)
     _launch(
-        kernel, dtype, n_batch * math.ceil(problem.n_query / shape[0]), shape, E + Ev, Ev + 2,
-        query, key, value, mask, index, problem.is_causal, dtype.type(problem.scale), shape[2],
+        _forward_kernel, _forward_shared, problem, n_batch, problem.n_query,
+        query, key, value, mask, index, problem.is_causal, dtype.type(problem.scale),
         out, log_sum_exp,
     )  # fmt: skip
     return out, log_sum_exp
@@ -412,7 +598,19 @@ def _launch_forward(problem, operands):
 
 def flash_attention(problem):
     """Launch the flash forward kernel on a validated ``AttentionProblem``: returns the
-    output ``batch_shape + (L, Ev)`` and log-sum-exp ``batch_shape + (L,)``."""
+    output ``batch_shape + (L, Ev)`` and log-sum-exp ``batch_shape + (L,)``.
+
+    Half-precision operands arrive as they are (see ``_dispatch.HALF_NATIVE``): on a
+    GPU with ``TFMATH_CUDA_TENSOR_CORES=1`` they run on the tensor cores when
+    :func:`.tensor_core.supports` the problem; otherwise they are widened to float32.
+    Either way the results are float32, which the caller rounds.
+    """
+    if problem.needs_widening:
+        if _tensor_cores_serve(problem):
+            from tfmath.kernels.cuda import tensor_core
+
+            return tensor_core.flash_attention(problem)
+        problem = problem.widened(half.widen)
     _check_head_size(problem)
     out, log_sum_exp = _launch_forward(problem, _device_operands(problem))
     out = out.reshape(problem.output_shape())
@@ -420,6 +618,16 @@ def flash_attention(problem):
     if problem.on_device:
         return out, log_sum_exp
     return out.copy_to_host(), log_sum_exp.copy_to_host()
+
+
+def _tensor_cores_serve(problem):
+    """Whether the tensor-core forward takes this half-precision problem: asked for,
+    on a real GPU (the simulator cannot run its CUDA C++), with heads it supports."""
+    if not (_config.cuda_tensor_cores() and _cuda.status().real_gpu):
+        return False
+    from tfmath.kernels.cuda import tensor_core
+
+    return tensor_core.supports(problem)
 
 
 def attention_grad(problem, grad_output, saved=None):
@@ -440,21 +648,17 @@ def attention_grad(problem, grad_output, saved=None):
     scale = dtype.type(problem.scale)
     grad_query = _cuda.device_empty((n_batch, n_query, E), dtype)
     delta = _cuda.device_empty((n_batch, n_query), dtype)
-    shape = _launch_shape(problem, n_query, E, E + Ev)
     _launch(
-        _query_gradient_kernel(_cuda.numba_dtype(dtype), E, Ev), dtype,
-        n_batch * math.ceil(n_query / shape[0]), shape, E + Ev, E,
+        _query_gradient_kernel, _query_gradient_shared, problem, n_batch, n_query,
         query, key, value, grad_output, output, log_sum_exp, mask, index, problem.is_causal,
-        scale, shape[2], grad_query, delta,
+        scale, grad_query, delta,
     )  # fmt: skip
     grad_key = _cuda.device_empty((n_batch, n_key, E), dtype)
     grad_value = _cuda.device_empty((n_batch, n_key, Ev), dtype)
-    shape = _launch_shape(problem, n_key, max(E, Ev), E + Ev + 2)
     _launch(
-        _key_gradient_kernel(_cuda.numba_dtype(dtype), E, Ev), dtype,
-        n_batch * math.ceil(n_key / shape[0]), shape, E + Ev + 2, max(E, Ev),
+        _key_gradient_kernel, _key_gradient_shared, problem, n_batch, n_key,
         query, key, value, grad_output, log_sum_exp, delta, mask, index, problem.is_causal,
-        scale, shape[2], grad_key, grad_value,
+        scale, grad_key, grad_value,
     )  # fmt: skip
     batch = problem.batch_shape
     grads = (

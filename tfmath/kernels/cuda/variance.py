@@ -17,7 +17,6 @@ import math
 import warnings
 
 import numpy as np
-from numba import float64, int64, uint32, uint64
 
 from tfmath import _cuda
 from tfmath._contract.variance import (
@@ -26,6 +25,11 @@ from tfmath._contract.variance import (
     RADEMACHER,
     SIGN_BITS_PER_WORD,
     SPLITMIX_MULTIPLIERS,
+)
+
+# numba-cuda types its kernels with its own type system (see _cuda.numba_types).
+float64, int64, uint32, uint64 = (
+    getattr(_cuda.numba_types(), name) for name in ("float64", "int64", "uint32", "uint64")
 )
 
 cuda = _cuda.numba_cuda()

@@ -1,0 +1,214 @@
+"""The CUDA flash kernels' design, checked without a GPU.
+
+The float32 kernels' results are checked against the reference on the
+simulator in tests/test_attention.py. Here: the tile shapes they launch with,
+the routing of half precision (widened to float32, or the tensor-core forward
+when asked for on a real GPU), and their PTX, compiled for sm_80 and sm_90
+with NVVM and NVRTC from pip (``pip install "tfmath[ptx]"``): the float32
+kernels stage tiles in shared memory and keep their micro-tiles in registers,
+and the half-precision forward multiplies on the tensor cores.
+"""
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+from _tolerances import assert_close, half_tolerance
+
+import tfmath
+from tfmath import _cuda
+from tfmath._contract.attention import attention_problem
+
+ROOT = Path(__file__).resolve().parents[1]
+HALF = [np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)]
+
+
+def _flash_module():
+    from tfmath.kernels.cuda import flash_attention
+
+    return flash_attention
+
+
+def _shared_bytes(shared_elements, tiles, n_features, n_values, itemsize):
+    return shared_elements(tiles, n_features, n_values) * itemsize
+
+
+@pytest.mark.parametrize("itemsize", [4, 8])
+@pytest.mark.parametrize("head", [1, 8, 64, 100, 256])
+def test_every_head_size_gets_tiles_that_fit(head, itemsize):
+    flash = _flash_module()
+    for shared_elements in (
+        flash._forward_shared,
+        flash._query_gradient_shared,
+        flash._key_gradient_shared,
+    ):
+        for n_rows in (1, 3, 4096):
+            tiles = flash._choose_tiles(
+                lambda t, f=shared_elements: f(t, head, head), itemsize, n_rows
+            )
+            assert _shared_bytes(shared_elements, tiles, head, head, itemsize) <= 48 * 1024
+            # Short sequences get short blocks (wide float64 heads fit only 4 x 4 threads).
+            assert tiles.block_rows <= max(n_rows, 4)
+
+
+def test_float32_d64_gets_four_by_four_micro_tiles_on_128_threads():
+    flash = _flash_module()
+    tiles = flash._choose_tiles(lambda t: flash._forward_shared(t, 64, 64), 4, 4096)
+    assert tiles == flash.Tiles(16, 8, 4, 4)
+    assert tiles.row_threads * tiles.col_threads == 128
+
+
+def test_tensor_core_kernel_takes_the_heads_its_tiles_hold():
+    from tfmath.kernels.cuda import tensor_core
+
+    def problem(dtype, n_features, n_values):
+        q = np.zeros((4, n_features), dtype)
+        v = np.zeros((4, n_values), dtype)
+        return attention_problem(q, q, v, None, False, None, False, backend="reference")
+
+    assert tensor_core.supports(problem(np.float16, 64, 64))
+    assert tensor_core.supports(problem(ml_dtypes.bfloat16, 16, 8))
+    assert not tensor_core.supports(problem(np.float16, 8, 64))  # E not a multiple of 16
+    assert not tensor_core.supports(problem(np.float16, 128, 64))  # tiles too large
+    assert not tensor_core.supports(problem(np.float16, 64, 12))  # Ev not a multiple of 8
+    assert not tensor_core.supports(problem(np.float32, 64, 64))
+
+
+def _half_inputs(dtype, n_features=16, n_query=5, n_key=6, seed=3):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((2, n_query, n_features)).astype(dtype)
+    k = rng.standard_normal((2, n_key, n_features)).astype(dtype)
+    v = rng.standard_normal((2, n_key, 8)).astype(dtype)
+    return q, k, v
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+def test_half_flash_on_the_simulator_is_widened_even_when_tensor_cores_are_asked_for(
+    dtype, monkeypatch
+):
+    monkeypatch.setenv("TFMATH_CUDA_TENSOR_CORES", "1")
+    q, k, v = _half_inputs(dtype)
+    output = tfmath.scaled_dot_product_attention(q, k, v, is_causal=True, method="flash",
+                                                 backend="cuda")  # fmt: skip
+    expected = tfmath.scaled_dot_product_attention(q, k, v, is_causal=True, backend="cpu")
+    assert output.dtype == dtype
+    assert_close(output.astype(np.float64), expected.astype(np.float64), half_tolerance(dtype, 6))
+
+
+class _TensorCoreSpy:
+    def __init__(self):
+        self.problems = []
+
+    def __call__(self, problem):
+        self.problems.append(problem)
+        shape = problem.output_shape()
+        return np.zeros(shape, np.float32), np.zeros(shape[:-1], np.float32)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize(
+    ("opt_in", "n_features", "dtype", "served"),
+    [
+        ("1", 16, np.float16, True),
+        ("1", 16, ml_dtypes.bfloat16, True),
+        ("0", 16, np.float16, False),  # not asked for
+        ("1", 8, np.float16, False),  # a head the tensor-core tiles do not take
+    ],
+)
+def test_half_flash_goes_to_the_tensor_cores_only_when_asked_on_a_gpu(
+    opt_in, n_features, dtype, served, monkeypatch
+):
+    from tfmath.kernels.cuda import tensor_core
+
+    spy = _TensorCoreSpy()
+    monkeypatch.setattr(tensor_core, "flash_attention", spy)
+    monkeypatch.setattr(_cuda, "status", lambda: _cuda.CudaStatus(True, True, "a pretend GPU"))
+    monkeypatch.setenv("TFMATH_CUDA_TENSOR_CORES", opt_in)
+    q, k, v = _half_inputs(np.dtype(dtype), n_features=n_features, n_query=2, n_key=2)
+    output = tfmath.scaled_dot_product_attention(q, k, v, method="flash", backend="cuda")
+    assert output.dtype == np.dtype(dtype)
+    assert len(spy.problems) == int(served)
+    if served:
+        # The kernel gets the operands as stored, 16 bits a number, not widened copies.
+        assert spy.problems[0].dtype == np.dtype(dtype)
+        assert np.all(output == 0)
+
+
+# -- PTX, compiled without a GPU ------------------------------------------------------------
+
+
+def _ptx_toolchain_missing():
+    needed = ("numba_cuda", "cffi", "cuda.bindings")
+    missing = [name for name in needed if _find_spec(name) is None]
+    return f"needs {', '.join(missing)}: pip install 'tfmath[ptx]'" if missing else None
+
+
+def _find_spec(name):
+    try:
+        return importlib.util.find_spec(name)
+    except ModuleNotFoundError:
+        return None
+
+
+@pytest.fixture(scope="module")
+def ptx_files(tmp_path_factory):
+    """Every flash kernel's PTX for sm_80 and sm_90, compiled once, in two subprocesses
+    at a time (one per target): the tests run on the simulator, and PTX needs Numba's
+    real CUDA target."""
+    reason = _ptx_toolchain_missing()
+    if reason:
+        pytest.skip(reason)
+    folder = tmp_path_factory.mktemp("ptx")
+    env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "0", "PYTHONPATH": str(ROOT)}
+    processes = [
+        subprocess.Popen(
+            [sys.executable, "-m", "tfmath.tools.ptx", "--cc", cc, "--out", str(folder)],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for cc in ("80", "90")
+    ]
+    for process in processes:
+        _, stderr = process.communicate(timeout=600)
+        assert process.returncode == 0, stderr[-3000:]
+    return folder
+
+
+def _ptx(folder, name, cc):
+    return (folder / f"{name}.sm_{cc}.ptx").read_text()
+
+
+@pytest.mark.parametrize("cc", ["80", "90"])
+def test_float32_kernels_tile_through_shared_memory_and_registers(ptx_files, cc):
+    from tfmath.tools.ptx import instruction_counts
+
+    for name in ("flash_forward_float32", "flash_dq_float32", "flash_dkdv_float32"):
+        ptx = _ptx(ptx_files, name, cc)
+        counts = instruction_counts(ptx)
+        assert f".target sm_{cc}" in ptx
+        assert counts["ld.shared"] > 0 and counts["st.shared"] > 0, name
+        assert counts["fma.f32"] >= 16, name  # at least one unrolled 4 x 4 micro-tile
+        # The micro-tiles and the softmax state stay in registers: no local memory.
+        assert counts["local"] == 0, name
+
+
+@pytest.mark.parametrize("cc", ["80", "90"])
+def test_half_precision_forward_multiplies_on_the_tensor_cores(ptx_files, cc):
+    linked = _ptx(ptx_files, "tensor_core_cu", cc)
+    assert f".target sm_{cc}" in linked
+    for operands in ("f16.f16", "bf16.bf16"):
+        assert f"mma.sync.aligned.m16n8k16.row.col.f32.{operands}.f32" in linked
+    for format_name, suffix in (("float16", "f16"), ("bfloat16", "bf16")):
+        kernel = _ptx(ptx_files, f"flash_forward_{format_name}", cc)
+        assert f".target sm_{cc}" in kernel
+        for product in (f"tfmath_mma_nt_{suffix}", f"tfmath_mma_nn_{suffix}"):
+            assert product in kernel and product in linked
+        assert ".shared" in kernel

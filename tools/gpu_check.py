@@ -1,0 +1,318 @@
+"""The flash kernels on a real GPU: correctness, then timings against PyTorch, in one run.
+
+Run by tools/gpu_check.sh (which installs carried wheels and runs the CUDA
+tests first); on its own::
+
+    NUMBA_ENABLE_CUDASIM=0 python3 tools/gpu_check.py --out DIR [--quick]
+
+1. Correctness: float32, float16 and bfloat16 flash forwards (float16 and
+   bfloat16 on the tensor cores, ``TFMATH_CUDA_TENSOR_CORES=1``) and the
+   float32 backward, against tfmath's float64 NumPy reference, on fresh
+   random inputs with lengths that are not multiples of the tiles, causal and
+   boolean masks, and NaN in masked-out values. The measure is
+   ``|out - ref| / |ref|`` (Frobenius norms); NaN fails.
+2. Timings at B = 1, H = 8, d = 64, L = S in 1024..8192: the forward and the
+   forward + backward of each dtype, tfmath against
+   ``torch.nn.functional.scaled_dot_product_attention`` (TF32 off for
+   float32, on both sides: tfmath's float32 kernels use no tensor cores),
+   each the median of CUDA-event timings after warm-up. float16 and
+   bfloat16 forwards are timed at the kernel, on device copies of their
+   16-bit patterns (torch shares no bfloat16 tensor through
+   ``__cuda_array_interface__``, and the public API still rounds a device
+   result to half precision on the host); float16 also through the public
+   API on torch tensors, to show that cost. Half-precision backward passes
+   run on widened float32 copies (made on the host): float16's is timed as
+   it is; bfloat16's is not timed (its inputs would start on the host).
+
+Writes ``gpu_check.json`` and ``gpu_check.csv`` (every number),
+``gpu_check.png`` and ``gpu_check.svg`` (torch time / tfmath time against L;
+the issue's target is 0.5) into ``--out``, and prints a short table last.
+"""
+
+import argparse
+import csv
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+
+#: Relative error bound per dtype: float32 arithmetic on unit-scale data lands far
+#: below 1e-5; float16 operands (11-bit significands) and P rounded to float16 near
+#: 1e-3; bfloat16 (8-bit significands) near 1e-2.
+TOLERANCE = {"float32": 1e-5, "float16": 5e-3, "bfloat16": 3e-2}
+#: (batch, heads, L, S, d, causal, boolean mask): tile edges, masks, a short head.
+CASES = [
+    (1, 2, 100, 130, 64, False, False),
+    (2, 2, 64, 64, 64, True, False),
+    (1, 3, 77, 200, 64, False, True),
+    (1, 2, 70, 50, 32, True, False),
+    (1, 1, 33, 17, 16, False, True),
+]
+LENGTHS = (1024, 2048, 4096, 8192)
+
+
+def _dtype(name):
+    import ml_dtypes
+
+    return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
+
+
+def _relative_error(output, reference):
+    output = np.asarray(output, dtype=np.float64)
+    if np.isnan(output).any():
+        return float("nan")
+    return float(np.linalg.norm(output - reference) / np.linalg.norm(reference))
+
+
+def check_case(dtype_name, case, rng):
+    """Rows of ``(dtype, case, what, relative error, tolerance, ok)`` for one case."""
+    import tfmath
+
+    batch, heads, n_query, n_key, head, causal, with_mask = case
+    dtype = _dtype(dtype_name)
+    q, k, v = (
+        rng.standard_normal((batch, heads, n, head)).astype(dtype) for n in (n_query, n_key, n_key)
+    )
+    mask = rng.random((n_query, n_key)) < 0.7 if with_mask else None
+    wide = [a.astype(np.float64) for a in (q, k, v)]
+    reference = tfmath.scaled_dot_product_attention(
+        *wide, attn_mask=mask, is_causal=causal, backend="reference"
+    )
+    output = tfmath.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=causal, method="flash", backend="cuda"
+    )
+    name = f"B{batch} H{heads} L{n_query} S{n_key} d{head}" + " causal" * causal
+    name += " mask" * with_mask
+    tolerance = TOLERANCE[dtype_name]
+    rows = [(dtype_name, name, "forward", _relative_error(output, reference), tolerance)]
+    if dtype_name == "float32":
+        grad_output = rng.standard_normal(reference.shape).astype(dtype)
+        grads = tfmath.attention_grad(q, k, v, grad_output, mask, causal, backend="cuda")
+        expected = tfmath.attention_grad(
+            *wide, grad_output.astype(np.float64), mask, causal, backend="reference"
+        )
+        for label, grad, want in zip(("dQ", "dK", "dV"), grads, expected, strict=True):
+            rows.append((dtype_name, name, label, _relative_error(grad, want), 4 * tolerance))
+    if with_mask:
+        # NaN where no row attends must not reach the output.
+        garbage = v.copy()
+        unseen = ~mask.any(axis=0)
+        garbage[..., unseen, :] = np.nan
+        output = tfmath.scaled_dot_product_attention(
+            q, k, garbage, attn_mask=mask, is_causal=causal, method="flash", backend="cuda"
+        )
+        rows.append(
+            (dtype_name, name, "NaN in masked values", _relative_error(output, reference),
+             tolerance)
+        )  # fmt: skip
+    return [(*row, bool(row[3] <= row[4])) for row in rows]
+
+
+def run_checks(rng):
+    rows = []
+    for dtype_name in TOLERANCE:
+        for case in CASES:
+            try:
+                rows.extend(check_case(dtype_name, case, rng))
+            except Exception:
+                traceback.print_exc()
+                rows.append((dtype_name, str(case), "raised", float("nan"), 0.0, False))
+    return rows
+
+
+def _torch():
+    import torch
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    return torch
+
+
+def median_ms(torch, call, warmup=2, repeats=10):
+    """Median milliseconds of ``call`` between CUDA events, after ``warmup`` calls."""
+    for _ in range(warmup):
+        call()
+    torch.cuda.synchronize()
+    numba_cuda().synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        call()
+        numba_cuda().synchronize()  # tfmath launches on Numba's default stream
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return float(np.median(times))
+
+
+def numba_cuda():
+    from tfmath import _cuda
+
+    return _cuda.numba_cuda()
+
+
+def _half_forward(q, k, v, dtype_name):
+    """The tensor-core forward on device copies of the inputs' 16-bit patterns, without
+    host transfers: what the kernel costs."""
+    from tfmath import _cuda
+    from tfmath._contract.attention import attention_problem
+    from tfmath.kernels.cuda import tensor_core
+
+    host = [t.float().cpu().numpy().astype(_dtype(dtype_name)) for t in (q, k, v)]
+    problem = attention_problem(*host, backend="cuda")
+    bits = [_cuda.to_device(a.view(np.uint16)) for a in host]
+    on_device = problem._replace(query=bits[0], key=bits[1], value=bits[2], on_device=True)
+    return lambda: tensor_core.flash_attention(on_device)
+
+
+def time_dtype(torch, dtype_name, n, quick):
+    """Rows ``(dtype, L, pass, contender, ms)`` for one dtype and length."""
+    import tfmath
+
+    torch_dtype = getattr(torch, dtype_name)
+    generator = torch.Generator(device="cuda").manual_seed(n)
+    shape = (1, 8, n, 64)
+    q, k, v, grad = (
+        torch.randn(shape, device="cuda", generator=generator, dtype=torch_dtype) for _ in range(4)
+    )
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    repeats = 3 if quick else 10
+    rows = []
+
+    def add(what, contender, call):
+        try:
+            rows.append((dtype_name, n, what, contender, median_ms(torch, call, 1, repeats)))
+        except Exception:
+            traceback.print_exc()
+            rows.append((dtype_name, n, what, contender, float("nan")))
+
+    def tfmath_forward():
+        tfmath.scaled_dot_product_attention(q, k, v, method="flash", backend="cuda")
+
+    add("forward", "torch sdpa", lambda: sdpa(q, k, v))
+    if dtype_name == "float32":
+        add("forward", "tfmath", tfmath_forward)
+    else:
+        add("forward", "tfmath", _half_forward(q, k, v, dtype_name))
+    if dtype_name == "float16" and n <= 2048:
+        add("forward (public API)", "tfmath", tfmath_forward)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+
+    def torch_step():
+        sdpa(*leaves).backward(grad)
+
+    def tfmath_step():
+        output, log_sum_exp = tfmath.scaled_dot_product_attention(
+            q, k, v, return_log_sum_exp=True, backend="cuda"
+        )
+        tfmath.attention_grad(q, k, v, grad, output=output, log_sum_exp=log_sum_exp, backend="cuda")
+
+    add("forward+backward", "torch sdpa", torch_step)
+    if dtype_name != "bfloat16" and (n <= 2048 or not quick):
+        add("forward+backward", "tfmath", tfmath_step)
+    return rows
+
+
+def run_timings(quick):
+    torch = _torch()
+    lengths = LENGTHS[:2] if quick else LENGTHS
+    rows = []
+    for dtype_name in ("float32", "float16", "bfloat16"):
+        for n in lengths:
+            rows.extend(time_dtype(torch, dtype_name, n, quick))
+    return rows
+
+
+def ratios(timings):
+    """``{(dtype, pass): [(L, torch ms / tfmath ms), ...]}``."""
+    found = {}
+    by_key = {(d, n, w, c): ms for d, n, w, c, ms in timings}
+    for dtype_name, n, what, contender, ms in timings:
+        if contender == "torch sdpa":
+            continue
+        torch_ms = by_key.get((dtype_name, n, what, "torch sdpa"))
+        if torch_ms is not None and ms == ms and ms > 0:
+            found.setdefault((dtype_name, what), []).append((n, torch_ms / ms))
+    return found
+
+
+def draw(ratio_lines, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import ticker
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(7, 4.5), layout="constrained")
+    ax = figure.add_subplot()
+    for (dtype_name, what), points in sorted(ratio_lines.items()):
+        lengths, values = zip(*points, strict=True)
+        ax.plot(lengths, values, marker="o", linestyle="-" if what == "forward" else "--",
+                label=f"{dtype_name} {what}")  # fmt: skip
+    ax.axhline(0.5, color="grey", linewidth=1, linestyle=":", label="target 0.5")
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(LENGTHS, [str(n) for n in LENGTHS])
+    ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(ticker.FormatStrFormatter("%.2g"))
+    ax.yaxis.set_minor_formatter(ticker.FormatStrFormatter("%.2g"))
+    ax.set_xlabel("sequence length L = S (B = 1, H = 8, d = 64)")
+    ax.set_ylabel("torch time / tfmath time")
+    ax.set_title("tfmath flash attention on the GPU against PyTorch's fused kernels")
+    ax.legend(fontsize=8)
+    for suffix in (".png", ".svg"):
+        figure.savefig(path.with_suffix(suffix), dpi=120)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu_check")))
+    parser.add_argument("--quick", action="store_true", help="two lengths, fewer repeats")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("TFMATH_CUDA_TENSOR_CORES", "1")
+    args.out.mkdir(parents=True, exist_ok=True)
+    from tfmath import _cuda
+
+    print("CUDA:", _cuda.status().reason, "| target:", _cuda.device_version(), flush=True)
+    start = time.perf_counter()
+    checks = run_checks(np.random.default_rng(int(time.time())))
+    print(f"checks: {time.perf_counter() - start:.0f} s", flush=True)
+    timings = run_timings(args.quick)
+    print(f"checks and timings: {time.perf_counter() - start:.0f} s", flush=True)
+    ratio_lines = ratios(timings)
+    result = {"checks": checks, "timings": timings,
+              "ratios": {f"{d} {w}": v for (d, w), v in ratio_lines.items()}}  # fmt: skip
+    (args.out / "gpu_check.json").write_text(json.dumps(result, indent=1))
+    with open(args.out / "gpu_check.csv", "w", newline="") as stream:
+        writer = csv.writer(stream)
+        writer.writerow(["dtype", "L", "pass", "contender", "median ms"])
+        writer.writerows(timings)
+    try:
+        draw(ratio_lines, args.out / "gpu_check")
+    except Exception:
+        traceback.print_exc()
+    failed = [row for row in checks if not row[-1]]
+    for row in failed:
+        print("FAILED", *row)
+    print(f"{len(checks) - len(failed)} of {len(checks)} checks within tolerance")
+    print(f"{'dtype':<9} {'pass':<17} " + " ".join(f"{'L=' + str(n):>7}" for n in LENGTHS))
+    for (dtype_name, what), points in sorted(ratio_lines.items()):
+        cells = dict(points)
+        print(
+            f"{dtype_name:<9} {what:<17} "
+            + " ".join(f"{cells[n]:>7.2f}" if n in cells else f"{'':>7}" for n in LENGTHS)
+        )
+    print(
+        "(torch time / tfmath time; targets: float32 forward >= 0.5 at L=4096, "
+        "float16 and bfloat16 >= 0.5)"
+    )
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

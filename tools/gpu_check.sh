@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# The one command a GPU session runs for issue 30 (see docs/backends.rst, "Checking on a
+# GPU"): on a fresh GPU machine with no network, in the repository root,
+#
+#   bash tools/gpu_check.sh            # everything; its steps' limits add up to 7 minutes
+#   bash tools/gpu_check.sh --quick    # two lengths, fewer repeats
+#
+# 1. installs the wheels carried in .whl/ (tools/gpu_wheels.sh fetches them on a machine
+#    with pip and network: cffi, which that machine's image lacks), into /tmp/site;
+# 2. prints the GPU, the driver and the versions that matter;
+# 3. runs the CUDA tests of the flash kernels on the GPU (not the simulator);
+# 4. runs `tfmath bench attention --backend cuda` (float32, against PyTorch);
+# 5. runs tools/gpu_check.py: correctness of every dtype's flash kernels, then
+#    timings of float32, float16 and bfloat16, forward and forward + backward, at
+#    L = 1024..8192 against PyTorch, with a figure.
+#
+# Every output lands in $OUT (the device tool's folder that comes back) or ./gpu_check;
+# each step has its own time limit, so one that hangs cannot eat the others' time.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-$PWD/gpu_check}"
+mkdir -p "$OUT"
+QUICK="${1:-}"
+export PYTHONUNBUFFERED=1 NUMBA_ENABLE_CUDASIM=0 TFMATH_CUDA_TENSOR_CORES=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+PYTHON="${PYTHON:-python3}"
+
+if compgen -G ".whl/*.whl" >/dev/null; then
+    "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl || { echo "could not install .whl/"; exit 1; }
+    export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+
+{
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm \
+        --format=csv 2>&1
+    "$PYTHON" - <<'EOF'
+import importlib.metadata as m
+for name in ("numba", "numba-cuda", "cuda-bindings", "cffi", "torch", "numpy", "ml_dtypes"):
+    try:
+        print(f"{name} {m.version(name)}")
+    except m.PackageNotFoundError:
+        print(f"{name} MISSING")
+import tfmath
+print("tfmath", tfmath.__version__, "from", tfmath.__file__)
+print("cuda backend:", tfmath.backends()["cuda"])
+EOF
+} 2>&1 | tee "$OUT/versions.txt"
+
+# Each new shape compiles its kernels, so the limit may cut the hypothesis tests short;
+# step 5 checks random inputs too.
+echo "== CUDA tests on the GPU"
+timeout 120 "$PYTHON" -m pytest -q -x -m cuda \
+    -p no:cacheprovider tests/test_cuda_flash.py tests/test_attention.py \
+    tests/test_half_precision.py 2>&1 | tee "$OUT/tests.txt" | tail -15
+echo "tests: exit ${PIPESTATUS[0]}"
+
+echo "== tfmath bench attention --backend cuda (float32)"
+timeout 90 "$PYTHON" -m tfmath bench attention --backend cuda --quick 2>&1 \
+    | tee "$OUT/bench_attention.txt" | tail -25
+echo "bench: exit ${PIPESTATUS[0]}"
+
+echo "== correctness and timings, float32, float16, bfloat16"
+timeout 210 "$PYTHON" tools/gpu_check.py --out "$OUT" $QUICK 2>&1 | tee "$OUT/gpu_check.txt" \
+    | tail -30
+echo "gpu_check: exit ${PIPESTATUS[0]}"

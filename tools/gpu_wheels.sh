@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Run once, on a machine with pip and network, before tools/gpu_check.sh goes to a GPU
+# machine that has neither: fetches into .whl/ (ignored by git, carried with the run) the
+# wheels that machine's image lacks, for its Python 3.12 on x86-64. Its image already
+# has numba, numba-cuda, cuda-bindings, torch, numpy, scipy, matplotlib, ml_dtypes,
+# pytest and hypothesis (/work/.library/device/KINDS.md lists them); not cffi, which the
+# tensor-core kernels need to hand shared-memory tiles to their CUDA C++.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+exclude="$(git rev-parse --git-path info/exclude)"
+mkdir -p "$(dirname "$exclude")"
+grep -qx '/.whl/' "$exclude" 2>/dev/null || echo '/.whl/' >>"$exclude"
+python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+    --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+    --platform manylinux2014_x86_64 -d .whl "cffi==2.0.0" "pycparser==2.23"
+ls -l .whl
