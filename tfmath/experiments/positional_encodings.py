@@ -11,9 +11,10 @@ import numpy as np
 
 from tfmath.analysis import positional as analysis
 from tfmath.analysis.claims import Claim
+from tfmath.plotting import new_figure
+from tfmath.plotting import positional as plots
 from tfmath.positional import sinusoidal_encoding
 from tfmath.report import ExperimentResult, Table, experiment
-from tfmath.report.plotting import new_figure
 
 BASE = 10000.0
 
@@ -31,20 +32,10 @@ def positional_heatmap(settings):
 
     figure, axes = new_figure(11, 4.4, ncols=2)
     heatmap, columns = axes[0]
-    image = heatmap.imshow(
-        encoding, aspect="auto", cmap="RdBu_r", vmin=-1, vmax=1, interpolation="nearest"
+    plots.encoding_heatmap(
+        encoding, title=f"PE[p, j], d_model = {d_model}, base = {BASE:g}", ax=heatmap
     )
-    heatmap.set_xlabel("encoding dimension j (even j: sin, odd j: cos)")
-    heatmap.set_ylabel("position p")
-    heatmap.set_title(f"PE[p, j], d_model = {d_model}, base = {BASE:g}")
-    figure.colorbar(image, ax=heatmap, label="PE value (dimensionless)")
-    for j in (0, 1, 16, 40, d_model // 2):
-        columns.plot(encoding[:, j], label=f"j = {j} ({'sin' if j % 2 == 0 else 'cos'})")
-    columns.set_xlabel("position p")
-    columns.set_ylabel("PE[p, j]")
-    columns.set_title("Columns oscillate ever more slowly as j grows")
-    columns.set_ylim(-1.15, 1.4)
-    columns.legend(ncols=3, fontsize=8, loc="upper center")
+    plots.encoding_columns(encoding, (0, 1, 16, 40, d_model // 2), ax=columns)
 
     caption = (
         f"Each row is one position's encoding, each column one dimension. Left columns "
@@ -172,20 +163,8 @@ def positional_similarity(settings):
 def positional_wavelengths(settings):
     """lambda_i = 2 pi base^(2i/d): a geometric progression from 2 pi to 2 pi base."""
     figure, axes = new_figure(7.5, 4.4)
-    ax = axes[0, 0]
-    data = {}
-    for d_model in (64, D_MODEL):
-        lengths = analysis.wavelengths(d_model, BASE)
-        ax.semilogy(np.arange(len(lengths)), lengths, "o-", ms=2, label=f"d_model = {d_model}")
-        data[str(d_model)] = lengths.tolist()
-    ax.axhline(2 * np.pi, color="grey", ls="--", lw=0.8)
-    ax.axhline(2 * np.pi * BASE, color="grey", ls=":", lw=0.8)
-    ax.text(180, 2 * np.pi * 1.15, "2π (fastest possible: ω_0 = 1)", color="grey")
-    ax.text(120, 2 * np.pi * BASE * 1.15, "2π · base", color="grey")
-    ax.set_xlabel("dimension pair i (columns 2i, 2i+1)")
-    ax.set_ylabel("wavelength 2π/ω_i (positions, log scale)")
-    ax.set_title(r"$\lambda_i = 2\pi \cdot 10000^{2i/d_{model}}$")
-    ax.legend(loc="center right")
+    plots.wavelengths((64, D_MODEL), base=BASE, ax=axes[0, 0])
+    data = {str(d): analysis.wavelengths(d, BASE).tolist() for d in (64, D_MODEL)}
     lengths = np.array(data[str(D_MODEL)])
     ratio = lengths[1] / lengths[0]
     caption = (
