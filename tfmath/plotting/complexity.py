@@ -50,7 +50,8 @@ def cost_against_length(measurements, fits=None, *, quantity="seconds", clock="c
         raise ValueError(f"quantity must be one of {_QUANTITIES}, got {quantity!r}")
     fits = fits or {}
     dims = sorted({m.d for m in measurements})
-    figure, axes = new_figure(5.0 * len(dims), 6.2, ncols=len(dims))
+    # Wide enough for the two-column legend below the panels.
+    figure, axes = new_figure(max(5.0 * len(dims), 9.0), 6.2, ncols=len(dims))
     if quantity == "seconds":
         unit, axis_label = 1e3, f"median {clock} time per call (ms)"
     else:
