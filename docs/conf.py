@@ -98,3 +98,9 @@ html_theme_options = {
 html_sidebars = {
     "**": ["about.html", "navigation.html", "relations.html", "searchbox.html"],
 }
+
+
+def setup(app):
+    # The sidebar's page titles hold formulas, so every page needs MathJax, not
+    # only those whose body has math (Sphinx's default).
+    app.set_html_assets_policy("always")
