@@ -20,6 +20,8 @@ from tfmath.training import TrainingConfig, language_model_config
 from tfmath.training.sweep import TrainingRun, run_sweep
 from tfmath.training.synthetic import ZipfLexicon
 
+# sphinx_gallery_thumbnail_number = 2
+
 figure, axes = new_figure(11, 4.2, ncols=2)
 power_law(KAPLAN_LAWS["N"], [1e6, 1e11], ax=axes[0, 0])
 axes[0, 0].set(xlabel="non-embedding parameters N", ylabel="loss (nats per token)")

@@ -13,6 +13,7 @@ inline, and ``view.save("attention.html")`` writes it as a page of its own.
 import numpy as np
 
 import tfmath
+from tfmath.plotting import attention_heatmap, new_figure
 
 tokens = ["the", "cat", "sat", "on", "the", "mat"]
 rng = np.random.default_rng(0)
@@ -24,8 +25,6 @@ view  # noqa: B018 (the last expression: the gallery and Jupyter show its HTML)
 
 # %%
 # The same weights as static heatmaps, one per head:
-from tfmath.plotting import attention_heatmap, new_figure  # noqa: E402
-
 figure, axes = new_figure(10, 4, ncols=2)
 for head, ax in enumerate(axes[0]):
     attention_heatmap(weights[head], query_labels=tokens, key_labels=tokens, annotate=False,
