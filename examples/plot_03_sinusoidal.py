@@ -12,7 +12,13 @@ positions.
 import numpy as np
 
 from tfmath.analysis.positional import relative_dot_products
-from tfmath.plotting import encoding_columns, encoding_heatmap, new_figure, wavelengths
+from tfmath.plotting import (
+    encoding_columns,
+    encoding_heatmap,
+    new_figure,
+    similarity_by_offset,
+    wavelengths,
+)
 from tfmath.positional import sinusoidal_encoding
 
 encoding = sinusoidal_encoding(100, 128)
@@ -26,11 +32,12 @@ print("range:", encoding.min(), encoding.max())
 ax = wavelengths([64, 512])
 
 # %%
-# ``PE[p] · PE[p + k]`` is the same for every start ``p``: measured at 50
-# starts, its spread over ``p`` is rounding.
-offsets = np.arange(1, 200)
-dots = relative_dot_products(50, offsets, 128)
-print("largest spread over p:", dots.spread.max())
-similarity = new_figure(6, 3.5)[1][0, 0]
-similarity.plot(offsets, dots.closed_form / 64)
-similarity.set(xlabel="offset k", ylabel="PE[p]·PE[p+k] / (d/2)", title="Depends on k only")
+# ``PE[p] · PE[p + k]`` is the same for every start ``p``: the closed form
+# ``sum_i cos(ω_i k)`` (lines), and the smallest and largest values measured
+# over 50 starts (circles), which sit on the line.
+offsets = np.arange(1, 1001)
+measured = np.unique(np.geomspace(1, 1000, 15).astype(int))
+lines = {d: relative_dot_products(1, offsets, d) for d in (32, 128)}
+checks = {d: relative_dot_products(50, measured, d) for d in (32, 128)}
+print("largest spread over p:", max(c.spread.max() for c in checks.values()))
+ax = similarity_by_offset(lines, checks, n_starts=50)

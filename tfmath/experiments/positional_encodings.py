@@ -111,33 +111,21 @@ def positional_similarity(settings):
     n_starts = 300 if settings.quick else 2000
     offsets = np.arange(1, max_offset + 1)
     measured_offsets = np.unique(np.geomspace(1, max_offset, 30).astype(int))
-    figure, axes = new_figure(8, 4.6)
-    ax = axes[0, 0]
     rows = {"d_model": [], "max_spread_over_p": [], "max_error_vs_closed_form": []}
-    curves = {}
+    lines, checks, curves = {}, {}, {}
     for d_model in (32, 128, D_MODEL):
-        half = d_model / 2
-        closed = analysis.relative_dot_products(
+        lines[d_model] = analysis.relative_dot_products(
             1, offsets, d_model, base=BASE, backend=settings.backend
-        ).closed_form
-        check = analysis.relative_dot_products(
+        )
+        checks[d_model] = analysis.relative_dot_products(
             n_starts, measured_offsets, d_model, base=BASE, backend=settings.backend
         )
-        (line,) = ax.semilogx(offsets, closed / half, lw=0.8, label=f"d_model = {d_model}")
-        for extreme in (check.minimum, check.maximum):
-            ax.plot(
-                measured_offsets, extreme / half, "o", ms=3.5, mfc="none", color=line.get_color()
-            )
         rows["d_model"].append(d_model)
-        rows["max_spread_over_p"].append(float(check.spread.max()))
-        rows["max_error_vs_closed_form"].append(float(check.max_error.max()))
-        curves[str(d_model)] = (closed / half).tolist()
-    ax.plot([], [], "ko", mfc="none", label=f"measured: min and max over p = 0..{n_starts - 1}")
-    ax.axhline(0, color="grey", lw=0.5)
-    ax.set_xlabel("offset k (positions, log scale)")
-    ax.set_ylabel("PE[p]·PE[p+k] / (d_model/2)")
-    ax.set_title(r"$\mathrm{PE}_p\cdot\mathrm{PE}_{p+k} = \sum_i \cos(\omega_i k)$, normalised")
-    ax.legend(fontsize=8)
+        rows["max_spread_over_p"].append(float(checks[d_model].spread.max()))
+        rows["max_error_vs_closed_form"].append(float(checks[d_model].max_error.max()))
+        curves[str(d_model)] = (lines[d_model].closed_form / (d_model / 2)).tolist()
+    figure, axes = new_figure(8, 4.6)
+    plots.similarity_by_offset(lines, checks, n_starts=n_starts, ax=axes[0, 0])
 
     worst_spread = max(rows["max_spread_over_p"])
     wide = curves[str(D_MODEL)]  # entry k - 1 is offset k

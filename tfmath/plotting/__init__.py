@@ -16,7 +16,12 @@ these helpers, so that no figure is written twice.
 from tfmath.plotting._figure import axes_or_new, new_figure
 from tfmath.plotting.attention import attention_heatmap
 from tfmath.plotting.complexity import cost_against_length
-from tfmath.plotting.positional import encoding_columns, encoding_heatmap, wavelengths
+from tfmath.plotting.positional import (
+    encoding_columns,
+    encoding_heatmap,
+    similarity_by_offset,
+    wavelengths,
+)
 from tfmath.plotting.precision import accumulation_error, score_overflow, softmax_overflow
 from tfmath.plotting.scaling import power_law, sweep_results
 from tfmath.plotting.variance import (
@@ -40,6 +45,7 @@ __all__ = [
     "saturation",
     "scaled_variance",
     "score_overflow",
+    "similarity_by_offset",
     "softmax_overflow",
     "sweep_results",
     "temperature_sweep",

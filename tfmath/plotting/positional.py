@@ -4,7 +4,7 @@ import numpy as np
 
 from tfmath.plotting._figure import axes_or_new
 
-__all__ = ["encoding_columns", "encoding_heatmap", "wavelengths"]
+__all__ = ["encoding_columns", "encoding_heatmap", "similarity_by_offset", "wavelengths"]
 
 
 def encoding_heatmap(encoding, *, title=None, colorbar=True, ax=None):
@@ -96,6 +96,48 @@ def wavelengths(d_models, *, base=10000.0, ax=None):
     ax.set_ylabel("wavelength 2π/ω_i (positions, log scale)")
     ax.set_title(rf"$\lambda_i = 2\pi \cdot {base:g}^{{2i/d_{{model}}}}$")
     ax.legend(loc="center right")
+    return ax
+
+
+def similarity_by_offset(curves, checks=None, *, n_starts=None, ax=None):
+    r"""Draw :math:`\mathrm{PE}_p\cdot\mathrm{PE}_{p+k} / (d/2)` against the offset :math:`k`.
+
+    Parameters
+    ----------
+    curves : dict of int to DotProductCheck
+        By ``d_model``, :func:`tfmath.analysis.positional.relative_dot_products`
+        results whose closed form is drawn as a line over their shifts.
+    checks : dict of int to DotProductCheck, optional
+        By ``d_model``, results measured at many starts ``p``: their smallest
+        and largest dot product over ``p`` are drawn as circles, which sit on
+        the line when the dot product depends on :math:`k` only.
+    n_starts : int, optional
+        How many starts ``p = 0, 1, ...`` the checks measured, for the legend.
+    ax : matplotlib.axes.Axes, optional
+
+    Returns
+    -------
+    matplotlib.axes.Axes
+    """
+    checks = checks or {}
+    ax = axes_or_new(ax, 8, 4.6)
+    for d_model, curve in curves.items():
+        half = d_model / 2
+        (line,) = ax.semilogx(curve.shifts, curve.closed_form / half, lw=0.8,
+                              label=f"d_model = {d_model}")  # fmt: skip
+        check = checks.get(d_model)
+        if check is not None:
+            for extreme in (check.minimum, check.maximum):
+                ax.plot(check.shifts, extreme / half, "o", ms=3.5, mfc="none",
+                        color=line.get_color())  # fmt: skip
+    if checks:
+        over = "p" if n_starts is None else f"p = 0..{n_starts - 1}"
+        ax.plot([], [], "ko", mfc="none", label=f"measured: min and max over {over}")
+    ax.axhline(0, color="grey", lw=0.5)
+    ax.set_xlabel("offset k (positions, log scale)")
+    ax.set_ylabel("PE[p]·PE[p+k] / (d_model/2)")
+    ax.set_title(r"$\mathrm{PE}_p\cdot\mathrm{PE}_{p+k} = \sum_i \cos(\omega_i k)$, normalised")
+    ax.legend(fontsize=8)
     return ax
 
 
