@@ -4,8 +4,13 @@ Build from the repository root, with warnings as errors::
 
     sphinx-build -W --keep-going -b html docs docs/_build/html
 
-The build needs no network: intersphinx is deliberately not used. MathJax is
-loaded by the reader's browser, not at build time.
+The build needs no network: intersphinx is deliberately not used, and MathJax
+is copied into the built pages (``_static/mathjax``, from the
+``sphinx-mathjax-offline`` package), so the math renders offline too.
+
+The gallery (``examples/*.py`` at the repository root) is executed at every
+build by sphinx-gallery; its pages, like autosummary's, are generated into
+git-ignored folders (``docs/gallery/``, ``docs/api/generated/``).
 """
 
 import sys
@@ -33,9 +38,14 @@ extensions = [
     "sphinx.ext.mathjax",
     "sphinx.ext.viewcode",
     "numpydoc",
+    # MathJax's files, copied into the build (no CDN).
+    "sphinx-mathjax-offline",
+    "sphinx_gallery.gen_gallery",
 ]
 
 templates_path = ["_templates"]
+# docs/_ext: the gallery's figure scraper.
+sys.path.insert(0, str(Path(__file__).resolve().parent / "_ext"))
 exclude_patterns = ["_build", "Thumbs.db", ".DS_Store"]
 root_doc = "index"
 language = "en"
@@ -48,6 +58,27 @@ autosummary_generate = True
 autosummary_generate_overwrite = True
 autodoc_typehints = "none"
 autodoc_member_order = "bysource"
+
+# -- the gallery -------------------------------------------------------------
+
+# tfmath's plotting helpers draw on pyplot-free Figures, so the gallery collects
+# the Figures each example made (see _ext/gallery_figures.py) rather than
+# pyplot's. An example's last expression with an HTML view (the attention view)
+# is embedded in its page.
+sphinx_gallery_conf = {
+    "examples_dirs": ["../examples"],
+    "gallery_dirs": ["gallery"],
+    "filename_pattern": r"/plot_",
+    "image_scrapers": ("gallery_figures.scrape_figures",),
+    "capture_repr": ("_repr_html_",),
+    "download_all_examples": False,
+    "remove_config_comments": True,
+    "within_subsection_order": "FileNameSortKey",
+    # An example that raises fails the build.
+    "abort_on_example_error": True,
+    "write_computation_times": False,
+    "show_memory": False,
+}
 
 # -- numpydoc ----------------------------------------------------------------
 
@@ -67,3 +98,9 @@ html_theme_options = {
 html_sidebars = {
     "**": ["about.html", "navigation.html", "relations.html", "searchbox.html"],
 }
+
+
+def setup(app):
+    # The sidebar's page titles hold formulas, so every page needs MathJax, not
+    # only those whose body has math (Sphinx's default).
+    app.set_html_assets_policy("always")

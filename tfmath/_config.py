@@ -30,6 +30,7 @@ version of the kernel sources.
 import contextlib
 import functools
 import hashlib
+import logging
 import os
 import sys
 import tempfile
@@ -42,6 +43,8 @@ from pathlib import Path
 FASTMATH_FLAGS = frozenset({"nsz", "arcp", "contract", "afn", "reassoc"})
 
 _THREADING_LAYERS = ("default", "tbb", "omp", "workqueue")
+
+_log = logging.getLogger("tfmath")
 
 #: Every function Numba compiles for tfmath lives under this folder.
 KERNELS_FOLDER = Path(__file__).parent / "kernels"
@@ -129,6 +132,25 @@ def kernel_cache():
     return KernelCache(folder)
 
 
+def compilation_notice(cache=None):
+    """A line saying that kernels compile now, or None when the kernel cache holds them.
+
+    The first call of a routine compiles its kernels (about 10 s for attention,
+    on two cores); with a warm cache it loads them in under a second. The
+    cache is cold when its folder holds no compiled kernel yet (no Numba index
+    file), as after an install or an edit of the kernel sources.
+    """
+    cache = kernel_cache() if cache is None else cache
+    if not cache.enabled:
+        return (
+            "compiling kernels (first call, about 10 s; the kernel cache is off, "
+            f"{cache.reason}, so every new process compiles again)"
+        )
+    if any(cache.folder.rglob("*.nbi")):
+        return None
+    return f"compiling kernels (first call, about 10 s; cached in {cache.folder})"
+
+
 def cache_enabled():
     """Whether compiled CPU kernels are cached on disk (see :func:`kernel_cache`)."""
     return kernel_cache().enabled
@@ -161,6 +183,14 @@ def _configure_numba():
 
 
 @functools.cache
+def _log_compilation_notice():
+    """Log :func:`compilation_notice` (at INFO, on the ``tfmath`` logger) once per process."""
+    notice = compilation_notice()
+    if notice is not None:
+        _log.info("tfmath: %s", notice)
+
+
+@functools.cache
 def _cached_kernel_sources_digest():
     return kernel_sources_digest()
 
@@ -181,6 +211,8 @@ def _kernel_function_cache_class(variant):
     Numba's defaults. It relies on Numba's cache classes (stable since 0.49).
     """
     from numba.core import caching
+
+    _log_compilation_notice()
 
     class KernelCacheLocator(caching._CacheLocator):
         def __init__(self, py_func, py_file):

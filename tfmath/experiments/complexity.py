@@ -14,8 +14,9 @@ import numpy as np
 from tfmath._dispatch import resolve_backend
 from tfmath.analysis import complexity as cx
 from tfmath.analysis.claims import Claim
+from tfmath.plotting import new_figure
+from tfmath.plotting.complexity import VARIANT_COLOURS, cost_against_length
 from tfmath.report import ExperimentResult, Table, experiment
-from tfmath.report.plotting import new_figure
 
 #: The crossover is measured against exact attention in tiles.
 REFERENCE = "flash"
@@ -23,15 +24,6 @@ REFERENCE = "flash"
 CHALLENGERS = ("linear", "local", "local+strided", "rnn")
 #: Memory below this is allocator noise: such points are plotted but not fitted.
 MIN_FITTED_BYTES = 256 * 1024
-COLOURS = {
-    "naive": "tab:red",
-    "flash": "tab:blue",
-    "linear": "tab:green",
-    "local": "tab:orange",
-    "strided": "tab:brown",
-    "local+strided": "tab:purple",
-    "rnn": "tab:gray",
-}
 THEORY = {name: workload.time_order for name, workload in cx.WORKLOADS.items()}
 MEMORY_THEORY = {name: workload.memory_order for name, workload in cx.WORKLOADS.items()}
 
@@ -88,8 +80,8 @@ def complexity_scaling(settings):
         for name in CHALLENGERS
         for d in grid["crossover_dims"]
     ]
-    time_figure = _versus_n(measurements, grid, time_fits, "seconds", THEORY)
-    memory_figure = _versus_n(measurements, grid, memory_fits, "peak_bytes", MEMORY_THEORY)
+    time_figure = cost_against_length(measurements, time_fits, clock=grid["clock"])
+    memory_figure = cost_against_length(measurements, memory_fits, quantity="peak_bytes")
     flash = time_fits[REFERENCE]
     linear = time_fits["linear"]
     crossed = {(c.variant, c.d): c for c in crossovers}
@@ -257,46 +249,6 @@ def _fitted_bytes(measurement):
     return measurement.peak_bytes is not None and measurement.peak_bytes >= MIN_FITTED_BYTES
 
 
-def _versus_n(measurements, grid, fits, quantity, theory):
-    dims = grid["dims"]
-    figure, axes = new_figure(5.0 * len(dims), 6.2, ncols=len(dims))
-    if quantity == "seconds":
-        unit, axis_label = 1e3, f"median {grid['clock']} time per call (ms)"
-    else:
-        unit, axis_label = 2.0**-20, "peak memory added by the call (MiB)"
-    for ax, d in zip(axes[0], dims, strict=True):
-        for name in cx.WORKLOADS:
-            points = sorted(
-                (m.n, getattr(m, quantity)) for m in measurements if m.routine == name and m.d == d
-            )
-            points = [(n, v) for n, v in points if v]
-            if not points:
-                continue
-            n, values = (np.array(column, dtype=float) for column in zip(*points, strict=True))
-            legend = _legend(name, fits[name], theory[name])
-            ax.plot(n, values * unit, "o-", color=COLOURS[name], label=legend)
-            slope = theory[name][0]
-            ax.plot(n, values[-1] * unit * (n / n[-1]) ** slope, "--", color=COLOURS[name], lw=1)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("sequence length n")
-        ax.set_ylabel(axis_label)
-        ax.set_title(f"d = {d}; dashed: theory slope")
-        ax.grid(True, which="both", alpha=0.3)
-    handles, labels = axes[0, 0].get_legend_handles_labels()
-    figure.legend(handles, labels, loc="outside lower center", ncols=2, fontsize=8)
-    return figure
-
-
-def _legend(name, fit, theory):
-    if fit is None:
-        return f"{name}: too few points to fit"
-    text = f"{name}: {fit.describe('n')}"
-    if "d" in fit.exponents:
-        text += f" {fit.describe('d')}"
-    return text + f"  (theory n^{theory[0]:g} d^{theory[1]:g})"
-
-
 def _describe_crossover(c):
     low, high = c.interval
     if c.status == "crossed":
@@ -458,7 +410,7 @@ def complexity_error(settings):
         for variant in ERROR_VARIANTS:
             mine = [r for r in rows if r[0] == kind and r[2] == variant]
             n = [r[1] for r in mine]
-            colour = COLOURS[variant]
+            colour = VARIANT_COLOURS[variant]
             ax.plot(n, [r[3] for r in mine], "o-", color=colour, label=f"{variant}: output")
             weighted = [(r[1], r[4]) for r in mine if r[4] is not None]
             ax.plot(*zip(*weighted, strict=True), "s--", color=colour, label=f"{variant}: weights")
@@ -552,7 +504,7 @@ def complexity_sequential(settings):
     figure, axes = new_figure(15, 4.6, ncols=3)
     work, path, rate = axes[0]
     for name, label in names.items():
-        colour = COLOURS[name]
+        colour = VARIANT_COLOURS[name]
         work.plot(lengths, [c.flops for c in counted[name]], "o-", color=colour, label=label)
         critical = [s.critical_path for s in depth[name]]
         path.plot(lengths, critical, "o-", color=colour, label=f"{label}: critical path")

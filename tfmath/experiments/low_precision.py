@@ -1,13 +1,12 @@
 """Report experiment: attention in float16 and bfloat16, theory beside measurement."""
 
-import math
-
 import ml_dtypes
 import numpy as np
 
 from tfmath.analysis import precision
+from tfmath.plotting import new_figure
+from tfmath.plotting import precision as plots
 from tfmath.report import ExperimentResult, Table, experiment
-from tfmath.report.plotting import new_figure
 
 #: Sizes of the quick (default) and full runs.
 PLANS = {
@@ -30,9 +29,15 @@ def low_precision(settings):
     softmax = _softmax_panel(plan, settings)
     accumulation = _accumulation_panel(plan, settings)
     figure, axes = new_figure(15, 4.6, ncols=3)
-    _draw_scores(axes[0, 0], scores)
-    _draw_softmax(axes[0, 1], softmax)
-    _draw_accumulation(axes[0, 2], accumulation)
+    plots.score_overflow(
+        scores["measured"],
+        scores["scaled"],
+        n_keys=N_KEYS,
+        component_std=COMPONENT_STD,
+        ax=axes[0, 0],
+    )
+    plots.softmax_overflow(softmax["term"], softmax["row"], n_keys=SOFTMAX_KEYS, ax=axes[0, 1])
+    plots.accumulation_error(accumulation, ax=axes[0, 2])
     return ExperimentResult(
         caption=_caption(scores, softmax, accumulation),
         figures={"low_precision": figure},
@@ -124,72 +129,6 @@ def _optional_torch():
 
 def _within(estimates, predicted):
     return sum(e.low <= p <= e.high for e, p in zip(estimates, predicted, strict=True))
-
-
-def _draw_scores(ax, scores):
-    measured = scores["measured"]
-    d = np.array([e.d_k for e in measured])
-    fractions = np.array([e.fraction for e in measured])
-    grid = np.geomspace(d[0], d[-1], 25)
-    predicted = precision.score_overflow_probability(grid, N_KEYS, component_std=COMPONENT_STD)
-    ax.plot(grid, predicted, color="C0",
-            label=r"theory: $q\cdot k\,|\,q \sim N(0, \sigma^2|q|^2)$")  # fmt: skip
-    ax.errorbar(d, fractions, yerr=_error_bars(measured), fmt="o", color="C0", capsize=3,
-                label="measured, unscaled")  # fmt: skip
-    scaled = [e.fraction for e in scores["scaled"]]
-    ax.plot(d, scaled, "s", color="C2", label=r"measured, scaled by $1/\sqrt{d_k}$")
-    ax.axvline(scores["crossing"], color="grey", linestyle=":", label="theory: 50% at this $d_k$")
-    ax.set_xscale("log")
-    ax.set_xlabel("$d_k$")
-    ax.set_ylabel(f"rows of {N_KEYS} scores with one ≥ 65520")
-    ax.set_title(f"float16 overflow of $q\\cdot k$, components of s.d. {COMPONENT_STD:g}")
-    ax.legend(fontsize=8)
-
-
-def _draw_softmax(ax, softmax):
-    d = np.array([e.d_k for e in softmax["term"]])
-    for key, color, label in (
-        ("term", "C0", "measured: some $e^{x_j}$ overflows"),
-        ("row", "C3", "measured: the row is not finite"),
-    ):
-        estimates = softmax[key]
-        fractions = np.array([e.fraction for e in estimates])
-        ax.errorbar(
-            d, fractions, yerr=_error_bars(estimates), fmt="o", color=color, capsize=3, label=label
-        )
-    grid = np.linspace(d[0], d[-1], 25)
-    ax.plot(grid, precision.unshifted_softmax_overflow_probability(grid, SOFTMAX_KEYS),
-            color="C0", label=r"theory: $E[1 - \Phi(\ln 65520/|q|)^{S}]$")  # fmt: skip
-    ax.axhline(0, color="C2", label="with the row maximum subtracted: never")
-    ax.set_xlabel("$d_k$ (unscaled logits, s.d. $\\sqrt{d_k}$)")
-    ax.set_ylabel(f"rows of {SOFTMAX_KEYS} logits")
-    ax.set_title("softmax in float16 without the maximum subtracted")
-    ax.legend(fontsize=8)
-
-
-def _draw_accumulation(ax, accumulation):
-    markers = {"tfmath naive": "o", "tfmath flash": "x", "torch": "^", "input-precision sums": "s"}
-    for result, color in zip(accumulation, ("C0", "C1"), strict=True):
-        lengths = result.lengths
-        for name, errors in result.errors.items():
-            ax.plot(lengths, errors, markers[name], color=color, label=f"{result.dtype}: {name}")
-        u = result.unit_roundoff
-        ax.plot(lengths, np.full(lengths.shape, u / math.sqrt(3)), "-", color=color, linewidth=1,
-                label=f"{result.dtype}: final rounding only, $u/\\sqrt{{3}}$")  # fmt: skip
-        ax.plot(lengths, u * np.sqrt(lengths), "--", color=color, linewidth=1,
-                label=f"{result.dtype}: $u\\sqrt{{S}}$, $S$ roundings adding up")  # fmt: skip
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("$L = S$")
-    ax.set_ylabel("RMS relative error of the output")
-    ax.set_title("accumulation error against float64")
-    ax.legend(fontsize=6, ncol=2)
-
-
-def _error_bars(estimates):
-    return np.array(
-        [[e.fraction - e.low for e in estimates], [e.high - e.fraction for e in estimates]]
-    )
 
 
 def _estimates_table(estimates, predicted, rows=None):

@@ -11,9 +11,10 @@ import numpy as np
 
 from tfmath.analysis import positional as analysis
 from tfmath.analysis.claims import Claim
+from tfmath.plotting import new_figure
+from tfmath.plotting import positional as plots
 from tfmath.positional import sinusoidal_encoding
 from tfmath.report import ExperimentResult, Table, experiment
-from tfmath.report.plotting import new_figure
 
 BASE = 10000.0
 
@@ -31,20 +32,10 @@ def positional_heatmap(settings):
 
     figure, axes = new_figure(11, 4.4, ncols=2)
     heatmap, columns = axes[0]
-    image = heatmap.imshow(
-        encoding, aspect="auto", cmap="RdBu_r", vmin=-1, vmax=1, interpolation="nearest"
+    plots.encoding_heatmap(
+        encoding, title=f"PE[p, j], d_model = {d_model}, base = {BASE:g}", ax=heatmap
     )
-    heatmap.set_xlabel("encoding dimension j (even j: sin, odd j: cos)")
-    heatmap.set_ylabel("position p")
-    heatmap.set_title(f"PE[p, j], d_model = {d_model}, base = {BASE:g}")
-    figure.colorbar(image, ax=heatmap, label="PE value (dimensionless)")
-    for j in (0, 1, 16, 40, d_model // 2):
-        columns.plot(encoding[:, j], label=f"j = {j} ({'sin' if j % 2 == 0 else 'cos'})")
-    columns.set_xlabel("position p")
-    columns.set_ylabel("PE[p, j]")
-    columns.set_title("Columns oscillate ever more slowly as j grows")
-    columns.set_ylim(-1.15, 1.4)
-    columns.legend(ncols=3, fontsize=8, loc="upper center")
+    plots.encoding_columns(encoding, (0, 1, 16, 40, d_model // 2), ax=columns)
 
     caption = (
         f"Each row is one position's encoding, each column one dimension. Left columns "
@@ -120,33 +111,21 @@ def positional_similarity(settings):
     n_starts = 300 if settings.quick else 2000
     offsets = np.arange(1, max_offset + 1)
     measured_offsets = np.unique(np.geomspace(1, max_offset, 30).astype(int))
-    figure, axes = new_figure(8, 4.6)
-    ax = axes[0, 0]
     rows = {"d_model": [], "max_spread_over_p": [], "max_error_vs_closed_form": []}
-    curves = {}
+    lines, checks, curves = {}, {}, {}
     for d_model in (32, 128, D_MODEL):
-        half = d_model / 2
-        closed = analysis.relative_dot_products(
+        lines[d_model] = analysis.relative_dot_products(
             1, offsets, d_model, base=BASE, backend=settings.backend
-        ).closed_form
-        check = analysis.relative_dot_products(
+        )
+        checks[d_model] = analysis.relative_dot_products(
             n_starts, measured_offsets, d_model, base=BASE, backend=settings.backend
         )
-        (line,) = ax.semilogx(offsets, closed / half, lw=0.8, label=f"d_model = {d_model}")
-        for extreme in (check.minimum, check.maximum):
-            ax.plot(
-                measured_offsets, extreme / half, "o", ms=3.5, mfc="none", color=line.get_color()
-            )
         rows["d_model"].append(d_model)
-        rows["max_spread_over_p"].append(float(check.spread.max()))
-        rows["max_error_vs_closed_form"].append(float(check.max_error.max()))
-        curves[str(d_model)] = (closed / half).tolist()
-    ax.plot([], [], "ko", mfc="none", label=f"measured: min and max over p = 0..{n_starts - 1}")
-    ax.axhline(0, color="grey", lw=0.5)
-    ax.set_xlabel("offset k (positions, log scale)")
-    ax.set_ylabel("PE[p]·PE[p+k] / (d_model/2)")
-    ax.set_title(r"$\mathrm{PE}_p\cdot\mathrm{PE}_{p+k} = \sum_i \cos(\omega_i k)$, normalised")
-    ax.legend(fontsize=8)
+        rows["max_spread_over_p"].append(float(checks[d_model].spread.max()))
+        rows["max_error_vs_closed_form"].append(float(checks[d_model].max_error.max()))
+        curves[str(d_model)] = (lines[d_model].closed_form / (d_model / 2)).tolist()
+    figure, axes = new_figure(8, 4.6)
+    plots.similarity_by_offset(lines, checks, n_starts=n_starts, ax=axes[0, 0])
 
     worst_spread = max(rows["max_spread_over_p"])
     wide = curves[str(D_MODEL)]  # entry k - 1 is offset k
@@ -172,20 +151,8 @@ def positional_similarity(settings):
 def positional_wavelengths(settings):
     """lambda_i = 2 pi base^(2i/d): a geometric progression from 2 pi to 2 pi base."""
     figure, axes = new_figure(7.5, 4.4)
-    ax = axes[0, 0]
-    data = {}
-    for d_model in (64, D_MODEL):
-        lengths = analysis.wavelengths(d_model, BASE)
-        ax.semilogy(np.arange(len(lengths)), lengths, "o-", ms=2, label=f"d_model = {d_model}")
-        data[str(d_model)] = lengths.tolist()
-    ax.axhline(2 * np.pi, color="grey", ls="--", lw=0.8)
-    ax.axhline(2 * np.pi * BASE, color="grey", ls=":", lw=0.8)
-    ax.text(180, 2 * np.pi * 1.15, "2π (fastest possible: ω_0 = 1)", color="grey")
-    ax.text(120, 2 * np.pi * BASE * 1.15, "2π · base", color="grey")
-    ax.set_xlabel("dimension pair i (columns 2i, 2i+1)")
-    ax.set_ylabel("wavelength 2π/ω_i (positions, log scale)")
-    ax.set_title(r"$\lambda_i = 2\pi \cdot 10000^{2i/d_{model}}$")
-    ax.legend(loc="center right")
+    plots.wavelengths((64, D_MODEL), base=BASE, ax=axes[0, 0])
+    data = {str(d): analysis.wavelengths(d, BASE).tolist() for d in (64, D_MODEL)}
     lengths = np.array(data[str(D_MODEL)])
     ratio = lengths[1] / lengths[0]
     caption = (

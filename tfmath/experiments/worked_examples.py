@@ -5,8 +5,9 @@ import numpy as np
 from tfmath.analysis.claims import Claim
 from tfmath.analysis.worked_examples import given_qkv_example, projection_example
 from tfmath.attention import scaled_dot_product_attention, softmax
+from tfmath.plotting import new_figure
+from tfmath.plotting.attention import attention_heatmap
 from tfmath.report import ExperimentResult, Table, experiment
-from tfmath.report.plotting import annotated_heatmap, new_figure
 
 _TOKENS = ["token 1", "token 2", "token 3"]
 
@@ -24,27 +25,25 @@ def worked_examples(settings):
 
     figure, axes = new_figure(10, 4.2, ncols=2)
     for ax, example in zip(axes[0], examples, strict=True):
-        image = annotated_heatmap(
-            ax,
+        attention_heatmap(
             example.weights,
-            row_labels=_TOKENS,
-            column_labels=_TOKENS,
+            query_labels=_TOKENS,
+            key_labels=_TOKENS,
             title=example.source.split(" (")[0] + r": $A=\mathrm{softmax}(QK^\top/\sqrt{2})$",
+            colorbar=False,
+            ax=ax,
         )
-        ax.set_xlabel("key (attended) token")
-        ax.set_ylabel("query token")
-    figure.colorbar(image, ax=axes[0].tolist(), label="attention weight")
+    figure.colorbar(axes[0, 0].images[0], ax=axes[0].tolist(), label="attention weight")
 
     causal_figure, causal_axes = new_figure(5, 4.2)
-    annotated_heatmap(
-        causal_axes[0, 0],
+    attention_heatmap(
         causal["weights"],
-        row_labels=_TOKENS,
-        column_labels=_TOKENS,
+        query_labels=_TOKENS,
+        key_labels=_TOKENS,
         title=r"seed 003, causal: $\mathrm{softmax}(QK^\top/\sqrt{2} + M)$",
+        colorbar=False,
+        ax=causal_axes[0, 0],
     )
-    causal_axes[0, 0].set_xlabel("key (attended) token")
-    causal_axes[0, 0].set_ylabel("query token")
 
     gaps = {e.name: e.largest_printed_error() for e in examples}
     worst_name, worst_gap = max(gaps["projection"].items(), key=lambda item: item[1])

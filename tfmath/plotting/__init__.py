@@ -14,5 +14,41 @@ these helpers, so that no figure is written twice.
 """
 
 from tfmath.plotting._figure import axes_or_new, new_figure
+from tfmath.plotting.attention import attention_heatmap
+from tfmath.plotting.complexity import cost_against_length
+from tfmath.plotting.positional import (
+    encoding_columns,
+    encoding_heatmap,
+    similarity_by_offset,
+    wavelengths,
+)
+from tfmath.plotting.precision import accumulation_error, score_overflow, softmax_overflow
+from tfmath.plotting.scaling import power_law, sweep_results
+from tfmath.plotting.variance import (
+    gradient_flow,
+    saturation,
+    scaled_variance,
+    temperature_sweep,
+    variance_against_dk,
+)
 
-__all__ = ["axes_or_new", "new_figure"]
+__all__ = [
+    "accumulation_error",
+    "attention_heatmap",
+    "axes_or_new",
+    "cost_against_length",
+    "encoding_columns",
+    "encoding_heatmap",
+    "gradient_flow",
+    "new_figure",
+    "power_law",
+    "saturation",
+    "scaled_variance",
+    "score_overflow",
+    "similarity_by_offset",
+    "softmax_overflow",
+    "sweep_results",
+    "temperature_sweep",
+    "variance_against_dk",
+    "wavelengths",
+]

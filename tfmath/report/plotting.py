@@ -5,26 +5,7 @@ The figures themselves are drawn by :mod:`tfmath.plotting`.
 
 from tfmath.plotting._figure import new_figure
 
-__all__ = ["annotated_heatmap", "legible_text", "new_figure"]
-
-
-def annotated_heatmap(axes, matrix, *, row_labels, column_labels, title, vmin=0.0, vmax=1.0):
-    """Draw ``matrix`` as a heatmap with each cell's value written in it."""
-    image = axes.imshow(matrix, cmap="viridis", vmin=vmin, vmax=vmax)
-    axes.set_xticks(range(len(column_labels)), labels=column_labels)
-    axes.set_yticks(range(len(row_labels)), labels=row_labels)
-    axes.set_title(title)
-    middle = (vmin + vmax) / 2
-    for (i, j), value in _cells(matrix):
-        colour = "black" if value > middle else "white"
-        axes.text(j, i, f"{value:.3f}", ha="center", va="center", color=colour, fontsize=9)
-    return image
-
-
-def _cells(matrix):
-    for i, row in enumerate(matrix):
-        for j, value in enumerate(row):
-            yield (i, j), float(value)
+__all__ = ["legible_text", "new_figure"]
 
 
 def legible_text(figure, shown_width_px, *, dpi=120, min_px=10.0):

@@ -106,6 +106,7 @@ def _bench(args):
         if args.backend != "cpu":
             print("tfmath bench: --matrix and --small run on the CPU only", file=sys.stderr)
             return 2
+        _print_compilation_notice()
         (print_matrix_report if args.matrix else print_small_report)()
         return 0
 
@@ -116,8 +117,18 @@ def _bench(args):
         if not status.real_gpu:
             print(f"tfmath bench: no GPU to benchmark on ({status.reason})", file=sys.stderr)
             return 2
+    _print_compilation_notice()
     print_attention_report(quick=args.quick, backend=args.backend)
     return 0
+
+
+def _print_compilation_notice():
+    """Tell, on stderr, that the kernels compile first when the kernel cache is cold."""
+    from tfmath import _config
+
+    notice = _config.compilation_notice()
+    if notice is not None:
+        print(f"tfmath: {notice}", file=sys.stderr, flush=True)
 
 
 def _reproduce(args):
@@ -140,6 +151,7 @@ def _reproduce(args):
             quick=args.quick, backend=args.backend, seed=args.seed, scheduler=args.scheduler,
             corpus=args.corpus,
         )  # fmt: skip
+        _print_compilation_notice()
         index = build_report(args.out, settings, only=args.only, progress=_progress)
     except (ReportError, TfmathError) as error:
         print(f"tfmath reproduce: error: {error}", file=sys.stderr)

@@ -1,0 +1,176 @@
+"""tfmath.plotting: each helper draws the data it is given, on the Axes it is given.
+
+The figures are read back from matplotlib's artists (image arrays, line data,
+texts), never compared as pictures.
+"""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tfmath import _config
+from tfmath.analysis.complexity import WORKLOADS, Measurement
+from tfmath.formulas.scaling import KAPLAN_LAWS, fit_scaling_law
+from tfmath.plotting import (
+    attention_heatmap,
+    cost_against_length,
+    encoding_columns,
+    encoding_heatmap,
+    new_figure,
+    power_law,
+    sweep_results,
+)
+from tfmath.positional import sinusoidal_encoding
+
+
+@pytest.fixture
+def weights():
+    rng = np.random.default_rng(0)
+    scores = rng.standard_normal((3, 4))
+    return np.exp(scores) / np.exp(scores).sum(axis=1, keepdims=True)
+
+
+def test_attention_heatmap_draws_the_weights_with_their_labels_and_values(weights):
+    ax = attention_heatmap(weights, query_labels=["a", "b", "c"], key_labels="wxyz")
+    np.testing.assert_array_equal(ax.images[0].get_array(), weights)
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["a", "b", "c"]
+    assert [t.get_text() for t in ax.get_xticklabels()] == list("wxyz")
+    written = {
+        (round(t.get_position()[1]), round(t.get_position()[0])): t.get_text() for t in ax.texts
+    }
+    assert written == {(i, j): f"{weights[i, j]:.3f}" for i in range(3) for j in range(4)}
+    assert len(ax.figure.axes) == 2  # the heatmap and its colour bar
+
+
+def test_attention_heatmap_draws_on_the_given_axes_and_leaves_large_matrices_unwritten():
+    figure, axes = new_figure(ncols=2)
+    returned = attention_heatmap(np.full((20, 20), 0.05), colorbar=False, ax=axes[0, 1])
+    assert returned is axes[0, 1] and len(returned.texts) == 0 and not axes[0, 0].images
+    assert len(figure.axes) == 2
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ({"weights": np.ones((2, 3, 3))}, r"2-D .* got shape \(2, 3, 3\)"),
+        ({"weights": np.ones((2, 3)), "key_labels": ["a", "b"]}, "key_labels has 2 labels for 3"),
+    ],
+)
+def test_attention_heatmap_says_what_is_wrong(arguments, message):
+    with pytest.raises(ValueError, match=message):
+        attention_heatmap(**arguments)
+
+
+def test_encoding_helpers_draw_the_encoding_and_its_columns():
+    encoding = sinusoidal_encoding(50, 16)
+    ax = encoding_heatmap(encoding)
+    np.testing.assert_array_equal(ax.images[0].get_array(), encoding)
+    assert ax.images[0].get_clim() == (-1, 1)
+    ax = encoding_columns(encoding, [0, 3])
+    for line, column in zip(ax.lines, [0, 3], strict=True):
+        np.testing.assert_array_equal(line.get_ydata(), encoding[:, column])
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["j = 0 (sin)", "j = 3 (cos)"]
+
+
+def test_power_law_draws_a_published_law_without_a_band():
+    law = KAPLAN_LAWS["N"]
+    ax = power_law(law, [1e6, 1e9])
+    x, y = ax.lines[0].get_data()
+    assert x[0] == pytest.approx(1e6) and x[-1] == pytest.approx(1e9)
+    np.testing.assert_allclose(y, law(x), rtol=1e-12)
+    assert len(ax.collections) == 0 and "Kaplan" in ax.lines[0].get_label()
+    assert ax.get_xscale() == ax.get_yscale() == "log"
+
+
+def test_a_fit_is_drawn_with_its_exponent_band_pinched_at_the_pivot():
+    rng = np.random.default_rng(1)
+    x = np.geomspace(1e3, 1e6, 8)
+    y = 1.5 + (2e3 / x) ** 0.3 * np.exp(0.03 * rng.standard_normal(8))
+    fit = fit_scaling_law(x, y, irreducible=1.5)
+    pivot = 3e4
+    ax = sweep_results(x, y, fit, label="runs")
+    np.testing.assert_array_equal(ax.lines[0].get_ydata(), y)
+    grid, curve = ax.lines[1].get_data()
+    np.testing.assert_allclose(curve, fit(grid), rtol=1e-12)
+    ax = power_law(fit, x, pivot=pivot)
+    grid = ax.lines[0].get_xdata()
+    low, high = _band(ax.collections[0], grid)
+    assert np.all(low <= fit(grid) * (1 + 1e-12)) and np.all(fit(grid) <= high * (1 + 1e-12))
+    near = np.argmin(np.abs(np.log(grid / pivot)))
+    assert high[near] - low[near] < 0.02 * (high[0] - low[0])  # pinched at the pivot
+    exponent_low, exponent_high = fit.exponent_interval
+    # At the smallest x, the band's edges are the curves of the interval's exponents.
+    reducible = fit(pivot) - 1.5
+    ends = sorted(1.5 + reducible * (pivot / grid[0]) ** e for e in (exponent_low, exponent_high))
+    np.testing.assert_allclose([low[0], high[0]], ends, rtol=1e-9)
+
+
+def _band(collection, grid):
+    """The lowest and highest y of the filled polygon at each x of ``grid``."""
+    vertices = collection.get_paths()[0].vertices
+    at = [vertices[np.isclose(vertices[:, 0], x, rtol=1e-12), 1] for x in grid]
+    return np.array([y.min() for y in at]), np.array([y.max() for y in at])
+
+
+def test_sweep_results_refuses_mismatched_runs():
+    with pytest.raises(ValueError, match="one value per run"):
+        sweep_results([1.0, 2.0], [1.0])
+    with pytest.raises(ValueError, match="positive"):
+        power_law(KAPLAN_LAWS["N"], [0.0, 1.0])
+
+
+def test_cost_against_length_draws_one_panel_per_d_with_theory_slopes():
+    measurements = [
+        Measurement(name, n, d, 1e-9 * n**2 * d, (), None)
+        for name in ("naive", "linear")
+        for n in (128, 256, 512)
+        for d in (16, 32)
+    ]
+    figure = cost_against_length(measurements)
+    assert [ax.get_title() for ax in figure.axes] == [
+        "d = 16; dashed: theory slope",
+        "d = 32; dashed: theory slope",
+    ]
+    ax = figure.axes[1]
+    measured, naive_theory, _, linear_theory = ax.lines
+    np.testing.assert_allclose(
+        measured.get_ydata(), 1e3 * 1e-9 * np.array([128, 256, 512]) ** 2 * 32
+    )
+    for line, name in ((naive_theory, "naive"), (linear_theory, "linear")):
+        n, y = (np.asarray(v, dtype=float) for v in line.get_data())
+        slope = np.polyfit(np.log(n), np.log(y), 1)[0]
+        assert slope == pytest.approx(WORKLOADS[name].time_order[0])
+
+
+def test_plotting_imports_matplotlib_only_to_draw_and_never_pyplot():
+    script = (
+        "import sys, numpy as np, tfmath, tfmath.plotting\n"
+        "assert 'matplotlib' not in sys.modules\n"
+        "tfmath.plotting.attention_heatmap(np.eye(3)).figure.savefig(__import__('io').BytesIO())\n"
+        "assert 'matplotlib' in sys.modules and 'matplotlib.pyplot' not in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", script], check=True)
+
+
+def test_the_compilation_notice_tells_a_cold_cache_from_a_warm_one(tmp_path):
+    cold = _config.KernelCache(tmp_path)
+    assert str(tmp_path) in _config.compilation_notice(cold)
+    (tmp_path / "attention").mkdir()
+    (tmp_path / "attention" / "kernel.nbi").write_bytes(b"")
+    assert _config.compilation_notice(cold) is None
+    off = _config.KernelCache(None, "TFMATH_CACHE=0")
+    assert "TFMATH_CACHE=0" in _config.compilation_notice(off)
+
+
+def test_the_cli_prints_the_notice_on_stderr_when_the_cache_is_cold(tmp_path, monkeypatch, capsys):
+    from tfmath.tools import cli
+
+    monkeypatch.setattr(_config, "kernel_cache", lambda: _config.KernelCache(tmp_path))
+    cli._print_compilation_notice()
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.startswith("tfmath: compiling kernels (first call")
+    (tmp_path / "k.nbi").write_bytes(b"")
+    cli._print_compilation_notice()
+    assert capsys.readouterr().err == ""
