@@ -14,5 +14,18 @@ these helpers, so that no figure is written twice.
 """
 
 from tfmath.plotting._figure import axes_or_new, new_figure
+from tfmath.plotting.compute_optimal import (
+    plot_frontier_prediction,
+    plot_isoflop_curves,
+    plot_optimal_allocation,
+    plot_tokens_per_parameter,
+)
 
-__all__ = ["axes_or_new", "new_figure"]
+__all__ = [
+    "axes_or_new",
+    "new_figure",
+    "plot_frontier_prediction",
+    "plot_isoflop_curves",
+    "plot_optimal_allocation",
+    "plot_tokens_per_parameter",
+]
