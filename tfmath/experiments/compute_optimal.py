@@ -444,7 +444,9 @@ def _isoflop_figure(fit, hoffmann, n, n_total, loss, compute, prediction):
     plot_optimal_allocation(hoffmann, ax=axes[1, 1])
     axes[0, 1].set_title("The same runs, N counting all parameters", fontsize=10)
     axes[1, 1].set_title("N_opt counting all parameters (Hoffmann et al.), D_opt", fontsize=10)
-    plot_tokens_per_parameter(fit, ax=axes[2, 0])
+    # Hoffmann et al.'s 20 tokens per parameter counts every parameter.
+    plot_tokens_per_parameter(hoffmann, ax=axes[2, 0])
+    axes[2, 0].set_title("Tokens per parameter (all parameters) at the optimum", fontsize=10)
     if prediction is not None:
         plot_frontier_prediction(fit, prediction, ax=axes[2, 1])
     return figure
@@ -510,7 +512,7 @@ def _interval(values, digits=2):
 
 def _caption(isoflop, hoffmann, parametric, kaplan, frontier_c, prediction, source, met, seconds):
     a, b = isoflop.a, isoflop.b
-    ratios = [c.d_opt / c.n_opt for c in isoflop.curves]
+    ratios = [c.d_opt / c.n_opt for c in hoffmann.curves]
     inside = sum(c.inside for c in isoflop.curves)
     verdict = []
     for name, published in (("Chinchilla's 0.50", 0.5), ("Kaplan et al.'s 0.73", 0.73)):
@@ -540,8 +542,8 @@ def _caption(isoflop, hoffmann, parametric, kaplan, frontier_c, prediction, sour
         f"{hoffmann.a:.2f} {_interval(hoffmann.a_interval)}: at these sizes the embedding "
         f"and the head are most of the model, so the count moves a, as Pearce and Song "
         f"(2024) and Porian et al. (2024) found between Kaplan's and Chinchilla's setups. "
-        f"The optimum sits at {min(ratios):.0f} to {max(ratios):.0f} tokens per parameter "
-        f"(Chinchilla: about 20). Approach 3 on the same runs gives a = {a3:.2f} "
+        f"The optimum sits at {min(ratios):.0f} to {max(ratios):.0f} tokens per parameter, "
+        f"all parameters counted (Chinchilla: about 20). Approach 3 on the same runs gives a = {a3:.2f} "
         f"{_interval(parametric.intervals['n_exponent'])}{bounded}: {agree}. Kaplan et "
         f"al.'s pure power law L(N, D) gives alpha_N = {kaplan.alpha_n:.3f} "
         f"{_interval(kaplan.intervals['alpha_n'], 3)} and alpha_D = {kaplan.alpha_d:.3f} "
