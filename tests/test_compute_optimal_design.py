@@ -279,6 +279,18 @@ def test_isoflop_raises_only_tfmath_errors_on_noisy_runs(seed, noise):
             pass
 
 
+def test_isoflop_curve_too_flat_for_a_vertex_has_no_minimum():
+    """A curve falling almost straight puts its vertex e^1000 away: no minimum, not an
+    OverflowError (the failure of about one noisy data set in ten before)."""
+    compute, n, d, loss = _planted(np.random.default_rng(0), 0.0)
+    flat = compute == BUDGETS[0]
+    loss[flat] = 3.0 - 0.01 * np.log(n[flat]) + 1e-6 * np.log(n[flat]) ** 2
+    fit = fit_isoflop(compute, n, d, loss, n_bootstrap=10, skip_curves_without_minimum=True)
+    assert fit.skipped_budgets == (BUDGETS[0],)
+    with pytest.raises(ArgumentError, match="no minimum"):
+        fit_isoflop(compute, n, d, loss, n_bootstrap=10)
+
+
 def test_loss_law_fits_return_on_very_noisy_runs():
     """Approach 3 and Kaplan's form on 30% noise: a fit (perhaps with parameters at a
     bound), never a solver's exception; slow fits, so one data set rather than many."""
