@@ -66,7 +66,7 @@ from tfmath.training.sweep import TrainingRun, run_sweep
 CONTEXT = 32
 #: The widths the budgets choose from, in increasing N; each a multiple of its heads
 #: (8 wide) so that every one is a valid model.
-WIDTHS = (2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 27, 32, 40, 48, 56, 64, 80, 96)
+WIDTHS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 27, 32, 40, 48, 56, 64, 80, 96)
 #: Peak learning rate times sqrt(d_model); warm-up share of each run; the cosine's end.
 LEARNING_RATE_SCALE = 0.05
 WARMUP_FRACTION = 0.05
