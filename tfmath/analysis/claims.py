@@ -16,6 +16,11 @@ is one of :data:`VERDICTS`:
 ``"wrong"``
     Neither; :attr:`Claim.correct_value` prints the computed value with the
     seed's digits.
+``"differs"``
+    For a claim measured in another setting than tfmath's (``elsewhere=True``:
+    Kaplan et al.'s exponents, fitted to models a thousand times larger on
+    other text), the measured interval excludes the seed's value: tfmath's
+    runs give another value, which does not make the seed's wrong.
 ``"not computed"``
     tfmath cannot compute it; :attr:`Claim.reason` says why.
 
@@ -30,14 +35,24 @@ from dataclasses import dataclass
 from tfmath._contract.checks import choice, real
 from tfmath.errors import ArgumentError, DTypeError
 
-__all__ = ["HOLDS", "NOT_COMPUTED", "ROUNDED", "VERDICTS", "WRONG", "Claim", "parse_printed"]
+__all__ = [
+    "DIFFERS",
+    "HOLDS",
+    "NOT_COMPUTED",
+    "ROUNDED",
+    "VERDICTS",
+    "WRONG",
+    "Claim",
+    "parse_printed",
+]
 
 HOLDS = "holds"
 ROUNDED = "holds within the seed's rounding"
 WRONG = "wrong"
+DIFFERS = "differs"
 NOT_COMPUTED = "not computed"
 #: Every verdict, from best to worst.
-VERDICTS = (HOLDS, ROUNDED, WRONG, NOT_COMPUTED)
+VERDICTS = (HOLDS, ROUNDED, WRONG, DIFFERS, NOT_COMPUTED)
 #: How the measured value is compared with the seed's: equal, at most, at least, greater than.
 RELATIONS = ("=", "<=", ">=", ">")
 
@@ -129,6 +144,10 @@ class Claim:
     reason : str
         Why tfmath cannot compute it (only when ``measured`` is None), or a
         note on how it was measured.
+    elsewhere : bool
+        The seed's value was measured in a setting tfmath does not reproduce
+        (other data, other scales): a value outside the interval "differs"
+        rather than being "wrong".
     """
 
     seed: str
@@ -141,6 +160,7 @@ class Claim:
     tolerance: float = 1e-9
     section: str | None = None
     reason: str = ""
+    elsewhere: bool = False
 
     def __post_init__(self):
         parse_printed(self.printed)
@@ -182,7 +202,7 @@ class Claim:
         # A relative margin so that a value exactly on the rounding boundary counts.
         if not self.exact and abs(self.measured - value) <= unit / 2 * (1 + 1e-9):
             return ROUNDED
-        return WRONG
+        return DIFFERS if self.elsewhere else WRONG
 
     @property
     def correct_value(self):

@@ -17,9 +17,17 @@ Language Models" (arXiv:2203.15556), applied to any set of training runs:
   best points of their grid; its compute-optimal split follows in closed form
   (:meth:`tfmath.formulas.scaling.ChinchillaLaw.optimal`).
 
-Both give intervals from a bootstrap over runs: the runs are resampled with
-replacement (within each budget, for the IsoFLOP fit, so that every budget
-keeps its curve) and the whole fit is repeated.
+Both give intervals from a bootstrap. The IsoFLOP fit resamples residuals:
+each budget's parabola plus residuals drawn with replacement from all the
+budgets' residuals (inflated for the three coefficients each parabola spends),
+so every resample keeps every size, and the whole fit is repeated. Resampling
+the runs themselves within a budget leaves half the resamples of a 5-point
+curve with 3 distinct sizes, and intervals about 2.4 times wider than the
+estimator's spread; the residual bootstrap's are calibrated by simulation in
+the tests. Approach 3 resamples the runs, and names the parameters its solver
+leaves on a bound (:attr:`ParametricLossFit.at_bound`) instead of giving them
+an interval. :func:`fit_kaplan_loss` fits Kaplan et al.'s (2020) pure power
+law :math:`L(N, D)` (their equation 1.5) the same way.
 """
 
 import math
@@ -34,8 +42,10 @@ from tfmath.formulas.scaling import ChinchillaLaw, fit_scaling_law
 __all__ = [
     "IsoFlopCurve",
     "IsoFlopFit",
+    "KaplanLossFit",
     "ParametricLossFit",
     "fit_isoflop",
+    "fit_kaplan_loss",
     "fit_parametric_loss",
     "huber",
 ]
@@ -99,6 +109,10 @@ class IsoFlopFit:
     n_bootstrap_dropped : int
     skipped_budgets : tuple of float
         Budgets left out for want of a minimum (see ``skip_curves_without_minimum``).
+    bootstrap_optima : numpy.ndarray
+        Shape ``(n_bootstrap, curves, 3)``: each refit's :math:`\log N_{opt}`,
+        :math:`\log D_{opt}` and :math:`L_{opt}` per budget, from which any
+        derived quantity's interval follows (see :meth:`optimum_intervals`).
     """
 
     curves: tuple
@@ -113,6 +127,20 @@ class IsoFlopFit:
     n_bootstrap: int
     n_bootstrap_dropped: int
     skipped_budgets: tuple
+    bootstrap_optima: np.ndarray
+
+    def optimum_intervals(self):
+        """Percentile intervals per budget: a dict of ``"n_opt"``, ``"d_opt"``,
+        ``"tokens_per_parameter"`` and ``"loss_opt"`` to arrays of shape ``(curves, 2)``."""
+        tails = 100 * np.array([(1 - self.confidence) / 2, (1 + self.confidence) / 2])
+        log_n, log_d, loss = np.moveaxis(self.bootstrap_optima, -1, 0)
+        values = {
+            "n_opt": np.exp(log_n),
+            "d_opt": np.exp(log_d),
+            "tokens_per_parameter": np.exp(log_d - log_n),
+            "loss_opt": loss,
+        }
+        return {name: np.percentile(v, tails, axis=0).T for name, v in values.items()}
 
     def n_opt(self, compute):
         """The fitted :math:`N_{opt}(C)`."""
@@ -212,17 +240,13 @@ def fit_isoflop(
     groups = [groups[k] for k in kept]
     curves = [curves[k] for k in kept]
     a, log_kn, b, log_kd = _exponents(budgets, curves)
-    rng = np.random.default_rng(seed)
-    draws, dropped = [], 0
-    for _ in range(n_bootstrap):
-        resampled = [rng.choice(rows, size=rows.size) for rows in groups]
-        sample = [_curve(c, n[r], d[r], loss[r]) for c, r in zip(budgets, resampled, strict=True)]
-        if any(curve is None for curve in sample):
-            dropped += 1
-            continue
-        draws.append(_exponents(budgets, sample)[::2])
+    draws, optima = _residual_bootstrap(budgets, groups, curves, n, d, loss, n_bootstrap, seed)
+    dropped = n_bootstrap - len(draws)
     if not draws:
-        raise ArgumentError("no bootstrap resample had a minimum on every curve")
+        raise ArgumentError(
+            "no bootstrap resample had a minimum on every curve: the curves are too flat "
+            "for their noise; train sizes further from the optimum, or more seeds"
+        )
     draws = np.array(draws)
     tails = 100 * np.array([(1 - confidence) / 2, (1 + confidence) / 2])
     a_interval = tuple(float(v) for v in np.percentile(draws[:, 0], tails))
@@ -244,7 +268,42 @@ def fit_isoflop(
         n_bootstrap=len(draws),
         n_bootstrap_dropped=dropped,
         skipped_budgets=skipped,
+        bootstrap_optima=np.array(optima),
     )
+
+
+def _residual_bootstrap(budgets, groups, curves, n, d, loss, n_bootstrap, seed):
+    """Refits to each parabola plus pooled residuals drawn with replacement.
+
+    Returns the exponents ``(a, b)`` of each refit with a minimum on every curve,
+    and that refit's ``(log N_opt, log D_opt, L_opt)`` per curve.
+    """
+    fitted = [
+        np.polyval(curve.coefficients, np.log(n[rows]))
+        for curve, rows in zip(curves, groups, strict=True)
+    ]
+    residuals = np.concatenate([loss[rows] - f for rows, f in zip(groups, fitted, strict=True)])
+    # Each parabola spends 3 degrees of freedom: residuals are smaller than the noise.
+    spare = residuals.size - 3 * len(curves)
+    residuals = residuals * math.sqrt(residuals.size / spare) if spare > 0 else residuals
+    rng = np.random.default_rng(seed)
+    draws, optima = [], []
+    for _ in range(n_bootstrap):
+        sample = [
+            _curve(c, n[rows], d[rows], f + rng.choice(residuals, size=rows.size))
+            for c, rows, f in zip(budgets, groups, fitted, strict=True)
+        ]
+        if any(curve is None for curve in sample):
+            continue
+        draws.append(_exponents(budgets, sample)[::2])
+        optima.append([(math.log(c.n_opt), math.log(c.d_opt), c.loss_opt) for c in sample])
+    return draws, optima
+
+
+#: How far (in log N) a vertex may lie from the sizes trained, and the largest log
+#: of a size or token count, before a parabola counts as having no minimum.
+_MAX_VERTEX_DISTANCE = 50.0
+_MAX_LOG = 700.0
 
 
 def _curve(compute, n, d, loss):
@@ -256,7 +315,13 @@ def _curve(compute, n, d, loss):
     if not p2 > 0:
         return None
     vertex = -p1 / (2 * p2)
+    # A nearly flat parabola puts its vertex at any distance (and exp() past the
+    # float range): beyond 50 e-folds of the sizes trained it has no minimum to read.
+    if not abs(vertex - x.mean()) < _MAX_VERTEX_DISTANCE:
+        return None
     log_d = np.polyval(np.polyfit(x, np.log(d), 2), vertex)
+    if not abs(log_d) < _MAX_LOG:
+        return None
     return IsoFlopCurve(
         compute=float(compute),
         coefficients=(float(p2), float(p1), float(p0)),
@@ -301,6 +366,13 @@ class ParametricLossFit:
         Bootstrap percentile intervals of ``"e"``, ``"a"``, ``"b"``,
         ``"alpha"``, ``"beta"``, ``"n_exponent"`` (:math:`\beta/(\alpha+\beta)`)
         and ``"d_exponent"``; for a known :math:`E`, ``"e"`` is that value twice.
+        A parameter in :attr:`at_bound` has ``(nan, nan)``: no interval.
+    at_bound : tuple of str
+        The parameters (``"alpha"``, ``"beta"``, ``"e"``, ``"a"``, ``"b"``, and
+        ``"n_exponent"``, ``"d_exponent"`` when alpha or beta is one) that the
+        solver left on one of its bounds, in the fit or in more than
+        :math:`(1 - \text{confidence})/2` of the refits: the data do not
+        determine them, and the bound is not an interval end.
     irreducible_fitted : bool
     objective : float
         The summed Huber loss at the fit.
@@ -310,6 +382,7 @@ class ParametricLossFit:
 
     law: ChinchillaLaw
     intervals: dict
+    at_bound: tuple
     irreducible_fitted: bool
     objective: float
     confidence: float
@@ -416,18 +489,39 @@ def fit_parametric_loss(
         "n_exponent": [x.n_exponent for x in laws],
         "d_exponent": [x.d_exponent for x in laws],
     }
+    at_bound = _at_bound(theta, np.array(draws), log_e, (1 - confidence) / 2)
     intervals = {
-        name: tuple(float(v) for v in np.percentile(values, tails))
+        name: (math.nan, math.nan)
+        if name in at_bound
+        else tuple(float(v) for v in np.percentile(values, tails))
         for name, values in columns.items()
     }
     return ParametricLossFit(
         law=law,
         intervals=intervals,
+        at_bound=at_bound,
         irreducible_fitted=log_e is None,
         objective=objective,
         confidence=confidence,
         n_bootstrap=n_bootstrap,
     )
+
+
+def _at_bound(theta, draws, log_e, share):
+    """Names of the parameters on a solver bound in the fit or in over ``share`` of the draws."""
+    low, high = np.array(_BOUNDS).T
+    margin = 1e-6 * (high - low)
+
+    def on_bound(values):
+        return (values <= low + margin) | (values >= high - margin)
+
+    hit = on_bound(theta) | (on_bound(draws).mean(axis=0) > share)
+    if log_e is not None:
+        hit[2] = False  # E is given, not fitted
+    names = [name for name, h in zip(("alpha", "beta", "e", "a", "b"), hit, strict=True) if h]
+    if hit[0] or hit[1]:
+        names += ["n_exponent", "d_exponent"]
+    return tuple(names)
 
 
 def _law(theta):
@@ -498,6 +592,129 @@ def _minimise(data, log_e, delta, starts=None):
         if result.fun < best_value:
             best_theta, best_value = result.x, float(result.fun)
     return best_theta, best_value
+
+
+# -- Kaplan et al.'s pure power law --------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class KaplanLossFit:
+    r"""Kaplan et al.'s (2020) equation 1.5, :math:`L(N, D) = \big[(N_c/N)^{\alpha_N/\alpha_D}
+    + D_c/D\big]^{\alpha_D}`, fitted to runs (see :func:`fit_kaplan_loss`).
+
+    Its limits are the pure power laws :math:`L(N) = (N_c/N)^{\alpha_N}` (data
+    unlimited) and :math:`L(D) = (D_c/D)^{\alpha_D}` (model unlimited), with no
+    irreducible term.
+
+    Attributes
+    ----------
+    alpha_n, alpha_d, n_c, d_c : float
+    intervals : dict of str to (float, float)
+        Bootstrap percentile intervals of ``"alpha_n"``, ``"alpha_d"``, ``"n_c"``, ``"d_c"``.
+    residual_std : float
+        Of :math:`\log L`.
+    confidence : float
+    """
+
+    alpha_n: float
+    alpha_d: float
+    n_c: float
+    d_c: float
+    intervals: dict
+    residual_std: float
+    confidence: float
+
+    def loss(self, n, d):
+        """:math:`L(N, D)` of the fit."""
+        n, d = np.asarray(n, dtype=float), np.asarray(d, dtype=float)
+        return ((self.n_c / n) ** (self.alpha_n / self.alpha_d) + self.d_c / d) ** self.alpha_d
+
+
+def fit_kaplan_loss(n, d, loss, *, confidence=0.95, n_bootstrap=200, seed=0):
+    r"""Kaplan et al.'s (2020) :math:`L(N, D)` (equation 1.5) by least squares in :math:`\log L`.
+
+    Parameters
+    ----------
+    n, d, loss : array_like, 1-D
+        Each run's non-embedding parameters, tokens and final loss.
+    confidence : float, optional
+    n_bootstrap : int, optional
+        Refits to runs resampled with replacement.
+    seed : int, optional
+
+    Returns
+    -------
+    KaplanLossFit
+
+    Raises
+    ------
+    ShapeError, ArgumentError
+        For arrays of different lengths, non-positive values, or fewer than 5 runs.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from tfmath.analysis.compute_optimal import fit_kaplan_loss
+    >>> grid = np.meshgrid(np.geomspace(1e3, 1e6, 5), np.geomspace(1e5, 1e8, 5))
+    >>> n, d = grid[0].ravel(), grid[1].ravel()
+    >>> loss = ((8.8e13 / n) ** (0.076 / 0.095) + 5.4e13 / d) ** 0.095
+    >>> fit = fit_kaplan_loss(n, d, loss, n_bootstrap=2)
+    >>> round(fit.alpha_n, 4), round(fit.alpha_d, 4)
+    (0.076, 0.095)
+    """
+    n, d, loss = _runs(n=n, d=d, loss=loss)
+    confidence = _confidence(confidence)
+    n_bootstrap = integer("n_bootstrap", n_bootstrap, minimum=2)
+    seed = integer("seed", seed, minimum=0)
+    if n.size < 5:
+        raise ArgumentError(f"fitting 4 parameters needs at least 5 runs, got {n.size}")
+    data = (np.log(n), np.log(d), np.log(loss))
+    theta = _kaplan_minimise(data, None)
+    residual = _kaplan_residuals(theta, *data)
+    rng = np.random.default_rng(seed)
+    draws = []
+    for _ in range(n_bootstrap):
+        rows = rng.integers(0, n.size, size=n.size)
+        draws.append(_kaplan_minimise(tuple(x[rows] for x in data), theta))
+    draws = np.array(draws)
+    tails = 100 * np.array([(1 - confidence) / 2, (1 + confidence) / 2])
+    columns = {
+        "alpha_n": draws[:, 0], "alpha_d": draws[:, 1],
+        "n_c": np.exp(draws[:, 2]), "d_c": np.exp(draws[:, 3]),
+    }  # fmt: skip
+    return KaplanLossFit(
+        alpha_n=float(theta[0]), alpha_d=float(theta[1]),
+        n_c=math.exp(theta[2]), d_c=math.exp(theta[3]),
+        intervals={k: tuple(float(x) for x in np.percentile(v, tails)) for k, v in columns.items()},
+        residual_std=float(residual.std()), confidence=confidence,
+    )  # fmt: skip
+
+
+def _kaplan_residuals(theta, log_n, log_d, log_loss):
+    """log L of equation 1.5 minus the measured one.
+
+    ``theta`` is ``(alpha_N, alpha_D, log N_c, log D_c)``.
+    """
+    alpha_n, alpha_d, log_nc, log_dc = theta
+    terms = np.stack([(alpha_n / alpha_d) * (log_nc - log_n), log_dc - log_d])
+    top = terms.max(axis=0)
+    return alpha_d * (top + np.log(np.exp(terms - top).sum(axis=0))) - log_loss
+
+
+def _kaplan_minimise(data, start):
+    """Least squares from ``start``, or from the best of a small grid of exponents and scales."""
+    from scipy.optimize import least_squares
+
+    log_n, log_d, _ = data
+    if start is None:
+        grid = [
+            (an, ad, log_n.max() + k, log_d.max() + k)
+            for an in (0.05, 0.2, 0.5) for ad in (0.05, 0.2, 0.5) for k in (0.0, 5.0, 20.0)
+        ]  # fmt: skip
+        start = min(grid, key=lambda t: float((_kaplan_residuals(t, *data) ** 2).sum()))
+    bounds = ([1e-4, 1e-4, -50.0, -50.0], [5.0, 5.0, 200.0, 200.0])
+    start = np.clip(np.asarray(start, dtype=float), bounds[0], bounds[1])
+    return least_squares(_kaplan_residuals, start, args=data, bounds=bounds).x
 
 
 # -- checks ------------------------------------------------------------------------------

@@ -1,85 +1,214 @@
 r"""Report experiment: the compute-optimal frontier from tfmath's own training runs.
 
-Hoffmann et al.'s IsoFLOP method on tiny decoder-only models: for each compute
-budget :math:`C` (FLOPs counted by :func:`tfmath.formulas.accounting.flops_per_token`,
-:math:`6N` plus the attention-score term, per training token), models of several
-widths train for exactly the steps that spend :math:`C`; parabolas through each
-budget's losses give :math:`N_{opt}(C)` and :math:`D_{opt}(C)`
-(:func:`tfmath.analysis.compute_optimal.fit_isoflop`), and the parametric
-:math:`L(N, D)` is fitted to the same runs (approach 3,
-:func:`~tfmath.analysis.compute_optimal.fit_parametric_loss`).
+Hoffmann et al.'s IsoFLOP method on tiny decoder-only models, trained on the
+English text that installs with tfmath
+(:class:`~tfmath.training.sources.ShakespeareCorpus`, byte tokens, held out by
+whole plays) or on any text file given with ``tfmath reproduce --corpus FILE``.
+For each compute budget :math:`C`, models of several widths train for the
+steps that spend :math:`C`, counted exactly for the step the trainer runs
+(``step_training`` of :func:`tfmath.formulas.accounting.flops_per_token`: every matrix
+product of the forward and backward passes, the output head and the causal
+attention included). The design:
 
-The source is :class:`tfmath.training.hierarchical.HierarchicalLanguage`, whose
-entropy is known, or any text file given with ``tfmath reproduce --corpus FILE``
-(bytes; the entropy is then unknown and the frontier a pure power law). Trained
-runs are kept in the sweep cache, so a re-run only fits and draws.
+* budgets a factor :math:`\sqrt{10}` apart, over 1.5 decades (``--quick``)
+  or 2.5 (``--full``);
+* at each budget, 7 (``--full``: 12) consecutive widths of :data:`WIDTHS`
+  (about 1.2 to 1.5 times apart in :math:`N`) centred on the optimum that
+  the lower budgets predict (the first budget on :attr:`IsoFlopPlan.first_width`,
+  from a pilot), grown by one width at a time while the lowest mean loss
+  lies on an edge, so that every minimum lies strictly inside the sizes trained;
+* one layer, heads 8 wide, context 32 bytes; a batch that grows with the
+  budget (:func:`batch_size`), as the critical batch grows when the loss falls;
+* a cosine learning rate from :math:`0.05/\sqrt{d}` down to 10% of it on each
+  run's last step, after a warm-up of 5% of the run (so at most 10% of any);
+* two seeds per point at the budgets where the plan allows
+  (:attr:`IsoFlopPlan.seeded_budgets`), the seed noise then part of the
+  residuals the bootstrap resamples.
+
+Parabolas through each budget's losses give :math:`N_{opt}(C)` and
+:math:`D_{opt}(C)` (:func:`tfmath.analysis.compute_optimal.fit_isoflop`), with
+:math:`N` counted both as non-embedding parameters (Kaplan et al.) and as all
+parameters (Hoffmann et al.); approach 3 and Kaplan et al.'s pure power law
+:math:`L(N, D)` are fitted to the same runs; and the frontier fitted below the
+largest budget predicts that budget's optimal loss. Trained runs are kept in
+the sweep cache, so a re-run only fits and draws.
 """
 
+import math
 import sys
 from dataclasses import dataclass
 
 import numpy as np
 
-from tfmath.analysis.compute_optimal import fit_isoflop, fit_parametric_loss
+from tfmath.analysis.claims import Claim
+from tfmath.analysis.compute_optimal import (
+    fit_isoflop,
+    fit_kaplan_loss,
+    fit_parametric_loss,
+)
 from tfmath.errors import ArgumentError
 from tfmath.experiments._sweeps import results_folder, scheduler
 from tfmath.formulas.accounting import flops_per_token
-from tfmath.formulas.scaling import BESIROGLU, CHINCHILLA
+from tfmath.formulas.scaling import BESIROGLU, CHINCHILLA, fit_scaling_law
+from tfmath.plotting.compute_optimal import (
+    frontier_prediction,
+    isoflop_curves,
+    optimal_allocation,
+    tokens_per_parameter,
+)
 from tfmath.report import ExperimentResult, Table, experiment
 from tfmath.report.plotting import new_figure
 from tfmath.training import TrainingConfig, language_model_config
-from tfmath.training.hierarchical import HierarchicalLanguage
-from tfmath.training.sources import ByteCorpus
+from tfmath.training.sources import ByteCorpus, ShakespeareCorpus
 from tfmath.training.sweep import TrainingRun, run_sweep
 
-#: Targets per training sequence: 8 words of 4 letters and a separator, or 40 bytes.
-TARGETS_PER_SEQUENCE = 40
-BATCH_SIZE = 32
+#: Targets (bytes) per training sequence.
+CONTEXT = 32
+#: The widths the budgets choose from, in increasing N; each a multiple of its heads
+#: (8 wide) so that every one is a valid model.
+WIDTHS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 27, 32, 40, 48, 56, 64, 80, 96)
+#: Peak learning rate times sqrt(d_model); warm-up share of each run; the cosine's end.
+LEARNING_RATE_SCALE = 0.05
+WARMUP_FRACTION = 0.05
+FINAL_LEARNING_RATE_FRACTION = 0.1
+#: Fewest steps a run may take: below it the rounding of the step count misses the
+#: budget by more than 1%.
+MIN_STEPS = 50
+#: Held-out sequences each loss is measured on (32768 bytes).
+VALIDATION_SEQUENCES = 1024
 #: Gopher's and Chinchilla's training budget (Hoffmann et al. 2022, table 3), FLOPs.
 GOPHER_COMPUTE = 5.76e23
+#: Widths added at most, one at a time, to a budget whose minimum is on an edge.
+MAX_GROWTH = 3
 
 
 @dataclass(frozen=True)
 class IsoFlopPlan:
-    """Budgets (FLOPs) and the widths trained at each (one layer, heads 8 wide)."""
+    """The IsoFLOP design of one mode.
+
+    Attributes
+    ----------
+    budgets : tuple of float
+        FLOPs, increasing.
+    sizes : int
+        Widths trained at each budget (before any growth at an edge).
+    first_width : int
+        The centre of the lowest budget's widths (from a pilot on the corpus).
+    seeded_budgets : int
+        The lowest this many budgets train two seeds per width, the rest one.
+    """
 
     budgets: tuple
-    widths: tuple
-    warmup: int
+    sizes: int
+    first_width: int
+    seeded_budgets: int
 
 
 PLANS = {
-    # quick: about 35 s of training on two cores; below 6e9 FLOPs the smallest width
-    # is still the best, and the curve has no minimum to fit.
-    True: IsoFlopPlan(budgets=(6e9, 1.2e10, 2.4e10), widths=(8, 12, 16, 24, 32), warmup=30),
+    # quick: 1.5 decades; about a minute of training on two busy cores.
+    True: IsoFlopPlan(
+        budgets=tuple(3e8 * 10 ** (k / 2) for k in range(4)),
+        sizes=7,
+        first_width=5,
+        seeded_budgets=1,
+    ),
+    # full: 2.5 decades, 12 widths a budget, two seeds everywhere.
     False: IsoFlopPlan(
-        budgets=(6e9, 1.2e10, 2.4e10, 4.8e10, 9.6e10, 1.92e11),
-        widths=(8, 12, 16, 24, 32, 48),
-        warmup=30,
+        budgets=tuple(3e8 * 10 ** (k / 2) for k in range(6)),
+        sizes=12,
+        first_width=5,
+        seeded_budgets=6,
     ),
 }
 
 
-def isoflop_runs(source, quick=True, *, seed=0, backend="cpu"):
-    """The runs of the IsoFLOP grid: ``(compute budget, TrainingRun)`` pairs."""
-    plan = PLANS[bool(quick)]
-    words_per_sequence = TARGETS_PER_SEQUENCE // source.tokens_per_word
-    context = words_per_sequence * source.tokens_per_word
-    tokens_per_step = BATCH_SIZE * context
-    runs = []
-    for budget in plan.budgets:
-        for width in plan.widths:
-            model = language_model_config(width, 1, vocab_size=source.vocab_size, context=context)
-            per_token = flops_per_token(model, n_ctx=context).training
-            steps = round(budget / (per_token * tokens_per_step))
-            if steps < plan.warmup:
-                continue  # too big for this budget: it would not get past its warm-up
-            training = TrainingConfig(
-                steps=steps, batch_size=BATCH_SIZE, words_per_sequence=words_per_sequence,
-                warmup=plan.warmup, learning_rate_scale=0.5, eval_every=steps, seed=seed,
-            )  # fmt: skip
-            runs.append((budget, TrainingRun(model, source, training, backend)))
-    return runs
+def batch_size(budget):
+    r"""Sequences per step: :math:`4 \sqrt{C / 10^9}` rounded down to a power of two, at least 4.
+
+    Small budgets then still take a few hundred steps (in a pilot, batches of 8
+    or 16 at 1e9 FLOPs left some seeds on the unigram plateau), and large ones
+    use larger batches, as the critical batch grows while the loss falls
+    (Kaplan et al. 2020).
+    """
+    return max(4, 2 ** math.floor(math.log2(4 * math.sqrt(budget / 1e9))))
+
+
+def budget_run(source, budget, width, seed, backend="cpu"):
+    """The run of one width at one budget, or None when it cannot take :data:`MIN_STEPS`."""
+    model = language_model_config(width, 1, vocab_size=source.vocab_size, context=CONTEXT)
+    per_token = flops_per_token(model, n_ctx=CONTEXT).step_training
+    batch = batch_size(budget)
+    steps = round(budget / (per_token * batch * CONTEXT))
+    if steps < MIN_STEPS:
+        return None
+    training = TrainingConfig(
+        steps=steps, batch_size=batch, words_per_sequence=CONTEXT // source.tokens_per_word,
+        warmup=max(1, round(WARMUP_FRACTION * steps)), learning_rate_scale=LEARNING_RATE_SCALE,
+        schedule="cosine", final_learning_rate_fraction=FINAL_LEARNING_RATE_FRACTION,
+        eval_every=steps, validation_sequences=VALIDATION_SEQUENCES, seed=seed,
+    )  # fmt: skip
+    return TrainingRun(model, source, training, backend)
+
+
+def spent_compute(run, result):
+    """The FLOPs a finished run spent: its steps' tokens times the exact count per token."""
+    per_token = flops_per_token(run.model, n_ctx=CONTEXT).step_training
+    return per_token * result.tokens_seen
+
+
+def train_isoflop_grid(source, plan, *, seed=0, backend="cpu", sweep=None):
+    """Train the plan's budgets in turn, each centred on the optimum the lower ones predict.
+
+    Returns a list of ``(budget, TrainingRun, TrainingResult)``. ``sweep`` trains
+    a list of runs (default :func:`~tfmath.training.sweep.run_sweep` in the
+    sweep cache).
+    """
+    sweep = sweep or (lambda runs: run_sweep(runs, results_dir=results_folder()))
+    seeds = (seed, seed + 1)
+    rows, minima = [], []  # minima: (log budget, log N at the best width)
+    for k, budget in enumerate(plan.budgets):
+        centre = _expected_centre(plan, budget, minima)
+        # The widest model that can still take MIN_STEPS at this budget bounds the window.
+        top = max(
+            i for i, w in enumerate(WIDTHS) if budget_run(source, budget, w, seed) is not None
+        )
+        low = min(max(0, centre - plan.sizes // 2), top + 1 - plan.sizes)
+        chosen = list(range(max(0, low), max(0, low) + plan.sizes))
+        budget_seeds = seeds if k < plan.seeded_budgets else seeds[:1]
+        trained = {}
+        for _ in range(MAX_GROWTH + 1):
+            todo = [(i, s) for i in chosen for s in budget_seeds if (i, s) not in trained]
+            runs = [(i, s, budget_run(source, budget, WIDTHS[i], s, backend)) for i, s in todo]
+            runs = [(i, s, run) for i, s, run in runs if run is not None]
+            for (i, s, run), result in zip(runs, sweep([r for _, _, r in runs]), strict=True):
+                trained[i, s] = (run, result)
+            sizes = sorted({i for i, _ in trained})
+            mean = {i: np.mean([trained[i, s][1].validation_loss for s in budget_seeds
+                                if (i, s) in trained]) for i in sizes}  # fmt: skip
+            best = min(mean, key=mean.get)
+            if best == sizes[0] and sizes[0] > 0:
+                chosen = [sizes[0] - 1, *chosen]
+            elif best == sizes[-1] and sizes[-1] < top:
+                chosen = [*chosen, sizes[-1] + 1]
+            else:
+                break
+        best_run = trained[best, budget_seeds[0]][1]
+        minima.append((math.log(budget), math.log(best_run.non_embedding_parameters)))
+        rows += [(budget, run, result) for run, result in trained.values()]
+    return rows
+
+
+def _expected_centre(plan, budget, minima):
+    """The index in :data:`WIDTHS` nearest the optimum the lower budgets predict."""
+    if not minima:
+        return WIDTHS.index(plan.first_width)
+    if len(minima) == 1:  # Chinchilla's a = 0.5 from the one minimum known
+        log_n = minima[0][1] + 0.5 * (math.log(budget) - minima[0][0])
+    else:
+        slope, intercept = np.polyfit(*np.array(minima).T, 1)
+        log_n = intercept + min(max(slope, 0.2), 1.0) * math.log(budget)
+    sizes = [12 * w * w + 15 * w for w in WIDTHS]  # N of one layer (see language_model_config)
+    return int(np.argmin([abs(math.log(n) - log_n) for n in sizes]))
 
 
 @experiment(
@@ -90,46 +219,61 @@ def isoflop_runs(source, quick=True, *, seed=0, backend="cpu"):
 def compute_optimal(settings):
     """Train the IsoFLOP grid (or load it), fit approaches 2 and 3, compare with the papers."""
     backend = "cpu" if settings.backend == "auto" else settings.backend
-    corpus = settings.corpus
-    source = HierarchicalLanguage(seed=settings.seed) if corpus is None else ByteCorpus(corpus)
-    pairs = isoflop_runs(source, settings.quick, seed=settings.seed, backend=backend)
-    budgets = np.array([budget for budget, _ in pairs])
-    runs = [run for _, run in pairs]
+    source = ShakespeareCorpus() if settings.corpus is None else ByteCorpus(settings.corpus)
+    plan = PLANS[bool(settings.quick)]
 
     def progress(line):
         print(f"  compute_optimal: {line}", file=sys.stderr, flush=True)
 
-    results = run_sweep(
-        runs, results_dir=results_folder(), scheduler=scheduler(settings), progress=progress
-    )
-    entropy = results[0].entropy_rate
+    def sweep(runs):
+        return run_sweep(
+            runs, results_dir=results_folder(), scheduler=scheduler(settings), progress=progress
+        )
+
+    grid = train_isoflop_grid(source, plan, seed=settings.seed, backend=backend, sweep=sweep)
+    budgets = np.array([budget for budget, _, _ in grid])
+    runs = [run for _, run, _ in grid]
+    results = [result for _, _, result in grid]
+    spent = np.array([spent_compute(run, r) for run, r in zip(runs, results, strict=True)])
     n = np.array([r.non_embedding_parameters for r in results], dtype=float)
+    n_total = np.array([r.parameters for r in results], dtype=float)
     d = np.array([r.tokens_seen for r in results], dtype=float)
     loss = np.array([r.validation_loss for r in results])
-    compute = budgets  # each run spends its budget, to the rounding of its step count
-    runs_table = _runs_table(budgets, runs, results)
+    runs_table = _runs_table(budgets, spent, runs, results)
     try:
-        isoflop = fit_isoflop(
-            compute, n, d, loss, irreducible=entropy, skip_curves_without_minimum=True,
-            seed=settings.seed,
-        )  # fmt: skip
+        isoflop = fit_isoflop(budgets, n, d, loss, seed=settings.seed)
+        hoffmann = fit_isoflop(budgets, n_total, d, loss, seed=settings.seed)
     except ArgumentError as error:
-        # Text the models cannot yet fit at these budgets: show the runs, say why.
         return ExperimentResult(
             caption=f"IsoFLOP runs on {_describe(source)}, without a fit: {error}.",
-            figures={"isoflop": _raw_figure(n, loss, compute)},
+            figures={"isoflop": _raw_figure(n, loss, budgets)},
             tables={"published_optima": _published_table(), "runs": runs_table},
         )
-    parametric = fit_parametric_loss(n, d, loss, irreducible=entropy, seed=settings.seed)
-    free = fit_parametric_loss(n, d, loss, seed=settings.seed) if entropy is not None else None
-    figure = _isoflop_figure(isoflop, n, loss, compute, entropy)
+    parametric = fit_parametric_loss(n, d, loss, seed=settings.seed)
+    kaplan = fit_kaplan_loss(n, d, loss, seed=settings.seed)
+    frontier_c = fit_scaling_law(budgets_of(isoflop), [c.loss_opt for c in isoflop.curves])
+    # A held-out prediction needs a line through at least two other budgets.
+    prediction = predict_largest_budget(isoflop) if len(isoflop.curves) >= 3 else None
+    figures = {
+        "isoflop": _isoflop_figure(isoflop, hoffmann, n, n_total, loss, budgets, prediction),
+        "parametric_fit": _parametric_figure(parametric, n, d, loss),
+    }
+    seconds = sum(r.seconds for r in results)
     return ExperimentResult(
         caption=_caption(
-            isoflop, parametric, free, entropy, source, sum(r.seconds for r in results)
+            isoflop,
+            hoffmann,
+            parametric,
+            kaplan,
+            frontier_c,
+            prediction,
+            source,
+            spent / budgets,
+            seconds,
         ),
-        figures={"isoflop": figure, "parametric_fit": _parametric_figure(parametric, n, d, loss)},
+        figures=figures,
         tables={
-            "optima": _optima_table(isoflop),
+            "optima": _optima_table(isoflop, hoffmann),
             "published_optima": _published_table(),
             "runs": runs_table,
         },
@@ -137,31 +281,128 @@ def compute_optimal(settings):
             "compute_optimal": {
                 "quick": settings.quick,
                 "source": source.spec(),
-                "entropy": entropy,
                 "a": isoflop.a,
                 "a_interval": _finite(isoflop.a_interval),
                 "b": isoflop.b,
                 "b_interval": _finite(isoflop.b_interval),
-                "frontier_exponent": isoflop.frontier.exponent,
-                # An interval is infinite when there are no degrees of freedom left.
-                "frontier_interval": _finite(isoflop.frontier.exponent_interval),
+                "a_all_parameters": hoffmann.a,
+                "a_all_parameters_interval": _finite(hoffmann.a_interval),
+                "minima_inside": [c.inside for c in isoflop.curves],
+                "frontier_exponent": frontier_c.exponent,
+                "frontier_interval": _finite(frontier_c.exponent_interval),
+                "kaplan_fit": {
+                    "alpha_n": kaplan.alpha_n,
+                    "alpha_d": kaplan.alpha_d,
+                    "intervals": {k: _finite(v) for k, v in kaplan.intervals.items()},
+                },
+                "prediction": prediction,
                 "approach3": _law_data(parametric),
-                "approach3_free_e": None if free is None else _law_data(free),
+                "budget_met": [float(x) for x in spent / budgets],
                 "runs": [
                     {"budget": float(b), "key": run.key, "result": result.to_dict()}
                     for b, run, result in zip(budgets, runs, results, strict=True)
                 ],
             }
         },
+        claims=_claims(kaplan, frontier_c, prediction, n, d),
     )
 
 
-def _runs_table(budgets, runs, results):
+def budgets_of(fit):
+    """The budgets of an :class:`~tfmath.analysis.compute_optimal.IsoFlopFit`'s curves."""
+    return np.array([curve.compute for curve in fit.curves])
+
+
+def predict_largest_budget(fit):
+    r"""The frontier :math:`L_{opt} \propto C^{-\alpha}` fitted on every budget but the
+    largest, its prediction there, and a 95% interval of measured minus predicted.
+
+    The interval comes from the IsoFLOP bootstrap's refits: each refit's lower
+    budgets give a prediction, and its largest budget a measurement, so both the
+    fit's and the measurement's noise are in it.
+    """
+    budgets = budgets_of(fit)
+    log_c = np.log(budgets)
+    measured = np.array([c.loss_opt for c in fit.curves])
+
+    def predict(losses):
+        slope, intercept = np.polyfit(log_c[:-1], np.log(losses[:-1]), 1)
+        return math.exp(intercept + slope * log_c[-1])
+
+    predicted = predict(measured)
+    optima = fit.bootstrap_optima[:, :, 2]
+    differences = [draw[-1] - predict(draw) for draw in optima]
+    tails = 100 * np.array([(1 - fit.confidence) / 2, (1 + fit.confidence) / 2])
+    low, high = np.percentile(differences, tails)
+    return {
+        "budget": float(budgets[-1]),
+        "predicted": predicted,
+        "measured": float(measured[-1]),
+        "difference": float(measured[-1] - predicted),
+        "difference_interval": [float(low), float(high)],
+        "prediction_interval": [float(predicted + low), float(predicted + high)],
+    }
+
+
+def _claims(kaplan, frontier_c, prediction, n, d):
+    reason = (
+        f"Measured on Shakespeare's bytes with one-layer models of N = {n.min():.0f} to "
+        f"{n.max():.0f} non-embedding parameters and D = {d.min():.2g} to {d.max():.2g} "
+        "tokens, against Kaplan et al.'s 1e6 to 1e9 parameters and 2e7 to 2e10 BPE tokens "
+        "of WebText2: the exponents of tiny byte-level models need not be theirs."
+    )
+    rows = [
+        ("Scaling law L(N) ∝ N^-0.076 (exponent)", "0.076", kaplan.alpha_n,
+         kaplan.intervals["alpha_n"], "Kaplan et al.'s equation 1.5 fitted to every IsoFLOP run. "),
+        ("Scaling law L(D) ∝ D^-0.095 (exponent)", "0.095", kaplan.alpha_d,
+         kaplan.intervals["alpha_d"], "Kaplan et al.'s equation 1.5 fitted to every IsoFLOP run. "),
+        ("Scaling law L(C) ∝ C^-0.050 (exponent, compute-efficient frontier)", "0.050",
+         frontier_c.exponent, frontier_c.exponent_interval,
+         "A pure power law through the IsoFLOP minima. "),
+    ]  # fmt: skip
+    claims = [
+        Claim(
+            "003",
+            statement,
+            printed,
+            value,
+            interval=tuple(interval),
+            elsewhere=True,
+            reason=how + reason,
+        )
+        for statement, printed, value, interval, how in rows
+    ]
+    if prediction is None:
+        return claims
+    low, high = prediction["difference_interval"]
+    claims.append(
+        Claim(
+            "003",
+            "Scaling is predictable: the frontier fitted on smaller budgets predicts the "
+            "optimal loss of a larger one (measured minus predicted, nats)",
+            "0",
+            prediction["difference"],
+            interval=(low, high),
+            exact=True,
+            reason=f"Frontier fitted on every budget but the largest "
+            f"({prediction['budget']:.2g} FLOPs), which predicts "
+            f"{prediction['predicted']:.3f} there; trained, it gives "
+            f"{prediction['measured']:.3f}.",
+        )
+    )
+    return claims
+
+
+def _runs_table(budgets, spent, runs, results):
     return Table(
         {
             "budget (FLOPs)": budgets.tolist(),
+            "spent / budget": [round(float(x), 5) for x in spent / budgets],
             "d_model": [run.model.d_model for run in runs],
+            "seed": [run.training.seed for run in runs],
+            "batch": [run.training.batch_size for run in runs],
             "N (non-embedding)": [r.non_embedding_parameters for r in results],
+            "N (all)": [r.parameters for r in results],
             "D (tokens)": [r.tokens_seen for r in results],
             "steps": [r.steps for r in results],
             "validation loss": [r.validation_loss for r in results],
@@ -173,14 +414,14 @@ def _raw_figure(n, loss, compute):
     figure, axes = new_figure(6.5, 5)
     for k, budget in enumerate(np.unique(compute)):
         rows = compute == budget
-        axes[0, 0].semilogx(n[rows], loss[rows], "o-", color=f"C{k}", label=f"C = {budget:.1e}")
+        axes[0, 0].semilogx(n[rows], loss[rows], "o", color=f"C{k}", label=f"C = {budget:.1e}")
     axes[0, 0].set(xlabel="non-embedding parameters N", ylabel="validation loss (nats/token)")
     axes[0, 0].legend(fontsize=9)
     return figure
 
 
 def _finite(values):
-    """JSON-ready numbers: None for an infinite bound."""
+    """JSON-ready numbers: None for an infinite or missing bound."""
     return [float(v) if np.isfinite(v) else None for v in values]
 
 
@@ -190,59 +431,24 @@ def _law_data(fit):
         "e": law.e, "a": law.a, "b": law.b, "alpha": law.alpha, "beta": law.beta,
         "n_exponent": law.n_exponent, "d_exponent": law.d_exponent,
         "intervals": {k: _finite(v) for k, v in fit.intervals.items()},
+        "at_bound": list(fit.at_bound),
     }  # fmt: skip
 
 
-def _isoflop_figure(fit, n, loss, compute, entropy):
-    figure, axes = new_figure(12, 9, ncols=2, nrows=2)
-    ax_curves, ax_opt, ax_ratio, ax_frontier = axes.ravel()
-    colours = {c.compute: f"C{i}" for i, c in enumerate(fit.curves)}
-    for curve in fit.curves:
-        rows = compute == curve.compute
-        colour = colours[curve.compute]
-        ax_curves.semilogx(n[rows], loss[rows], "o", color=colour, label=f"C = {curve.compute:.1e}")
-        grid = np.geomspace(n[rows].min(), n[rows].max(), 100)
-        ax_curves.semilogx(grid, np.polyval(curve.coefficients, np.log(grid)), color=colour)
-        ax_curves.plot(curve.n_opt, curve.loss_opt, "*", color=colour, markersize=12)
-    if entropy is not None:
-        ax_curves.axhline(entropy, color="k", ls=":", label=f"E = {entropy:.3f}")
-    ax_curves.set(xlabel="non-embedding parameters N", ylabel="validation loss (nats/token)")
-    ax_curves.set_title("IsoFLOP curves, parabolas in log N and their minima")
-    ax_curves.legend(fontsize=9)
-
-    budgets = np.array([c.compute for c in fit.curves])
-    grid = np.geomspace(budgets.min() / 1.5, budgets.max() * 1.5, 50)
-    for values, fitted, name, exponent, interval, colour in (
-        ([c.n_opt for c in fit.curves], fit.n_opt(grid), "N_opt", fit.a, fit.a_interval, "C0"),
-        ([c.d_opt for c in fit.curves], fit.d_opt(grid), "D_opt", fit.b, fit.b_interval, "C1"),
-    ):
-        ax_opt.loglog(budgets, values, "o", color=colour)
-        label = f"{name} ∝ C^{exponent:.2f} [{interval[0]:.2f}, {interval[1]:.2f}]"
-        ax_opt.loglog(grid, fitted, color=colour, label=label)
-    anchor_n = fit.n_opt(budgets[0])
-    for exponent, style, who in ((0.73, "--", "Kaplan"), (0.5, ":", "Chinchilla")):
-        ax_opt.loglog(grid, anchor_n * (grid / budgets[0]) ** exponent, "k" + style, lw=1,
-                      label=f"{who}: N_opt ∝ C^{exponent}")  # fmt: skip
-    ax_opt.set(xlabel="compute C (FLOPs)", ylabel="N_opt, D_opt")
-    ax_opt.set_title("Compute-optimal parameters and tokens")
-    ax_opt.legend(fontsize=9)
-
-    ratio = [c.d_opt / c.n_opt for c in fit.curves]
-    ax_ratio.semilogx(budgets, ratio, "o-", color="C2")
-    ax_ratio.axhline(20, color="k", ls=":", label="Chinchilla: about 20")
-    ax_ratio.set(xlabel="compute C (FLOPs)", ylabel="D_opt / N_opt (tokens per parameter)")
-    ax_ratio.set_title("Tokens per parameter at the optimum")
-    ax_ratio.legend(fontsize=9)
-
-    frontier = fit.frontier
-    ax_frontier.semilogx(budgets, [c.loss_opt for c in fit.curves], "o", color="C3")
-    ax_frontier.semilogx(grid, frontier(grid), color="C3",
-                         label=rf"L(C) fit, $\alpha_C$ = {frontier.exponent:.3f}")  # fmt: skip
-    if entropy is not None:
-        ax_frontier.axhline(entropy, color="k", ls=":", label=f"E = {entropy:.3f}")
-    ax_frontier.set(xlabel="compute C (FLOPs)", ylabel="loss at the optimum")
-    ax_frontier.set_title("The compute-efficient frontier")
-    ax_frontier.legend(fontsize=9)
+def _isoflop_figure(fit, hoffmann, n, n_total, loss, compute, prediction):
+    figure, axes = new_figure(12, 13, ncols=2, nrows=3)
+    isoflop_curves(fit, n, loss, compute, ax=axes[0, 0])
+    isoflop_curves(hoffmann, n_total, loss, compute, ax=axes[0, 1])
+    axes[0, 1].set(xlabel="all parameters N (Hoffmann et al.'s count)")
+    optimal_allocation(fit, ax=axes[1, 0])
+    optimal_allocation(hoffmann, ax=axes[1, 1])
+    axes[0, 1].set_title("The same runs, N counting all parameters", fontsize=10)
+    axes[1, 1].set_title("N_opt counting all parameters (Hoffmann et al.), D_opt", fontsize=10)
+    # Hoffmann et al.'s 20 tokens per parameter counts every parameter.
+    tokens_per_parameter(hoffmann, ax=axes[2, 0])
+    axes[2, 0].set_title("Tokens per parameter (all parameters) at the optimum", fontsize=10)
+    if prediction is not None:
+        frontier_prediction(fit, prediction, ax=axes[2, 1])
     return figure
 
 
@@ -262,11 +468,15 @@ def _parametric_figure(fit, n, d, loss):
     return figure
 
 
-def _optima_table(fit):
+def _optima_table(fit, hoffmann):
+    intervals = fit.optimum_intervals()
     return Table(
         {
             "budget C (FLOPs)": [c.compute for c in fit.curves],
-            "N_opt": [c.n_opt for c in fit.curves],
+            "N_opt (non-embedding)": [c.n_opt for c in fit.curves],
+            "N_opt low": intervals["n_opt"][:, 0].tolist(),
+            "N_opt high": intervals["n_opt"][:, 1].tolist(),
+            "N_opt (all parameters)": [c.n_opt for c in hoffmann.curves],
             "D_opt": [c.d_opt for c in fit.curves],
             "tokens per parameter": [c.d_opt / c.n_opt for c in fit.curves],
             "L_opt": [c.loss_opt for c in fit.curves],
@@ -293,51 +503,71 @@ def _published_table():
     )
 
 
-def _caption(isoflop, parametric, free, entropy, source, seconds):
-    a, (a_low, a_high) = isoflop.a, isoflop.a_interval
-    b, (b_low, b_high) = isoflop.b, isoflop.b_interval
-    ratios = [c.d_opt / c.n_opt for c in isoflop.curves]
-    n_low, n_high = parametric.intervals["n_exponent"]
+def _interval(values, digits=2):
+    low, high = values
+    if not (np.isfinite(low) and np.isfinite(high)):
+        return "[at a solver bound]"
+    return f"[{low:.{digits}f}, {high:.{digits}f}]"
+
+
+def _caption(isoflop, hoffmann, parametric, kaplan, frontier_c, prediction, source, met, seconds):
+    a, b = isoflop.a, isoflop.b
+    ratios = [c.d_opt / c.n_opt for c in hoffmann.curves]
+    inside = sum(c.inside for c in isoflop.curves)
     verdict = []
     for name, published in (("Chinchilla's 0.50", 0.5), ("Kaplan et al.'s 0.73", 0.73)):
-        inside = a_low <= published <= a_high
-        verdict.append(f"{name} is {'inside' if inside else 'outside'} the interval for a")
-    inside = sum(c.inside for c in isoflop.curves)
-    skipped = ""
-    if isoflop.skipped_budgets:
-        budgets = ", ".join(f"{c:.1e}" for c in isoflop.skipped_budgets)
-        skipped = f" (the curves of C = {budgets} FLOPs have no minimum and are left out)"
+        low, high = isoflop.a_interval
+        verdict.append(f"{name} is {'inside' if low <= published <= high else 'outside'} it")
+    a3 = parametric.law.n_exponent
+    a3_low, a3_high = parametric.intervals["n_exponent"]
+    if "n_exponent" in parametric.at_bound:
+        agree = "it cannot be compared"
+    elif max(a3_low, isoflop.a_interval[0]) <= min(a3_high, isoflop.a_interval[1]):
+        agree = "the two agree within their intervals"
+    else:
+        agree = "the two intervals do not overlap"
+    bounded = (
+        f" (at a solver bound: {', '.join(parametric.at_bound)})" if parametric.at_bound else ""
+    )
     text = (
-        f"IsoFLOP profiles of one-layer models on {_describe(source)}: at each budget a "
-        f"parabola in log N through the final losses{skipped}; its minimum lies within the "
-        f"sizes trained at {inside} of {len(isoflop.curves)} budgets, and grows as "
-        f"N_opt ∝ C^{a:.2f} (95% bootstrap interval [{a_low:.2f}, {a_high:.2f}]) and "
-        f"D_opt ∝ C^{b:.2f} [{b_low:.2f}, {b_high:.2f}]; {'; '.join(verdict)}. The optimum "
-        f"sits at {min(ratios):.0f} to {max(ratios):.0f} tokens per parameter (Chinchilla: "
-        f"about 20; the ratio depends on the data and the model family, the exponents are "
-        f"what carry over). Approach 3 on the same runs gives a = "
-        f"{parametric.law.n_exponent:.2f} [{n_low:.2f}, {n_high:.2f}]"
+        f"IsoFLOP profiles of one-layer models on {_describe(source)}, "
+        f"{len(isoflop.curves)} budgets from {isoflop.curves[0].compute:.1e} to "
+        f"{isoflop.curves[-1].compute:.1e} FLOPs (counted exactly, output head included; "
+        f"every run within {100 * np.max(np.abs(met - 1)):.2f}% of its budget). The minimum "
+        f"of each budget's parabola lies strictly inside the sizes trained at {inside} of "
+        f"{len(isoflop.curves)} budgets. With N the non-embedding parameters (Kaplan et "
+        f"al.'s count), N_opt ∝ C^{a:.2f} {_interval(isoflop.a_interval)} (95% residual "
+        f"bootstrap) and D_opt ∝ C^{b:.2f} {_interval(isoflop.b_interval)}; "
+        f"{'; '.join(verdict)}. Counting all parameters (Hoffmann et al.), a = "
+        f"{hoffmann.a:.2f} {_interval(hoffmann.a_interval)}: at these sizes the embedding "
+        f"and the head are most of the model, so the count moves a, as Pearce and Song "
+        f"(2024) and Porian et al. (2024) found between Kaplan's and Chinchilla's setups. "
+        f"The optimum sits at {min(ratios):.0f} to {max(ratios):.0f} tokens per parameter, "
+        f"all parameters counted (Chinchilla: about 20). Approach 3 on the same runs gives "
+        f"a = {a3:.2f} "
+        f"{_interval(parametric.intervals['n_exponent'])}{bounded}: {agree}; its E = "
+        f"{parametric.law.e:.2f} {_interval(parametric.intervals['e'])} is where these sizes "
+        f"level off, not the entropy of the text. Kaplan et "
+        f"al.'s pure power law L(N, D) gives alpha_N = {kaplan.alpha_n:.3f} "
+        f"{_interval(kaplan.intervals['alpha_n'], 3)} and alpha_D = {kaplan.alpha_d:.3f} "
+        f"{_interval(kaplan.intervals['alpha_d'], 3)} (Kaplan et al.: 0.076 and 0.095), and "
+        f"the frontier falls as L ∝ C^-{frontier_c.exponent:.3f} "
+        f"{_interval(frontier_c.exponent_interval, 3)} (0.050). "
     )
-    if entropy is not None:
-        text += f" with E held at the source's entropy, {entropy:.3f} nats per token"
-        if free is not None:
-            low, high = free.intervals["e"]
-            text += f"; fitted freely, E comes back as {free.law.e:.3f} [{low:.3f}, {high:.3f}]"
-    hoffmann = CHINCHILLA.optimal(GOPHER_COMPUTE).tokens_per_parameter
-    besiroglu = BESIROGLU.optimal(GOPHER_COMPUTE).tokens_per_parameter
-    text += (
-        f". The frontier falls as L(C) - E ∝ C^-{isoflop.frontier.exponent:.3f}. The published "
-        f"constants put Gopher's budget (5.76e23 FLOPs) at {hoffmann:.0f} (Hoffmann et al.) or "
-        f"{besiroglu:.0f} (Besiroglu et al.'s replication) tokens per parameter. The runs "
-        f"took {seconds:.0f} s to train (re-runs load them from the sweep cache)."
-    )
-    return text
+    if prediction is not None:
+        low, high = prediction["prediction_interval"]
+        text += (
+            f"Fitted below the largest budget, the frontier predicts "
+            f"{prediction['predicted']:.3f} [{low:.3f}, {high:.3f}] nats there; the runs give "
+            f"{prediction['measured']:.3f}. "
+        )
+    return text + f"The runs took {seconds:.0f} s to train (re-runs load them from the cache)."
 
 
 def _describe(source):
-    if isinstance(source, ByteCorpus):
-        return f"the bytes of {source.path.name} (entropy unknown)"
-    return (
-        f"a hierarchical language ({source.n_topics} topics, {source.n_classes} word classes "
-        f"in a Markov chain per topic, Zipf words of {source.word_length} letters)"
-    )
+    if isinstance(source, ShakespeareCorpus):
+        return (
+            f"Shakespeare's bytes ({source.train_bytes.size / 1e6:.1f} MB trained on, "
+            f"{len(source.held_out)} works held out: {', '.join(source.held_out)})"
+        )
+    return f"the bytes of {source.path.name}"

@@ -370,6 +370,18 @@ class FlopsPerToken:
         Forward plus backward, :math:`3 \\times` forward.
     forward_approx, training_approx : int
         :math:`2N` and :math:`6N`, the approximations without the context term.
+    output_head : int
+        :math:`2 V d`, the logits' product per token (tied or untied), which
+        :math:`N` leaves out; at a byte vocabulary it dominates tiny models.
+    step_forward : int
+        The multiply-adds of every matrix product of a causal language model's
+        forward pass, per target token, times 2: the linear maps' weights
+        (biases and norms are not products), the output head, and :math:`QK^\top`
+        and :math:`PV` over the keys each query sees, :math:`(n_{ctx} + 1)/2`
+        on average under the causal mask.
+    step_training : int
+        :math:`3\times` ``step_forward``: a training step (forward, and a
+        backward pass with two products, one per operand, for each forward one).
     """
 
     n_ctx: int
@@ -379,6 +391,9 @@ class FlopsPerToken:
     training: int
     forward_approx: int
     training_approx: int
+    output_head: int
+    step_forward: int
+    step_training: int
 
 
 def flops_per_token(config, *, n_ctx=None):
@@ -423,7 +438,31 @@ def flops_per_token(config, *, n_ctx=None):
         n_attention += c.decoder_layers
     context = 2 * n_attention * n_ctx * c.n_heads * c.head_dim
     forward = 2 * n + context
-    return FlopsPerToken(n_ctx, n, context, forward, 3 * forward, 2 * n, 6 * n)
+    head = 0 if c.output_head == "none" else 2 * c.vocab_size * c.d_model
+    step = 2 * _matrix_weights(c) + head + _causal_attention_products(c, n_ctx)
+    return FlopsPerToken(
+        n_ctx, n, context, forward, 3 * forward, 2 * n, 6 * n, head, step, 3 * step
+    )
+
+
+def _matrix_weights(c):
+    """Weights that multiply an activation once per token: the linear maps, no biases."""
+    q_width, kv_width = c.n_heads * c.head_dim, c.kv_heads * c.head_dim
+    attention = 2 * c.d_model * q_width + 2 * c.d_model * kv_width
+    inner = 2 * c.d_ff if c.activation == "swiglu" else c.d_ff
+    cross = c.decoder_layers if c.architecture == "encoder-decoder" else 0
+    layers = c.encoder_layers + c.decoder_layers
+    pooler = c.d_model * c.d_model if c.pooler else 0
+    return (layers + cross) * attention + layers * (c.d_model * inner + c.d_ff * c.d_model) + pooler
+
+
+def _causal_attention_products(c, n_ctx):
+    """2 x the multiply-adds of QK^T and PV per token; a decoder's query i sees keys 0..i."""
+    d_attn = c.n_heads * c.head_dim
+    # Two products of d_attn multiply-adds per key seen: n_ctx keys without a mask,
+    # (n_ctx + 1) / 2 on average under the causal one.
+    full = c.encoder_layers + (c.decoder_layers if c.architecture == "encoder-decoder" else 0)
+    return 4 * full * d_attn * n_ctx + 2 * c.decoder_layers * d_attn * (n_ctx + 1)
 
 
 def kv_cache_bytes_per_token(config, *, bytes_per_element=2):

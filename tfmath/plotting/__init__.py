@@ -16,6 +16,12 @@ these helpers, so that no figure is written twice.
 from tfmath.plotting._figure import axes_or_new, new_figure
 from tfmath.plotting.attention import attention_heatmap
 from tfmath.plotting.complexity import cost_against_length
+from tfmath.plotting.compute_optimal import (
+    frontier_prediction,
+    isoflop_curves,
+    optimal_allocation,
+    tokens_per_parameter,
+)
 from tfmath.plotting.positional import (
     encoding_columns,
     encoding_heatmap,
@@ -39,8 +45,11 @@ __all__ = [
     "cost_against_length",
     "encoding_columns",
     "encoding_heatmap",
+    "frontier_prediction",
     "gradient_flow",
+    "isoflop_curves",
     "new_figure",
+    "optimal_allocation",
     "power_law",
     "saturation",
     "scaled_variance",
@@ -49,6 +58,7 @@ __all__ = [
     "softmax_overflow",
     "sweep_results",
     "temperature_sweep",
+    "tokens_per_parameter",
     "variance_against_dk",
     "wavelengths",
 ]

@@ -10,7 +10,7 @@ import html
 import json
 from collections import Counter
 
-from tfmath.analysis.claims import HOLDS, NOT_COMPUTED, ROUNDED, VERDICTS, WRONG, Claim
+from tfmath.analysis.claims import DIFFERS, HOLDS, NOT_COMPUTED, ROUNDED, VERDICTS, WRONG, Claim
 
 #: The seeds' quantitative claims that tfmath cannot compute, and why.
 UNCOMPUTED_CLAIMS = (
@@ -21,34 +21,6 @@ UNCOMPUTED_CLAIMS = (
         None,
         reason="A comparison of the training cost of published 2017 translation systems; "
         "tfmath trains no translation systems.",
-    ),
-    Claim(
-        "003",
-        "Scaling law L(N) ∝ N^-0.076 (exponent)",
-        "0.076",
-        None,
-        section="kaplan_scaling_laws",
-        reason="Kaplan et al.'s fit to language models of up to 1.5B parameters trained on "
-        "WebText2; tfmath's own sweep (scaling_reproduction) fits tiny models on a synthetic "
-        "language, whose exponents are its own. The report draws the published law.",
-    ),
-    Claim(
-        "003",
-        "Scaling law L(D) ∝ D^-0.095 (exponent)",
-        "0.095",
-        None,
-        section="kaplan_scaling_laws",
-        reason="Kaplan et al.'s fit over datasets of up to 23B tokens; not reproducible at "
-        "tfmath's scale (see the L(N) row).",
-    ),
-    Claim(
-        "003",
-        "Scaling law L(C) ∝ C^-0.050 (exponent, compute-efficient frontier)",
-        "0.050",
-        None,
-        section="kaplan_scaling_laws",
-        reason="Kaplan et al.'s fit over eight orders of magnitude of compute; not "
-        "reproducible at tfmath's scale (see the L(N) row).",
     ),
     Claim(
         "000",
@@ -62,7 +34,13 @@ UNCOMPUTED_CLAIMS = (
 )
 
 #: Colour class of each verdict in the page.
-_VERDICT_CLASS = {HOLDS: "holds", ROUNDED: "rounded", WRONG: "wrong", NOT_COMPUTED: "uncomputed"}
+_VERDICT_CLASS = {
+    HOLDS: "holds",
+    ROUNDED: "rounded",
+    WRONG: "wrong",
+    DIFFERS: "differs",
+    NOT_COMPUTED: "uncomputed",
+}
 #: Ledger rows shown before the fold.
 PREVIEW_ROWS = 12
 

@@ -151,6 +151,7 @@ details.fold > summary { cursor: pointer; color: #0645ad; margin: 0.3rem 0; }
 td.verdict { white-space: normal; min-width: 7rem; text-align: left; }
 .verdict.holds { color: #1a7f37; } .verdict.rounded { color: #9a6700; }
 .verdict.wrong { color: #cf222e; font-weight: 600; } .verdict.uncomputed { color: #666; }
+.verdict.differs { color: #8250df; }
 nav.toc { position: sticky; top: 0; z-index: 2; background: #fafafa;
           border-bottom: 1px solid #ddd; padding: 0.3rem 1rem; }
 nav.toc summary { cursor: pointer; font-weight: 600; }

