@@ -274,6 +274,20 @@ def _blas_libraries():
 
 
 @contextlib.contextmanager
+def blas_threads(count):
+    """A context in which BLAS runs on at most ``count`` threads (restored on exit)."""
+    libraries = _blas_libraries()
+    previous = [library.get_num_threads() for library in libraries]
+    for library in libraries:
+        library.set_num_threads(count)
+    try:
+        yield
+    finally:
+        for library, threads in zip(libraries, previous, strict=True):
+            library.set_num_threads(threads)
+
+
+@contextlib.contextmanager
 def serial_blas():
     """A context in which BLAS runs on the calling thread only.
 

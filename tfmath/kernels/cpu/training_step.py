@@ -1,0 +1,363 @@
+"""CPU kernels of the fused training step of a pre-LN decoder (:mod:`tfmath.training.fused`).
+
+Each kernel does in one pass over memory what the composable blocks do in
+several (bias, activation, residual, norm; softmax and loss and its gradient),
+writes into buffers its caller keeps between steps, and is parallel over rows,
+over (sequence, head) pairs, or over chunks of the flat parameter vector.
+
+Every result is independent of the number of threads: rows and heads are
+independent, and the sums over rows (the gradients of biases and norm gains)
+add fixed chunks of rows (:data:`ROW_CHUNKS`, whatever the thread count) and
+then the chunks in order, so a run is reproducible across thread counts.
+"""
+
+import math
+
+import numba
+import numpy as np
+
+from tfmath._config import cpu_kernel
+
+#: Sums over rows add this many chunks' partial sums, in order (see the module docstring).
+ROW_CHUNKS = 16
+
+
+@cpu_kernel
+def _chunk_bounds(chunk, n_rows, n_chunks):
+    return chunk * n_rows // n_chunks, (chunk + 1) * n_rows // n_chunks
+
+
+@cpu_kernel(parallel=True)
+def layer_norm_forward(x, weight, bias, eps, y, mean, rstd):
+    """``y = (x - mean) * rstd * weight + bias`` per row, saving ``mean`` and ``rstd``."""
+    n_rows, n_features = x.shape
+    for i in numba.prange(n_rows):
+        row, out = x[i], y[i]
+        mu = row.dtype.type(0)
+        for j in range(n_features):
+            mu += row[j]
+        mu /= n_features
+        variance = row.dtype.type(0)
+        for j in range(n_features):
+            centred = row[j] - mu
+            variance += centred * centred
+        r = 1 / math.sqrt(variance / n_features + eps)
+        mean[i] = mu
+        rstd[i] = r
+        for j in range(n_features):
+            out[j] = (row[j] - mu) * r * weight[j] + bias[j]
+
+
+@cpu_kernel(parallel=True)
+def layer_norm_backward(grad_y, x, weight, mean, rstd, grad_x, accumulate, grad_weight, grad_bias):
+    """Gradients of :func:`layer_norm_forward`; ``grad_x`` is added to when ``accumulate``
+    (the residual stream's gradient), else overwritten. ``grad_weight`` and
+    ``grad_bias`` are overwritten."""
+    n_rows, n_features = x.shape
+    partial_weight = np.zeros((ROW_CHUNKS, n_features), dtype=x.dtype)
+    partial_bias = np.zeros((ROW_CHUNKS, n_features), dtype=x.dtype)
+    for chunk in numba.prange(ROW_CHUNKS):
+        start, stop = _chunk_bounds(chunk, n_rows, ROW_CHUNKS)
+        pw, pb = partial_weight[chunk], partial_bias[chunk]
+        for i in range(start, stop):
+            mu, r = mean[i], rstd[i]
+            row, g_row, out = x[i], grad_y[i], grad_x[i]
+            g_mean = x.dtype.type(0)
+            g_xhat_mean = x.dtype.type(0)
+            for j in range(n_features):
+                xhat = (row[j] - mu) * r
+                g = g_row[j] * weight[j]
+                g_mean += g
+                g_xhat_mean += g * xhat
+                pw[j] += g_row[j] * xhat
+                pb[j] += g_row[j]
+            g_mean /= n_features
+            g_xhat_mean /= n_features
+            for j in range(n_features):
+                xhat = (row[j] - mu) * r
+                value = r * (g_row[j] * weight[j] - g_mean - xhat * g_xhat_mean)
+                out[j] = out[j] + value if accumulate else value
+    _sum_chunks(partial_weight, grad_weight)
+    _sum_chunks(partial_bias, grad_bias)
+
+
+@cpu_kernel
+def _sum_chunks(partials, out):
+    out[:] = 0
+    for chunk in range(partials.shape[0]):
+        for j in range(out.shape[0]):
+            out[j] += partials[chunk, j]
+
+
+@cpu_kernel(parallel=True)
+def column_sums(g, out):
+    """``out = g.sum(axis=0)`` for a 2-D ``g``, in fixed chunks of rows."""
+    n_rows, n_features = g.shape
+    partials = np.zeros((ROW_CHUNKS, n_features), dtype=g.dtype)
+    for chunk in numba.prange(ROW_CHUNKS):
+        start, stop = _chunk_bounds(chunk, n_rows, ROW_CHUNKS)
+        partial = partials[chunk]
+        for i in range(start, stop):
+            row = g[i]
+            for j in range(n_features):
+                partial[j] += row[j]
+    _sum_chunks(partials, out)
+
+
+@cpu_kernel(parallel=True)
+def add_bias(y, bias):
+    """``y += bias`` on every row of a 2-D ``y``."""
+    for i in numba.prange(y.shape[0]):
+        row = y[i]
+        for j in range(y.shape[1]):
+            row[j] += bias[j]
+
+
+@cpu_kernel(parallel=True)
+def bias_relu(h, bias):
+    """``h = max(h + bias, 0)`` in place."""
+    zero = h.dtype.type(0)
+    for i in numba.prange(h.shape[0]):
+        row = h[i]
+        for j in range(h.shape[1]):
+            row[j] = max(row[j] + bias[j], zero)
+
+
+@cpu_kernel(parallel=True)
+def relu_backward(grad, activated):
+    """``grad *= (activated > 0)`` in place: the ReLU's gradient from its output."""
+    for i in numba.prange(grad.shape[0]):
+        g, a = grad[i], activated[i]
+        for j in range(grad.shape[1]):
+            if a[j] <= 0:
+                g[j] = 0
+
+
+@cpu_kernel(parallel=True)
+def residual_bias(out, x, y, bias):
+    """``out = x + y + bias`` (a residual connection after a linear map's product)."""
+    for i in numba.prange(out.shape[0]):
+        o, a, b = out[i], x[i], y[i]
+        for j in range(out.shape[1]):
+            o[j] = a[j] + b[j] + bias[j]
+
+
+@cpu_kernel(parallel=True)
+def embed(tokens, table, positions, x):
+    """``x[b * T + t] = table[tokens[b, t]] + positions[t]``."""
+    n_batch, length = tokens.shape
+    for b in numba.prange(n_batch):
+        for t in range(length):
+            out, row, position = x[b * length + t], table[tokens[b, t]], positions[t]
+            for j in range(x.shape[1]):
+                out[j] = row[j] + position[j]
+
+
+@cpu_kernel(parallel=True)
+def embed_backward(tokens, grad_x, grad_table, grad_positions):
+    """Adds the token rows' gradients into ``grad_table`` (in token order, one thread:
+    rows of one token collide) and sets ``grad_positions`` to the sum over sequences."""
+    n_batch, length = tokens.shape
+    width = grad_x.shape[1]
+    for t in numba.prange(length):
+        out = grad_positions[t]
+        out[:] = 0
+        for b in range(n_batch):
+            row = grad_x[b * length + t]
+            for j in range(width):
+                out[j] += row[j]
+    for b in range(n_batch):
+        for t in range(length):
+            row, out = grad_x[b * length + t], grad_table[tokens[b, t]]
+            for j in range(width):
+                out[j] += row[j]
+
+
+@cpu_kernel(parallel=True)
+def causal_attention_forward(q, k, v, n_heads, length, out, log_sum_exp):
+    """Causal softmax attention of every (sequence, head), scale ``1/sqrt(d_k)``.
+
+    ``q``, ``k``, ``v`` and ``out`` are ``(B T, h d_k)`` (heads side by side in a
+    row, as the projections write them); ``log_sum_exp`` ``(B, h, T)`` keeps each
+    row's normaliser, from which the backward pass recomputes the probabilities
+    instead of storing ``B h T^2`` of them.
+    """
+    width = q.shape[1]
+    d_k = width // n_heads
+    n_batch = q.shape[0] // length
+    scale = q.dtype.type(1 / math.sqrt(d_k))
+    for pair in numba.prange(n_batch * n_heads):
+        b, h = pair // n_heads, pair % n_heads
+        first, offset = b * length, h * d_k
+        k_t = np.empty((d_k, length), dtype=q.dtype)
+        v_t = np.empty((d_k, length), dtype=q.dtype)
+        _load_transposed(k, first, offset, k_t)
+        _load_transposed(v, first, offset, v_t)
+        scores = np.empty(length, dtype=q.dtype)
+        for i in range(length):
+            n = i + 1
+            row_max = _scores(q[first + i], offset, k_t, scale, n, scores)
+            total = q.dtype.type(0)
+            for j in range(n):
+                p = math.exp(scores[j] - row_max)
+                scores[j] = p
+                total += p
+            inverse = 1 / total
+            out_row = out[first + i]
+            for e in range(d_k):
+                values = v_t[e]
+                acc = q.dtype.type(0)
+                for j in range(n):
+                    acc += scores[j] * values[j]
+                out_row[offset + e] = acc * inverse
+            log_sum_exp[b, h, i] = row_max + math.log(total)
+
+
+@cpu_kernel
+def _load_transposed(x, first, offset, x_t):
+    d_k, length = x_t.shape
+    for j in range(length):
+        row = x[first + j]
+        for e in range(d_k):
+            x_t[e, j] = row[offset + e]
+
+
+@cpu_kernel
+def _scores(q_row, offset, k_t, scale, n, scores):
+    """``scores[:n] = scale * q_row[head] @ k_t[:, :n]``; returns their maximum."""
+    for j in range(n):
+        scores[j] = 0
+    for e in range(k_t.shape[0]):
+        qe = q_row[offset + e] * scale
+        keys = k_t[e]
+        for j in range(n):
+            scores[j] += qe * keys[j]
+    row_max = scores[0]
+    for j in range(1, n):
+        row_max = max(row_max, scores[j])
+    return row_max
+
+
+@cpu_kernel(parallel=True)
+def causal_attention_backward(
+    q, k, v, out, grad_out, log_sum_exp, n_heads, length, grad_q, grad_k, grad_v
+):
+    """Gradients of :func:`causal_attention_forward` (all ``(B T, h d_k)``, overwritten).
+
+    With :math:`P` recomputed from the saved log-sum-exp and
+    :math:`D_i = \\sum_e dO_{ie} O_{ie}`:
+    :math:`dS = P \\odot (dO V^\\top - D)`, :math:`dQ = s\\, dS K`,
+    :math:`dK = s\\, dS^\\top Q`, :math:`dV = P^\\top dO`.
+    """
+    width = q.shape[1]
+    d_k = width // n_heads
+    n_batch = q.shape[0] // length
+    scale = q.dtype.type(1 / math.sqrt(d_k))
+    for pair in numba.prange(n_batch * n_heads):
+        b, h = pair // n_heads, pair % n_heads
+        first, offset = b * length, h * d_k
+        k_t = np.empty((d_k, length), dtype=q.dtype)
+        v_t = np.empty((d_k, length), dtype=q.dtype)
+        grad_k_t = np.zeros((d_k, length), dtype=q.dtype)
+        grad_v_t = np.zeros((d_k, length), dtype=q.dtype)
+        _load_transposed(k, first, offset, k_t)
+        _load_transposed(v, first, offset, v_t)
+        p = np.empty(length, dtype=q.dtype)
+        dp = np.empty(length, dtype=q.dtype)
+        for i in range(length):
+            n = i + 1
+            q_row, o_row, g_row = q[first + i], out[first + i], grad_out[first + i]
+            _scores(q_row, offset, k_t, scale, n, p)
+            lse = log_sum_exp[b, h, i]
+            delta = q.dtype.type(0)
+            for e in range(d_k):
+                delta += g_row[offset + e] * o_row[offset + e]
+            for j in range(n):
+                p[j] = math.exp(p[j] - lse)
+                dp[j] = 0
+            for e in range(d_k):
+                ge = g_row[offset + e]
+                values, grad_values = v_t[e], grad_v_t[e]
+                for j in range(n):
+                    dp[j] += ge * values[j]
+                    grad_values[j] += p[j] * ge
+            for j in range(n):
+                dp[j] = p[j] * (dp[j] - delta) * scale
+            grad_q_row = grad_q[first + i]
+            for e in range(d_k):
+                keys, grad_keys = k_t[e], grad_k_t[e]
+                qe = q_row[offset + e]
+                acc = q.dtype.type(0)
+                for j in range(n):
+                    acc += dp[j] * keys[j]
+                    grad_keys[j] += dp[j] * qe
+                grad_q_row[offset + e] = acc
+        for j in range(length):
+            grad_k_row, grad_v_row = grad_k[first + j], grad_v[first + j]
+            for e in range(d_k):
+                grad_k_row[offset + e] = grad_k_t[e, j]
+                grad_v_row[offset + e] = grad_v_t[e, j]
+
+
+@cpu_kernel(parallel=True)
+def cross_entropy_with_grad(logits, targets, row_loss):
+    """Each row's next-token loss into ``row_loss``; ``logits`` is overwritten by the
+    gradient of the mean loss, ``(softmax - onehot) / n_rows``."""
+    n_rows, n_classes = logits.shape
+    inverse_rows = logits.dtype.type(1 / n_rows)
+    for i in numba.prange(n_rows):
+        row = logits[i]
+        row_max = row[0]
+        for j in range(1, n_classes):
+            row_max = max(row_max, row[j])
+        total = row.dtype.type(0)
+        for j in range(n_classes):
+            total += math.exp(row[j] - row_max)
+        log_total = math.log(total)
+        row_loss[i] = row_max + log_total - row[targets[i]]
+        for j in range(n_classes):
+            row[j] = math.exp(row[j] - row_max - log_total) * inverse_rows
+        row[targets[i]] -= inverse_rows
+
+
+@cpu_kernel(parallel=True)
+def cross_entropy_rows(logits, targets, row_loss):
+    """Each row's next-token loss (float64 ``row_loss``), leaving ``logits`` as they are."""
+    n_rows, n_classes = logits.shape
+    for i in numba.prange(n_rows):
+        row = logits[i]
+        row_max = np.float64(row[0])
+        for j in range(1, n_classes):
+            row_max = max(row_max, np.float64(row[j]))
+        total = 0.0
+        for j in range(n_classes):
+            total += math.exp(np.float64(row[j]) - row_max)
+        row_loss[i] = row_max + math.log(total) - np.float64(row[targets[i]])
+
+
+#: Elements of the flat parameter vector per chunk of the fused Adam update.
+ADAM_CHUNK = 4096
+
+
+@cpu_kernel(parallel=True)
+def adam_update(theta, grad, first, second, rate, beta1, beta2, eps, step):
+    r"""One Adam step (Kingma and Ba 2015) over flat arrays, in place.
+
+    :math:`m \leftarrow \beta_1 m + (1 - \beta_1) g`,
+    :math:`v \leftarrow \beta_2 v + (1 - \beta_2) g^2`,
+    :math:`\theta \leftarrow \theta - \alpha\, \hat m / (\sqrt{\hat v} + \epsilon)`
+    with the bias corrections :math:`\hat m = m / (1 - \beta_1^t)`,
+    :math:`\hat v = v / (1 - \beta_2^t)`; the arithmetic is in float64 and rounded
+    to the parameters' dtype once.
+    """
+    first_correction = 1 - beta1**step
+    second_correction = 1 - beta2**step
+    n = theta.shape[0]
+    for chunk in numba.prange((n + ADAM_CHUNK - 1) // ADAM_CHUNK):
+        for i in range(chunk * ADAM_CHUNK, min(n, (chunk + 1) * ADAM_CHUNK)):
+            g = np.float64(grad[i])
+            m = beta1 * first[i] + (1 - beta1) * g
+            v = beta2 * second[i] + (1 - beta2) * g * g
+            first[i] = m
+            second[i] = v
+            theta[i] -= rate * (m / first_correction) / (math.sqrt(v / second_correction) + eps)
