@@ -34,8 +34,8 @@ from tfmath import _config
 from tfmath._contract.checks import integer
 from tfmath.errors import ArgumentError, DTypeError
 from tfmath.formulas.accounting import ModelConfig, count_parameters
-from tfmath.training.layers import cross_entropy, cross_entropy_backward, cross_entropy_forward
 from tfmath.training.fused import FusedDecoder, fusable
+from tfmath.training.layers import cross_entropy, cross_entropy_backward, cross_entropy_forward
 from tfmath.training.models import decoder_only_backward, decoder_only_forward, init_model
 from tfmath.training.optim import Adam, WarmupSchedule
 from tfmath.training.sources import TokenSource
