@@ -66,7 +66,7 @@ def _parser():
     info.set_defaults(handler=_info)
 
     bench = commands.add_parser("bench", help="time tfmath's kernels against their peers")
-    bench.add_argument("topic", choices=("attention",), help="what to benchmark")
+    bench.add_argument("topic", choices=("attention", "training"), help="what to benchmark")
     bench.add_argument("--quick", action="store_true", help="shorter sequences only")
     bench.add_argument(
         "--matrix",
@@ -86,11 +86,17 @@ def _parser():
         choices=("cpu", "cuda"),
         help="where tfmath and torch run (default cpu; cuda needs a real GPU)",
     )
+    bench.add_argument("--threads", type=int, help="training: threads of both (default all)")
     bench.set_defaults(handler=_bench)
     return parser
 
 
 def _bench(args):
+    if args.topic == "training":
+        from tfmath.tools.bench_training import print_training_report
+
+        print_training_report(quick=args.quick, threads=args.threads, out=_flushed)
+        return 0
     from tfmath.tools.bench import print_attention_report, print_matrix_report, print_small_report
 
     if args.matrix or args.small:
@@ -109,6 +115,10 @@ def _bench(args):
             return 2
     print_attention_report(quick=args.quick, backend=args.backend)
     return 0
+
+
+def _flushed(line):
+    print(line, flush=True)
 
 
 def _reproduce(args):

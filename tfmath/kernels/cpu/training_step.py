@@ -17,6 +17,9 @@ import numba
 import numpy as np
 
 from tfmath._config import cpu_kernel
+from tfmath.kernels.cpu.exp2 import exp2_scalar
+
+_LOG2_E = 1 / math.log(2)
 
 #: Sums over rows add this many chunks' partial sums, in order (see the module docstring).
 ROW_CHUNKS = 16
@@ -175,17 +178,19 @@ def embed_backward(tokens, grad_x, grad_table, grad_positions):
 
 @cpu_kernel(parallel=True)
 def causal_attention_forward(q, k, v, n_heads, length, out, log_sum_exp):
-    """Causal softmax attention of every (sequence, head), scale ``1/sqrt(d_k)``.
+    r"""Causal softmax attention of every (sequence, head), scale ``1/sqrt(d_k)``.
 
     ``q``, ``k``, ``v`` and ``out`` are ``(B T, h d_k)`` (heads side by side in a
     row, as the projections write them); ``log_sum_exp`` ``(B, h, T)`` keeps each
-    row's normaliser, from which the backward pass recomputes the probabilities
-    instead of storing ``B h T^2`` of them.
+    row's normaliser (in base 2: the scores are scaled by :math:`\log_2 e` so that the
+    vectorised :func:`~tfmath.kernels.cpu.exp2.exp2_scalar` exponentiates them), from
+    which the backward pass recomputes the probabilities instead of storing
+    ``B h T^2`` of them.
     """
     width = q.shape[1]
     d_k = width // n_heads
     n_batch = q.shape[0] // length
-    scale = q.dtype.type(1 / math.sqrt(d_k))
+    scale = q.dtype.type(_LOG2_E / math.sqrt(d_k))
     for pair in numba.prange(n_batch * n_heads):
         b, h = pair // n_heads, pair % n_heads
         first, offset = b * length, h * d_k
@@ -199,7 +204,7 @@ def causal_attention_forward(q, k, v, n_heads, length, out, log_sum_exp):
             row_max = _scores(q[first + i], offset, k_t, scale, n, scores)
             total = q.dtype.type(0)
             for j in range(n):
-                p = math.exp(scores[j] - row_max)
+                p = exp2_scalar(scores[j] - row_max)
                 scores[j] = p
                 total += p
             inverse = 1 / total
@@ -210,7 +215,7 @@ def causal_attention_forward(q, k, v, n_heads, length, out, log_sum_exp):
                 for j in range(n):
                     acc += scores[j] * values[j]
                 out_row[offset + e] = acc * inverse
-            log_sum_exp[b, h, i] = row_max + math.log(total)
+            log_sum_exp[b, h, i] = row_max + math.log2(total)
 
 
 @cpu_kernel
@@ -253,6 +258,7 @@ def causal_attention_backward(
     d_k = width // n_heads
     n_batch = q.shape[0] // length
     scale = q.dtype.type(1 / math.sqrt(d_k))
+    scale_2 = q.dtype.type(_LOG2_E / math.sqrt(d_k))
     for pair in numba.prange(n_batch * n_heads):
         b, h = pair // n_heads, pair % n_heads
         first, offset = b * length, h * d_k
@@ -267,13 +273,13 @@ def causal_attention_backward(
         for i in range(length):
             n = i + 1
             q_row, o_row, g_row = q[first + i], out[first + i], grad_out[first + i]
-            _scores(q_row, offset, k_t, scale, n, p)
+            _scores(q_row, offset, k_t, scale_2, n, p)
             lse = log_sum_exp[b, h, i]
             delta = q.dtype.type(0)
             for e in range(d_k):
                 delta += g_row[offset + e] * o_row[offset + e]
             for j in range(n):
-                p[j] = math.exp(p[j] - lse)
+                p[j] = exp2_scalar(p[j] - lse)
                 dp[j] = 0
             for e in range(d_k):
                 ge = g_row[offset + e]
@@ -305,18 +311,22 @@ def cross_entropy_with_grad(logits, targets, row_loss):
     gradient of the mean loss, ``(softmax - onehot) / n_rows``."""
     n_rows, n_classes = logits.shape
     inverse_rows = logits.dtype.type(1 / n_rows)
+    log2_e = logits.dtype.type(_LOG2_E)
     for i in numba.prange(n_rows):
         row = logits[i]
         row_max = row[0]
         for j in range(1, n_classes):
             row_max = max(row_max, row[j])
+        target = row[targets[i]]
         total = row.dtype.type(0)
         for j in range(n_classes):
-            total += math.exp(row[j] - row_max)
-        log_total = math.log(total)
-        row_loss[i] = row_max + log_total - row[targets[i]]
+            e = exp2_scalar((row[j] - row_max) * log2_e)
+            row[j] = e
+            total += e
+        row_loss[i] = row_max - target + math.log(total)
+        weight = inverse_rows / total
         for j in range(n_classes):
-            row[j] = math.exp(row[j] - row_max - log_total) * inverse_rows
+            row[j] *= weight
         row[targets[i]] -= inverse_rows
 
 
