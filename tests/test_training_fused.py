@@ -82,9 +82,10 @@ def test_fused_decoder_refuses_other_models():
 
 @pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="needs two threads")
 def test_training_does_not_depend_on_the_thread_count():
-    # Big enough (32 x 32 rows of width 32) that the kernels take their parallel paths.
+    # Big enough (32 x 32 rows of width 64) that the kernels take their parallel paths
+    # and the feed-forward products run on two BLAS threads.
     source = ZipfLexicon(n_letters=6, word_length=3, n_words=40, seed=2)
-    model = language_model_config(32, 1, vocab_size=source.vocab_size, context=32)
+    model = language_model_config(64, 1, vocab_size=source.vocab_size, context=32)
     training = TrainingConfig(steps=3, batch_size=32, words_per_sequence=8, eval_every=3,
                               warmup=2, validation_sequences=32)  # fmt: skip
     one, two = (train_language_model(model, source, training, threads=n) for n in (1, 2))

@@ -23,8 +23,12 @@ to rounding (``tests/test_training_fused.py``), and do not depend on the number 
 threads (see :mod:`tfmath.kernels.cpu.training_step`).
 """
 
+import contextlib
+
+import numba
 import numpy as np
 
+from tfmath import _config
 from tfmath._config import sized
 from tfmath.kernels.cpu import training_step as kernels
 from tfmath.kernels.cpu.blas import gemm
@@ -56,6 +60,13 @@ def fusable(config):
 
 def _run(kernel, work):
     return sized(kernel, work)
+
+
+#: Multiply-adds below which a matrix product runs on one BLAS thread. OpenBLAS
+#: shares out products far smaller than this, and on the sweeps' models
+#: (``d_model`` 8 to 48) its threads then wait for each other longer than they
+#: compute (``tfmath bench training``).
+PARALLEL_GEMM_MIN_WORK = 2**21
 
 
 class _Buffers:
@@ -140,6 +151,31 @@ class FusedDecoder:
         self._layers = [self._layer(self.flat, i) for i in range(config.n_layers)]
         self._grad_layers = [self._layer(self.grad_flat, i) for i in range(config.n_layers)]
         self._buffers = {}
+        self._threads = 1
+        self._blas_threads = None
+
+    @contextlib.contextmanager
+    def _threads_of_the_call(self):
+        """Take Numba's thread count as BLAS's ceiling; restore BLAS's threads after."""
+        libraries = _config._blas_libraries()
+        previous = [library.get_num_threads() for library in libraries]
+        self._threads, self._blas_threads = numba.get_num_threads(), None
+        try:
+            yield
+        finally:
+            for library, count in zip(libraries, previous, strict=True):
+                library.set_num_threads(count)
+
+    def _gemm(self, a, b, beta, c, transpose_a=False, transpose_b=False):
+        """``c = op(a) @ op(b) + beta c`` (:func:`~tfmath.kernels.cpu.blas.gemm`), on one
+        BLAS thread below :data:`PARALLEL_GEMM_MIN_WORK` multiply-adds."""
+        depth = a.shape[0] if transpose_a else a.shape[1]
+        threads = self._threads if c.size * depth >= PARALLEL_GEMM_MIN_WORK else 1
+        if threads != self._blas_threads:
+            for library in _config._blas_libraries():
+                library.set_num_threads(threads)
+            self._blas_threads = threads
+        gemm(1.0, a, b, beta, c, transpose_a, transpose_b)
 
     def _views(self, flat):
         return {
@@ -193,19 +229,19 @@ class FusedDecoder:
             norm(x, w["norm1.weight"], w["norm1.bias"], eps, b.normed_1[s], b.mean_1[s],
                  b.rstd_1[s])  # fmt: skip
             for j in range(3):
-                gemm(1.0, b.normed_1[s], w["w_qkv"][j], 0.0, b.qkv[s, j])
+                self._gemm(b.normed_1[s], w["w_qkv"][j], 0.0, b.qkv[s, j])
                 _run(kernels.add_bias, rows * d)(b.qkv[s, j], w["b_qkv"][j])
             q, k, v = b.qkv[s]
             attend = _run(kernels.causal_attention_forward, rows * b.length * d)
             attend(q, k, v, config.n_heads, b.length, b.attended[s], b.log_sum_exp[s])
-            gemm(1.0, b.attended[s], w["self_attn.w_o"], 0.0, b.product)
+            self._gemm(b.attended[s], w["self_attn.w_o"], 0.0, b.product)
             residual = _run(kernels.residual_bias, rows * d)
             residual(b.after_attention[s], x, b.product, w["self_attn.b_o"])
             norm(b.after_attention[s], w["norm2.weight"], w["norm2.bias"], eps, b.normed_2[s],
                  b.mean_2[s], b.rstd_2[s])  # fmt: skip
-            gemm(1.0, b.normed_2[s], w["ffn.w_1"], 0.0, b.hidden[s])
+            self._gemm(b.normed_2[s], w["ffn.w_1"], 0.0, b.hidden[s])
             _run(kernels.bias_relu, rows * config.d_ff)(b.hidden[s], w["ffn.b_1"])
-            gemm(1.0, b.hidden[s], w["ffn.w_2"], 0.0, b.product)
+            self._gemm(b.hidden[s], w["ffn.w_2"], 0.0, b.product)
             residual(x_next, b.after_attention[s], b.product, w["ffn.b_2"])
         last = b.x[b.residual(config.n_layers)]
         _run(kernels.layer_norm_forward, rows * d)(
@@ -217,13 +253,14 @@ class FusedDecoder:
             b.mean_f,
             b.rstd_f,
         )
-        gemm(1.0, b.final, table, 0.0, b.logits, False, True)
+        self._gemm(b.final, table, 0.0, b.logits, False, True)
 
     def logits(self, tokens):
         """The logits ``(B, T, V)`` of ``tokens`` ``(B, T)`` (a copy)."""
         tokens = np.ascontiguousarray(tokens, dtype=np.int64)
         buffers = self.buffers(*tokens.shape, training=False)
-        self._forward(tokens, buffers)
+        with self._threads_of_the_call():
+            self._forward(tokens, buffers)
         return buffers.logits.reshape(*tokens.shape, -1).copy()
 
     def mean_loss(self, sequences):
@@ -231,7 +268,8 @@ class FusedDecoder:
         sequences = np.ascontiguousarray(sequences, dtype=np.int64)
         inputs, targets = sequences[:, :-1], np.ascontiguousarray(sequences[:, 1:]).ravel()
         buffers = self.buffers(*inputs.shape, training=False)
-        self._forward(np.ascontiguousarray(inputs), buffers)
+        with self._threads_of_the_call():
+            self._forward(np.ascontiguousarray(inputs), buffers)
         _run(kernels.cross_entropy_rows, buffers.logits.size)(
             buffers.logits, targets, buffers.row_loss
         )
@@ -245,19 +283,19 @@ class FusedDecoder:
         inputs = np.ascontiguousarray(sequences[:, :-1])
         targets = np.ascontiguousarray(sequences[:, 1:]).ravel()
         b = self.buffers(*inputs.shape, training=True)
-        self._forward(inputs, b)
-        _run(kernels.cross_entropy_with_grad, b.logits.size)(b.logits, targets, b.row_loss)
-        loss = float(np.sum(b.row_loss, dtype=np.float64) / b.rows)
-        self._backward(inputs, b)
-        return loss
+        with self._threads_of_the_call():
+            self._forward(inputs, b)
+            _run(kernels.cross_entropy_with_grad, b.logits.size)(b.logits, targets, b.row_loss)
+            self._backward(inputs, b)
+        return float(np.sum(b.row_loss, dtype=np.float64) / b.rows)
 
     def _backward(self, tokens, b):
         config, rows, d = self.config, b.rows, self.config.d_model
         table = self._named(self.flat, "embed.tokens")
         grad_table = self._named(self.grad_flat, "embed.tokens")
         grad_logits, grad_final = b.logits, b.grad_normed
-        gemm(1.0, grad_logits, table, 0.0, grad_final)
-        gemm(1.0, grad_logits, b.final, 0.0, grad_table, True, False)
+        self._gemm(grad_logits, table, 0.0, grad_final)
+        self._gemm(grad_logits, b.final, 0.0, grad_table, True, False)
         norm_backward = _run(kernels.layer_norm_backward, rows * d)
         norm_backward(
             grad_final,
@@ -287,18 +325,18 @@ class FusedDecoder:
         norm_backward = _run(kernels.layer_norm_backward, rows * d)
         # Feed-forward: x_next = after_attention + relu(normed_2 W_1 + b_1) W_2 + b_2.
         columns(grad, g["ffn.b_2"])
-        gemm(1.0, b.hidden[i], grad, 0.0, g["ffn.w_2"], True, False)
-        gemm(1.0, grad, w["ffn.w_2"], 0.0, b.grad_hidden, False, True)
+        self._gemm(b.hidden[i], grad, 0.0, g["ffn.w_2"], True, False)
+        self._gemm(grad, w["ffn.w_2"], 0.0, b.grad_hidden, False, True)
         _run(kernels.relu_backward, rows * d_ff)(b.grad_hidden, b.hidden[i])
         _run(kernels.column_sums, rows * d_ff)(b.grad_hidden, g["ffn.b_1"])
-        gemm(1.0, b.normed_2[i], b.grad_hidden, 0.0, g["ffn.w_1"], True, False)
-        gemm(1.0, b.grad_hidden, w["ffn.w_1"], 0.0, grad_normed, False, True)
+        self._gemm(b.normed_2[i], b.grad_hidden, 0.0, g["ffn.w_1"], True, False)
+        self._gemm(b.grad_hidden, w["ffn.w_1"], 0.0, grad_normed, False, True)
         norm_backward(grad_normed, b.after_attention[i], w["norm2.weight"], b.mean_2[i],
                       b.rstd_2[i], grad, True, g["norm2.weight"], g["norm2.bias"])  # fmt: skip
         # Attention: after_attention = x + attention(normed_1) W_o + b_o.
         columns(grad, g["self_attn.b_o"])
-        gemm(1.0, b.attended[i], grad, 0.0, g["self_attn.w_o"], True, False)
-        gemm(1.0, grad, w["self_attn.w_o"], 0.0, b.grad_attended, False, True)
+        self._gemm(b.attended[i], grad, 0.0, g["self_attn.w_o"], True, False)
+        self._gemm(grad, w["self_attn.w_o"], 0.0, b.grad_attended, False, True)
         q, k, v = b.qkv[i]
         grad_q, grad_k, grad_v = b.grad_qkv
         _run(kernels.causal_attention_backward, rows * b.length * d)(
@@ -307,8 +345,8 @@ class FusedDecoder:
         )  # fmt: skip
         for j in range(3):
             columns(b.grad_qkv[j], g["b_qkv"][j])
-            gemm(1.0, b.normed_1[i], b.grad_qkv[j], 0.0, g["w_qkv"][j], True, False)
-            gemm(1.0, b.grad_qkv[j], w["w_qkv"][j], float(j > 0), grad_normed, False, True)
+            self._gemm(b.normed_1[i], b.grad_qkv[j], 0.0, g["w_qkv"][j], True, False)
+            self._gemm(b.grad_qkv[j], w["w_qkv"][j], float(j > 0), grad_normed, False, True)
         norm_backward(grad_normed, b.x[i], w["norm1.weight"], b.mean_1[i], b.rstd_1[i], grad,
                       True, g["norm1.weight"], g["norm1.bias"])  # fmt: skip
 
