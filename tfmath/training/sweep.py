@@ -28,6 +28,7 @@ import multiprocessing
 import os
 import tempfile
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -125,7 +126,10 @@ def run_sweep(runs, *, results_dir=None, scheduler=None, progress=None, workers=
     workers : int, optional
         Without ``scheduler``: worker processes that train one run each at a time,
         on one thread. Default: one per core available to this process (at most
-        one per run to train); 1 trains in this process, on every thread.
+        one per run to train); 1 trains in this process, on every thread. Worker
+        processes are spawned, and import the main module: a script that calls
+        this with more than one worker must do so under
+        ``if __name__ == "__main__":``, as with :mod:`multiprocessing`.
 
     Returns
     -------
@@ -199,10 +203,15 @@ def _run_in_processes(runs, workers, finished):
                 done, remaining = wait(remaining, return_when=FIRST_COMPLETED)
                 for future in done:
                     finished(future.result(), futures[future])
-        except BaseException:
+        except BrokenProcessPool as error:
+            raise RuntimeError(
+                "a sweep's worker process died; if it could not start, call run_sweep under "
+                "'if __name__ == \"__main__\":' in a script (workers are spawned and import "
+                "the main module), or pass workers=1"
+            ) from error
+        finally:
             for future in futures:
                 future.cancel()
-            raise
 
 
 def _run_on_dask(runs, scheduler, finished):
