@@ -175,6 +175,7 @@ def _kernel_function_cache_class(variant):
     class KernelCacheLocator(caching._CacheLocator):
         def __init__(self, py_func, py_file):
             self._lineno = py_func.__code__.co_firstlineno
+            self._py_file = py_file  # Numba's warning that code cannot be cached names it
             subfolder = Path(py_file).resolve().parent.relative_to(KERNELS_FOLDER.resolve())
             self._cache_path = str(kernel_cache().folder / subfolder / variant)
 

@@ -170,12 +170,14 @@ class FusedDecoder:
         """``c = op(a) @ op(b) + beta c`` (:func:`~tfmath.kernels.cpu.blas.gemm`), on one
         BLAS thread below :data:`PARALLEL_GEMM_MIN_WORK` multiply-adds."""
         depth = a.shape[0] if transpose_a else a.shape[1]
-        threads = self._threads if c.size * depth >= PARALLEL_GEMM_MIN_WORK else 1
+        self._use_blas_threads(self._threads if c.size * depth >= PARALLEL_GEMM_MIN_WORK else 1)
+        gemm(1.0, a, b, beta, c, transpose_a, transpose_b)
+
+    def _use_blas_threads(self, threads):
         if threads != self._blas_threads:
             for library in _config._blas_libraries():
                 library.set_num_threads(threads)
             self._blas_threads = threads
-        gemm(1.0, a, b, beta, c, transpose_a, transpose_b)
 
     def _views(self, flat):
         return {
@@ -232,8 +234,10 @@ class FusedDecoder:
                 self._gemm(b.normed_1[s], w["w_qkv"][j], 0.0, b.qkv[s, j])
                 _run(kernels.add_bias, rows * d)(b.qkv[s, j], w["b_qkv"][j])
             q, k, v = b.qkv[s]
+            self._use_blas_threads(1)  # the kernel multiplies inside its parallel loop
             attend = _run(kernels.causal_attention_forward, rows * b.length * d)
-            attend(q, k, v, config.n_heads, b.length, b.attended[s], b.log_sum_exp[s])
+            attend(q, k, v, config.n_heads, b.length, self._threads, b.attended[s],
+                   b.log_sum_exp[s])  # fmt: skip
             self._gemm(b.attended[s], w["self_attn.w_o"], 0.0, b.product)
             residual = _run(kernels.residual_bias, rows * d)
             residual(b.after_attention[s], x, b.product, w["self_attn.b_o"])
@@ -339,9 +343,10 @@ class FusedDecoder:
         self._gemm(grad, w["self_attn.w_o"], 0.0, b.grad_attended, False, True)
         q, k, v = b.qkv[i]
         grad_q, grad_k, grad_v = b.grad_qkv
+        self._use_blas_threads(1)  # the kernel multiplies inside its parallel loop
         _run(kernels.causal_attention_backward, rows * b.length * d)(
             q, k, v, b.attended[i], b.grad_attended, b.log_sum_exp[i], self.config.n_heads,
-            b.length, grad_q, grad_k, grad_v,
+            b.length, self._threads, grad_q, grad_k, grad_v,
         )  # fmt: skip
         for j in range(3):
             columns(b.grad_qkv[j], g["b_qkv"][j])

@@ -17,6 +17,7 @@ import numba
 import numpy as np
 
 from tfmath._config import cpu_kernel
+from tfmath.kernels.cpu.blas import gemm
 from tfmath.kernels.cpu.exp2 import exp2_scalar
 
 _LOG2_E = 1 / math.log(2)
@@ -177,7 +178,7 @@ def embed_backward(tokens, grad_x, grad_table, grad_positions):
 
 
 @cpu_kernel(parallel=True)
-def causal_attention_forward(q, k, v, n_heads, length, out, log_sum_exp):
+def causal_attention_forward(q, k, v, n_heads, length, n_chunks, out, log_sum_exp):
     r"""Causal softmax attention of every (sequence, head), scale ``1/sqrt(d_k)``.
 
     ``q``, ``k``, ``v`` and ``out`` are ``(B T, h d_k)`` (heads side by side in a
@@ -185,124 +186,89 @@ def causal_attention_forward(q, k, v, n_heads, length, out, log_sum_exp):
     row's normaliser (in base 2: the scores are scaled by :math:`\log_2 e` so that the
     vectorised :func:`~tfmath.kernels.cpu.exp2.exp2_scalar` exponentiates them), from
     which the backward pass recomputes the probabilities instead of storing
-    ``B h T^2`` of them.
+    ``B h T^2`` of them. Each pair's scores and output are BLAS products of its
+    ``(T, d_k)`` slices (BLAS must run on one thread here: the pairs are shared out
+    among ``n_chunks`` chunks, one per thread, each with its own scratch).
     """
-    width = q.shape[1]
-    d_k = width // n_heads
-    n_batch = q.shape[0] // length
-    scale = q.dtype.type(_LOG2_E / math.sqrt(d_k))
-    for pair in numba.prange(n_batch * n_heads):
-        b, h = pair // n_heads, pair % n_heads
-        first, offset = b * length, h * d_k
-        k_t = np.empty((d_k, length), dtype=q.dtype)
-        v_t = np.empty((d_k, length), dtype=q.dtype)
-        _load_transposed(k, first, offset, k_t)
-        _load_transposed(v, first, offset, v_t)
-        scores = np.empty(length, dtype=q.dtype)
-        for i in range(length):
-            n = i + 1
-            row_max = _scores(q[first + i], offset, k_t, scale, n, scores)
-            total = q.dtype.type(0)
-            for j in range(n):
-                p = exp2_scalar(scores[j] - row_max)
-                scores[j] = p
-                total += p
-            inverse = 1 / total
-            out_row = out[first + i]
-            for e in range(d_k):
-                values = v_t[e]
-                acc = q.dtype.type(0)
-                for j in range(n):
-                    acc += scores[j] * values[j]
-                out_row[offset + e] = acc * inverse
-            log_sum_exp[b, h, i] = row_max + math.log2(total)
+    d_k = q.shape[1] // n_heads
+    n_pairs = q.shape[0] // length * n_heads
+    scale_2 = _LOG2_E / math.sqrt(d_k)
+    n_chunks = min(n_chunks, n_pairs)
+    for chunk in numba.prange(n_chunks):
+        scores = np.empty((length, length), dtype=q.dtype)
+        for pair in range(chunk * n_pairs // n_chunks, (chunk + 1) * n_pairs // n_chunks):
+            b, h = pair // n_heads, pair % n_heads
+            rows, columns = slice(b * length, (b + 1) * length), slice(h * d_k, (h + 1) * d_k)
+            gemm(scale_2, q[rows, columns], k[rows, columns], 0.0, scores, False, True)
+            _causal_softmax_2(scores, log_sum_exp[b, h])
+            gemm(1.0, scores, v[rows, columns], 0.0, out[rows, columns])
 
 
 @cpu_kernel
-def _load_transposed(x, first, offset, x_t):
-    d_k, length = x_t.shape
-    for j in range(length):
-        row = x[first + j]
-        for e in range(d_k):
-            x_t[e, j] = row[offset + e]
-
-
-@cpu_kernel
-def _scores(q_row, offset, k_t, scale, n, scores):
-    """``scores[:n] = scale * q_row[head] @ k_t[:, :n]``; returns their maximum."""
-    for j in range(n):
-        scores[j] = 0
-    for e in range(k_t.shape[0]):
-        qe = q_row[offset + e] * scale
-        keys = k_t[e]
-        for j in range(n):
-            scores[j] += qe * keys[j]
-    row_max = scores[0]
-    for j in range(1, n):
-        row_max = max(row_max, scores[j])
-    return row_max
+def _causal_softmax_2(scores, log_sum_exp):
+    """Row ``i`` of ``scores`` (base-2 logits) becomes its softmax over columns ``<= i``,
+    zero beyond; ``log_sum_exp[i]`` keeps its base-2 normaliser."""
+    length = scores.shape[0]
+    for i in range(length):
+        row = scores[i]
+        row_max = row[0]
+        for j in range(1, i + 1):
+            row_max = max(row_max, row[j])
+        total = row.dtype.type(0)
+        for j in range(i + 1):
+            p = exp2_scalar(row[j] - row_max)
+            row[j] = p
+            total += p
+        inverse = 1 / total
+        for j in range(i + 1):
+            row[j] *= inverse
+        for j in range(i + 1, length):
+            row[j] = 0
+        log_sum_exp[i] = row_max + math.log2(total)
 
 
 @cpu_kernel(parallel=True)
 def causal_attention_backward(
-    q, k, v, out, grad_out, log_sum_exp, n_heads, length, grad_q, grad_k, grad_v
+    q, k, v, out, grad_out, log_sum_exp, n_heads, length, n_chunks, grad_q, grad_k, grad_v
 ):
-    """Gradients of :func:`causal_attention_forward` (all ``(B T, h d_k)``, overwritten).
+    r"""Gradients of :func:`causal_attention_forward` (all ``(B T, h d_k)``, overwritten).
 
     With :math:`P` recomputed from the saved log-sum-exp and
-    :math:`D_i = \\sum_e dO_{ie} O_{ie}`:
-    :math:`dS = P \\odot (dO V^\\top - D)`, :math:`dQ = s\\, dS K`,
-    :math:`dK = s\\, dS^\\top Q`, :math:`dV = P^\\top dO`.
+    :math:`D_i = \sum_e dO_{ie} O_{ie}`:
+    :math:`dS = s\, P \odot (dO V^\top - D)`, :math:`dQ = dS K`,
+    :math:`dK = dS^\top Q`, :math:`dV = P^\top dO`; five BLAS products per pair.
     """
-    width = q.shape[1]
-    d_k = width // n_heads
-    n_batch = q.shape[0] // length
+    d_k = q.shape[1] // n_heads
+    n_pairs = q.shape[0] // length * n_heads
     scale = q.dtype.type(1 / math.sqrt(d_k))
-    scale_2 = q.dtype.type(_LOG2_E / math.sqrt(d_k))
-    for pair in numba.prange(n_batch * n_heads):
-        b, h = pair // n_heads, pair % n_heads
-        first, offset = b * length, h * d_k
-        k_t = np.empty((d_k, length), dtype=q.dtype)
-        v_t = np.empty((d_k, length), dtype=q.dtype)
-        grad_k_t = np.zeros((d_k, length), dtype=q.dtype)
-        grad_v_t = np.zeros((d_k, length), dtype=q.dtype)
-        _load_transposed(k, first, offset, k_t)
-        _load_transposed(v, first, offset, v_t)
-        p = np.empty(length, dtype=q.dtype)
-        dp = np.empty(length, dtype=q.dtype)
-        for i in range(length):
-            n = i + 1
-            q_row, o_row, g_row = q[first + i], out[first + i], grad_out[first + i]
-            _scores(q_row, offset, k_t, scale_2, n, p)
-            lse = log_sum_exp[b, h, i]
-            delta = q.dtype.type(0)
-            for e in range(d_k):
-                delta += g_row[offset + e] * o_row[offset + e]
-            for j in range(n):
-                p[j] = exp2_scalar(p[j] - lse)
-                dp[j] = 0
-            for e in range(d_k):
-                ge = g_row[offset + e]
-                values, grad_values = v_t[e], grad_v_t[e]
-                for j in range(n):
-                    dp[j] += ge * values[j]
-                    grad_values[j] += p[j] * ge
-            for j in range(n):
-                dp[j] = p[j] * (dp[j] - delta) * scale
-            grad_q_row = grad_q[first + i]
-            for e in range(d_k):
-                keys, grad_keys = k_t[e], grad_k_t[e]
-                qe = q_row[offset + e]
-                acc = q.dtype.type(0)
-                for j in range(n):
-                    acc += dp[j] * keys[j]
-                    grad_keys[j] += dp[j] * qe
-                grad_q_row[offset + e] = acc
-        for j in range(length):
-            grad_k_row, grad_v_row = grad_k[first + j], grad_v[first + j]
-            for e in range(d_k):
-                grad_k_row[offset + e] = grad_k_t[e, j]
-                grad_v_row[offset + e] = grad_v_t[e, j]
+    scale_2 = _LOG2_E / math.sqrt(d_k)
+    n_chunks = min(n_chunks, n_pairs)
+    for chunk in numba.prange(n_chunks):
+        p = np.empty((length, length), dtype=q.dtype)
+        dp = np.empty((length, length), dtype=q.dtype)
+        for pair in range(chunk * n_pairs // n_chunks, (chunk + 1) * n_pairs // n_chunks):
+            b, h = pair // n_heads, pair % n_heads
+            rows, columns = slice(b * length, (b + 1) * length), slice(h * d_k, (h + 1) * d_k)
+            q_pair, k_pair, v_pair = q[rows, columns], k[rows, columns], v[rows, columns]
+            o_pair, g_pair = out[rows, columns], grad_out[rows, columns]
+            gemm(scale_2, q_pair, k_pair, 0.0, p, False, True)
+            gemm(1.0, g_pair, v_pair, 0.0, dp, False, True)
+            lse = log_sum_exp[b, h]
+            for i in range(length):
+                delta = q.dtype.type(0)
+                for e in range(d_k):
+                    delta += g_pair[i, e] * o_pair[i, e]
+                p_row, dp_row = p[i], dp[i]
+                for j in range(i + 1):
+                    probability = exp2_scalar(p_row[j] - lse[i])
+                    p_row[j] = probability
+                    dp_row[j] = probability * (dp_row[j] - delta) * scale
+                for j in range(i + 1, length):
+                    p_row[j] = 0
+                    dp_row[j] = 0
+            gemm(1.0, dp, k_pair, 0.0, grad_q[rows, columns])
+            gemm(1.0, dp, q_pair, 0.0, grad_k[rows, columns], True, False)
+            gemm(1.0, p, g_pair, 0.0, grad_v[rows, columns], True, False)
 
 
 @cpu_kernel(parallel=True)
