@@ -93,3 +93,23 @@ def test_training_does_not_depend_on_the_thread_count():
     # The fused step trains the model the blocks train, to float32 rounding.
     blocks = train_language_model(model, source, training, backend="reference")
     assert one.validation_loss == pytest.approx(blocks.validation_loss, rel=1e-4)
+
+
+def test_bench_training_prints_a_row_per_shape_for_the_same_model_in_torch(monkeypatch):
+    from tfmath.tools import bench_training
+
+    monkeypatch.setattr(bench_training, "gemm_roof", lambda: 100.0)  # the rows are the point
+
+    shape = bench_training.TrainingShape("tiny", 16, 1, 8, batch=2, vocab=11)
+    torch = bench_training.optional_torch()
+    if torch is not None:
+        # The peer is the same model: the same tensors, element for element.
+        peer = bench_training.torch_step(torch, shape)
+        ours = init_model(shape.config())
+        assert sum(p.numel() for p in peer.parameters) == ours.size
+    lines = []
+    bench_training.print_training_report(threads=1, out=lines.append, shapes=[shape], rounds=1)
+    assert len(lines) == 4
+    row = lines[-1].split()
+    assert row[:5] == ["tiny", "16", "1", "8", "2"]
+    assert ("n/a" in row) == (torch is None)

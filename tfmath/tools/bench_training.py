@@ -91,7 +91,8 @@ def tfmath_step(shape):
 
 
 def torch_step(torch, shape):
-    """The same model and step in PyTorch."""
+    """The same model and step in PyTorch; its ``parameters`` attribute lists the
+    model's tensors."""
     nn = torch.nn
     torch.manual_seed(0)
     d = shape.d_model
@@ -122,6 +123,7 @@ def torch_step(torch, shape):
         loss.backward()
         optimizer.step()
 
+    step.parameters = parameters
     return step
 
 
@@ -168,8 +170,11 @@ def training_rows(shapes=TRAINING_SHAPES, threads=None, rounds=5, repeats=2):
                 torch.set_num_threads(previous)
 
 
-def print_training_report(quick=False, threads=None, out=print):
-    """``tfmath bench training``: one line per shape, printed as soon as it is measured."""
+def print_training_report(quick=False, threads=None, out=print, shapes=None, rounds=5):
+    """``tfmath bench training``: one line per shape, printed as soon as it is measured.
+
+    ``shapes`` replaces the rows (default :data:`TRAINING_SHAPES`, or
+    :data:`QUICK_SHAPES` with ``quick``); ``rounds`` of interleaved timings."""
     import numba
 
     from tfmath.formulas.accounting import flops_per_token
@@ -178,7 +183,8 @@ def print_training_report(quick=False, threads=None, out=print):
     with threads_limited(threads):
         count = numba.get_num_threads()
         roof = gemm_roof()
-    shapes = QUICK_SHAPES if quick else TRAINING_SHAPES
+    if shapes is None:
+        shapes = QUICK_SHAPES if quick else TRAINING_SHAPES
     out(f"float32 Adam steps, tfmath's fused step against PyTorch, both on {count} thread(s); "
         f"best of interleaved rounds. float32 GEMM roof (NumPy 2048^3, {count} thread(s)): "
         f"{roof:.1f} GFLOP/s")  # fmt: skip
@@ -188,7 +194,7 @@ def print_training_report(quick=False, threads=None, out=print):
               f"{'torch tok/s':>12} {'ratio':>6} {'GFLOP/s':>8} {'% roof':>7} "
               f"{'MiB tfmath':>11} {'torch':>7}")  # fmt: skip
     out(header)
-    for shape, times, peaks in training_rows(shapes, threads=threads):
+    for shape, times, peaks in training_rows(shapes, threads=threads, rounds=rounds):
         per_token = flops_per_token(shape.config(), n_ctx=shape.context).training
         tokens_per_second = {name: shape.tokens / t for name, t in times.items()}
         rate = per_token * tokens_per_second["tfmath"] / 1e9
