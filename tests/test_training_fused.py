@@ -98,7 +98,7 @@ def test_training_does_not_depend_on_the_thread_count():
 def test_bench_training_prints_a_row_per_shape_for_the_same_model_in_torch(monkeypatch):
     from tfmath.tools import bench_training
 
-    monkeypatch.setattr(bench_training, "gemm_roof", lambda: 100.0)  # the rows are the point
+    monkeypatch.setattr(bench_training, "ROOF_SIZE", 64)  # the rows are the point
 
     shape = bench_training.TrainingShape("tiny", 16, 1, 8, batch=2, vocab=11)
     torch = bench_training.optional_torch()

@@ -11,7 +11,7 @@ round, in one process (:func:`~tfmath.analysis.timing.interleaved_best_times`),
 so a busy spell of a shared machine falls on both. GFLOP/s count a training
 step's FLOPs as :func:`~tfmath.formulas.accounting.flops_per_token` does
 (:math:`6N` plus attention), and the roof is NumPy's float32 GEMM on the same
-threads, measured in the same run.
+threads, timed in the same rounds as the row.
 """
 
 from dataclasses import dataclass
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tfmath.analysis.timing import interleaved_best_times, measure_peak_bytes
-from tfmath.tools.bench import gemm_roof, optional_torch
+from tfmath.tools.bench import optional_torch
 
 __all__ = ["TRAINING_SHAPES", "TrainingShape", "print_training_report", "training_rows"]
 
@@ -138,13 +138,21 @@ def _peak_bytes(make_step):
     return measure_peak_bytes(build_and_train)
 
 
+#: Side of the square float32 product timed with every row as the GEMM roof.
+ROOF_SIZE = 1024
+
+
 def training_rows(shapes=TRAINING_SHAPES, threads=None, rounds=5, repeats=2):
     """Measure each shape, yielding ``(shape, seconds, peak_bytes)`` as soon as it is known.
 
     ``seconds`` and ``peak_bytes`` map ``"tfmath"`` (and ``"torch"`` when PyTorch
     is importable) to one training step's best time and to the peak memory of
-    building the model and training two steps.
+    building the model and training two steps; ``seconds["roof"]`` is the best time
+    of NumPy's float32 product of two :data:`ROOF_SIZE` square matrices, timed in
+    the same rounds, so that the roof is measured under the same load as the row.
     """
+    rng = np.random.default_rng(0)
+    a, b = (rng.standard_normal((ROOF_SIZE, ROOF_SIZE), dtype=np.float32) for _ in range(2))
     from tfmath.training.loop import threads_limited
 
     torch = optional_torch()
@@ -162,6 +170,7 @@ def training_rows(shapes=TRAINING_SHAPES, threads=None, rounds=5, repeats=2):
                     makers["torch"] = lambda s=shape: torch_step(torch, s)
                 peaks = {name: _peak_bytes(make) for name, make in makers.items()}
                 calls = {name: make() for name, make in makers.items()}
+                calls["roof"] = lambda: a @ b
                 times = interleaved_best_times(calls, repeats, rounds)
                 del calls
                 yield shape, times, peaks
@@ -182,20 +191,20 @@ def print_training_report(quick=False, threads=None, out=print, shapes=None, rou
 
     with threads_limited(threads):
         count = numba.get_num_threads()
-        roof = gemm_roof()
     if shapes is None:
         shapes = QUICK_SHAPES if quick else TRAINING_SHAPES
     out(f"float32 Adam steps, tfmath's fused step against PyTorch, both on {count} thread(s); "
-        f"best of interleaved rounds. float32 GEMM roof (NumPy 2048^3, {count} thread(s)): "
-        f"{roof:.1f} GFLOP/s")  # fmt: skip
+        f"best of interleaved rounds, with the roof: NumPy's float32 {ROOF_SIZE}^3 product on "
+        f"the same threads, timed in the same rounds")  # fmt: skip
     out("ratio = tfmath tokens/s / torch tokens/s (> 1: tfmath faster); % roof = tfmath GFLOP/s "
         "over the GEMM roof; memory = peak MiB of building the model and two steps")  # fmt: skip
     header = (f"{'shape':<16} {'d':>4} {'L':>2} {'T':>4} {'B':>3} {'tfmath tok/s':>13} "
-              f"{'torch tok/s':>12} {'ratio':>6} {'GFLOP/s':>8} {'% roof':>7} "
+              f"{'torch tok/s':>12} {'ratio':>6} {'GFLOP/s':>8} {'roof':>6} {'% roof':>7} "
               f"{'MiB tfmath':>11} {'torch':>7}")  # fmt: skip
     out(header)
     for shape, times, peaks in training_rows(shapes, threads=threads, rounds=rounds):
         per_token = flops_per_token(shape.config(), n_ctx=shape.context).training
+        roof = 2 * ROOF_SIZE**3 / times.pop("roof") / 1e9
         tokens_per_second = {name: shape.tokens / t for name, t in times.items()}
         rate = per_token * tokens_per_second["tfmath"] / 1e9
         torch_rate = tokens_per_second.get("torch")
@@ -204,5 +213,5 @@ def print_training_report(quick=False, threads=None, out=print, shapes=None, rou
         torch_mib = "n/a" if "torch" not in peaks else f"{peaks['torch'] / 2**20:.1f}"
         out(f"{shape.label:<16} {shape.d_model:>4} {shape.n_layers:>2} {shape.context:>4} "
             f"{shape.batch:>3} {tokens_per_second['tfmath']:>13,.0f} {torch_text:>12} "
-            f"{ratio:>6} {rate:>8.1f} {100 * rate / roof:>6.0f}% "
+            f"{ratio:>6} {rate:>8.1f} {roof:>6.0f} {100 * rate / roof:>6.0f}% "
             f"{peaks['tfmath'] / 2**20:>11.1f} {torch_mib:>7}")  # fmt: skip
