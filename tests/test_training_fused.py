@@ -4,7 +4,7 @@ import numba
 import numpy as np
 import pytest
 
-from tfmath.training import TrainingConfig, language_model_config, train_language_model
+from tfmath.training import TrainingConfig, fused, language_model_config, train_language_model
 from tfmath.training.fused import FusedDecoder, fusable
 from tfmath.training.layers import cross_entropy_backward, cross_entropy_forward
 from tfmath.training.models import decoder_only_backward, decoder_only_forward, init_model
@@ -81,11 +81,12 @@ def test_fused_decoder_refuses_other_models():
 
 
 @pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="needs two threads")
-def test_training_does_not_depend_on_the_thread_count():
-    # Big enough (32 x 32 rows of width 64) that the kernels take their parallel paths
-    # and the feed-forward products run on two BLAS threads.
+def test_training_does_not_depend_on_the_thread_count(monkeypatch):
+    # Every kernel on its parallel path and every product on two BLAS threads.
+    monkeypatch.setattr(fused, "PARALLEL_MIN_WORK", 1)
+    monkeypatch.setattr(fused, "PARALLEL_GEMM_MIN_WORK", 1)
     source = ZipfLexicon(n_letters=6, word_length=3, n_words=40, seed=2)
-    model = language_model_config(64, 1, vocab_size=source.vocab_size, context=32)
+    model = language_model_config(16, 2, vocab_size=source.vocab_size, context=32)
     training = TrainingConfig(steps=3, batch_size=32, words_per_sequence=8, eval_every=3,
                               warmup=2, validation_sequences=32)  # fmt: skip
     one, two = (train_language_model(model, source, training, threads=n) for n in (1, 2))

@@ -29,7 +29,6 @@ import numba
 import numpy as np
 
 from tfmath import _config
-from tfmath._config import sized
 from tfmath.kernels.cpu import training_step as kernels
 from tfmath.kernels.cpu.blas import gemm
 from tfmath.training.params import Parameters
@@ -58,15 +57,29 @@ def fusable(config):
     )
 
 
+#: Work (elements, or score-feature products for attention) below which a kernel of
+#: the step runs on the calling thread: eight times tfmath's usual threshold
+#: (:data:`tfmath._config.PARALLEL_MIN_WORK`). A step makes dozens of kernel calls,
+#: and on a shared machine one call in ten that shares out its loop waits a whole
+#: time slice (milliseconds) for a descheduled thread (measured with two threads
+#: and a load of 2.7 on two cores: median 14 us, 90th percentile 6.6 ms, for a
+#: LayerNorm of 2048 x 16), so a call must have enough work to pay for that.
+PARALLEL_MIN_WORK = 2**18
+
+#: Multiply-adds below which a matrix product runs on one BLAS thread (OpenBLAS
+#: shares out products far smaller than this), for the same reason.
+PARALLEL_GEMM_MIN_WORK = 2**24
+
+
 def _run(kernel, work):
-    return sized(kernel, work)
+    return kernel if work >= PARALLEL_MIN_WORK else kernel.serial
 
 
-#: Multiply-adds below which a matrix product runs on one BLAS thread. OpenBLAS
-#: shares out products far smaller than this, and on the sweeps' models
-#: (``d_model`` 8 to 48) its threads then wait for each other longer than they
-#: compute (``tfmath bench training``).
-PARALLEL_GEMM_MIN_WORK = 2**21
+def _attention_work(rows, length, width):
+    """Attention's work in units of :data:`PARALLEL_MIN_WORK`: its score-feature
+    products, 16 to an element (a product is one lane of a vector multiply-add), so
+    that it shares out its pairs from :math:`2^{22}` products."""
+    return rows * length * width // 16
 
 
 class _Buffers:
@@ -235,7 +248,7 @@ class FusedDecoder:
                 _run(kernels.add_bias, rows * d)(b.qkv[s, j], w["b_qkv"][j])
             q, k, v = b.qkv[s]
             self._use_blas_threads(1)  # the kernel multiplies inside its parallel loop
-            attend = _run(kernels.causal_attention_forward, rows * b.length * d)
+            attend = _run(kernels.causal_attention_forward, _attention_work(rows, b.length, d))
             attend(q, k, v, config.n_heads, b.length, self._threads, b.attended[s],
                    b.log_sum_exp[s])  # fmt: skip
             self._gemm(b.attended[s], w["self_attn.w_o"], 0.0, b.product)
@@ -344,7 +357,7 @@ class FusedDecoder:
         q, k, v = b.qkv[i]
         grad_q, grad_k, grad_v = b.grad_qkv
         self._use_blas_threads(1)  # the kernel multiplies inside its parallel loop
-        _run(kernels.causal_attention_backward, rows * b.length * d)(
+        _run(kernels.causal_attention_backward, _attention_work(rows, b.length, d))(
             q, k, v, b.attended[i], b.grad_attended, b.log_sum_exp[i], self.config.n_heads,
             b.length, self._threads, grad_q, grad_k, grad_v,
         )  # fmt: skip
