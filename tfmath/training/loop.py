@@ -16,8 +16,12 @@ entropy rate :math:`E`, can be compared to a few parts in ten thousand.
 
 For the models of :func:`language_model_config` the step is
 :class:`~tfmath.training.fused.FusedDecoder`: the same function and gradients,
-computed with fused kernels into buffers kept between steps, with every core
-(``threads=``) where a matrix or a batch of heads is large enough to share out.
+computed with fused kernels into buffers kept between steps, on ``threads=``
+threads where a matrix or a batch of heads is large enough to share out. The
+default is one: on the shared 2-core development machine a second thread made
+steps slower, not faster, at every width measured (16 to 256; see
+``docs/benchmarks.rst``), since every shared-out call waits for the slowest
+thread and a busy machine often deschedules one for a time slice.
 Other models, and ``backend="reference"`` or ``"cuda"``, go through the blocks.
 A run's results do not depend on the number of threads (``tests/test_training_fused.py``
 checks it), so sweeps can train several models at once on one thread each.
@@ -291,7 +295,7 @@ class _Batches:
         return self.corpus[rows]
 
 
-def train_language_model(config, source, training=None, *, backend="auto", threads=None):
+def train_language_model(config, source, training=None, *, backend="auto", threads=1):
     r"""Train a decoder-only model on a language of known entropy, and measure it.
 
     Each step minimises the mean cross-entropy of the next token,
@@ -318,9 +322,9 @@ def train_language_model(config, source, training=None, *, backend="auto", threa
         Backend of the blocks' kernels. ``"auto"`` and ``"cpu"`` train the models
         of :func:`language_model_config` with the fused step
         (:class:`~tfmath.training.fused.FusedDecoder`).
-    threads : int, optional
-        Threads of Numba's kernels and BLAS during the run; default all of them.
-        The results do not depend on it.
+    threads : int or None, optional
+        Threads of Numba's kernels and BLAS during the run (None: all of Numba's);
+        default 1. The results do not depend on it.
 
     Returns
     -------

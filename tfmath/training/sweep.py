@@ -90,7 +90,7 @@ class TrainingRun:
         return hashlib.sha256(text.encode()).hexdigest()[:20]
 
 
-def run_training(run, threads=None):
+def run_training(run, threads=1):
     """Train one :class:`TrainingRun`; returns ``{"key", "run", "result"}`` as JSON data.
 
     A module-level function, so Dask workers and worker processes can import it by
@@ -108,7 +108,7 @@ def run_sweep(runs, *, results_dir=None, scheduler=None, progress=None, workers=
     The sweeps' models are small: one of them keeps one core busy, and the matrices
     of its step are too small to share out (``tfmath bench training``), so several
     models trained at once, each on one thread in a process of its own, finish a
-    sweep sooner than the same models one after another on every thread
+    sweep sooner than the same models one after another
     (``docs/benchmarks.rst`` gives the measurement). Results do not depend on the
     thread count, so they are the same either way.
 
@@ -126,7 +126,7 @@ def run_sweep(runs, *, results_dir=None, scheduler=None, progress=None, workers=
     workers : int, optional
         Without ``scheduler``: worker processes that train one run each at a time,
         on one thread. Default: one per core available to this process (at most
-        one per run to train); 1 trains in this process, on every thread. Worker
+        one per run to train); 1 trains them one after another in this process. Worker
         processes are spawned, and import the main module: a script that calls
         this with more than one worker must do so under
         ``if __name__ == "__main__":``, as with :mod:`multiprocessing`.
