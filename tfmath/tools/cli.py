@@ -95,6 +95,10 @@ def _bench(args):
     if args.topic == "training":
         from tfmath.tools.bench_training import print_training_report
 
+        if args.threads is not None and args.threads < 1:
+            print(f"tfmath bench: --threads must be at least 1, got {args.threads}", file=sys.stderr)
+            return 2
+
         print_training_report(quick=args.quick, threads=args.threads, out=_flushed)
         return 0
     from tfmath.tools.bench import print_attention_report, print_matrix_report, print_small_report
