@@ -96,7 +96,8 @@ def _bench(args):
         from tfmath.tools.bench_training import print_training_report
 
         if args.threads is not None and args.threads < 1:
-            print(f"tfmath bench: --threads must be at least 1, got {args.threads}", file=sys.stderr)
+            message = f"tfmath bench: --threads must be at least 1, got {args.threads}"
+            print(message, file=sys.stderr)
             return 2
 
         print_training_report(quick=args.quick, threads=args.threads, out=_flushed)
