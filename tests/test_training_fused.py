@@ -28,7 +28,12 @@ def _blocks_loss_and_grads(params, sequences, config):
     ("d_model", "n_layers", "head_width", "batch", "length"),
     [(8, 1, 8, 3, 5), (12, 2, 4, 2, 7), (16, 3, 16, 1, 1)],
 )
-def test_fused_step_equals_the_blocks(dtype, d_model, n_layers, head_width, batch, length):
+def test_fused_step_equals_the_blocks(
+    dtype, d_model, n_layers, head_width, batch, length, monkeypatch
+):
+    # Attention blocks of 3 queries: the 5- and 7-token sequences take two and three,
+    # the last one short, and the 1-token sequence a block of its own length.
+    monkeypatch.setattr(fused, "ATTENTION_BLOCK", 3)
     vocab = 7
     config = language_model_config(
         d_model, n_layers, vocab_size=vocab, context=length, head_width=head_width
@@ -36,21 +41,21 @@ def test_fused_step_equals_the_blocks(dtype, d_model, n_layers, head_width, batc
     # Large weights, so that attention is far from uniform and every path carries gradient.
     params = init_model(config, seed=d_model, dtype=dtype, std=0.5)
     sequences = np.random.default_rng(length).integers(0, vocab, size=(batch, length + 1))
-    fused = FusedDecoder(config, params)
-    loss = fused.loss_and_grads(sequences)
+    model = FusedDecoder(config, params)
+    loss = model.loss_and_grads(sequences)
     expected_loss, expected = _blocks_loss_and_grads(params, sequences, config)
     tolerance = TOLERANCE[dtype]
     assert loss == pytest.approx(expected_loss, rel=tolerance)
-    assert fused.mean_loss(sequences) == pytest.approx(expected_loss, rel=tolerance)
-    assert sorted(fused.grads) == sorted(expected)
+    assert model.mean_loss(sequences) == pytest.approx(expected_loss, rel=tolerance)
+    assert sorted(model.grads) == sorted(expected)
     # b_k's true gradient is zero (softmax ignores a constant added to every score of a
     # row), so each gradient is compared on the scale of the largest one.
     scale = max(np.abs(g).max() for g in expected.values())
     for name, grad in expected.items():
-        np.testing.assert_allclose(fused.grads[name], grad, rtol=0, atol=tolerance * scale,
+        np.testing.assert_allclose(model.grads[name], grad, rtol=0, atol=tolerance * scale,
                                    err_msg=name)  # fmt: skip
     logits, _ = decoder_only_forward(params, sequences[:, :-1], config, backend="cpu")
-    np.testing.assert_allclose(fused.logits(sequences[:, :-1]), logits, rtol=tolerance, atol=0)
+    np.testing.assert_allclose(model.logits(sequences[:, :-1]), logits, rtol=tolerance, atol=0)
 
 
 def test_fused_adam_step_equals_adam():

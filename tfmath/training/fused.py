@@ -71,6 +71,11 @@ PARALLEL_MIN_WORK = 2**18
 PARALLEL_GEMM_MIN_WORK = 2**24
 
 
+#: Queries per block of the causal attention kernels: a block's scores are computed
+#: against the keys up to its last query only, so the masked blocks are skipped.
+ATTENTION_BLOCK = 64
+
+
 def _run(kernel, work):
     return kernel if work >= PARALLEL_MIN_WORK else kernel.serial
 
@@ -249,8 +254,8 @@ class FusedDecoder:
             q, k, v = b.qkv[s]
             self._use_blas_threads(1)  # the kernel multiplies inside its parallel loop
             attend = _run(kernels.causal_attention_forward, _attention_work(rows, b.length, d))
-            attend(q, k, v, config.n_heads, b.length, self._threads, b.attended[s],
-                   b.log_sum_exp[s])  # fmt: skip
+            attend(q, k, v, config.n_heads, b.length, ATTENTION_BLOCK, self._threads,
+                   b.attended[s], b.log_sum_exp[s])  # fmt: skip
             self._gemm(b.attended[s], w["self_attn.w_o"], 0.0, b.product)
             residual = _run(kernels.residual_bias, rows * d)
             residual(b.after_attention[s], x, b.product, w["self_attn.b_o"])
@@ -359,7 +364,7 @@ class FusedDecoder:
         self._use_blas_threads(1)  # the kernel multiplies inside its parallel loop
         _run(kernels.causal_attention_backward, _attention_work(rows, b.length, d))(
             q, k, v, b.attended[i], b.grad_attended, b.log_sum_exp[i], self.config.n_heads,
-            b.length, self._threads, grad_q, grad_k, grad_v,
+            b.length, ATTENTION_BLOCK, self._threads, grad_q, grad_k, grad_v,
         )  # fmt: skip
         for j in range(3):
             columns(b.grad_qkv[j], g["b_qkv"][j])

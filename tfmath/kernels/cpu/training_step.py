@@ -178,7 +178,7 @@ def embed_backward(tokens, grad_x, grad_table, grad_positions):
 
 
 @cpu_kernel(parallel=True)
-def causal_attention_forward(q, k, v, n_heads, length, n_chunks, out, log_sum_exp):
+def causal_attention_forward(q, k, v, n_heads, length, block, n_chunks, out, log_sum_exp):
     r"""Causal softmax attention of every (sequence, head), scale ``1/sqrt(d_k)``.
 
     ``q``, ``k``, ``v`` and ``out`` are ``(B T, h d_k)`` (heads side by side in a
@@ -186,57 +186,67 @@ def causal_attention_forward(q, k, v, n_heads, length, n_chunks, out, log_sum_ex
     row's normaliser (in base 2: the scores are scaled by :math:`\log_2 e` so that the
     vectorised :func:`~tfmath.kernels.cpu.exp2.exp2_scalar` exponentiates them), from
     which the backward pass recomputes the probabilities instead of storing
-    ``B h T^2`` of them. Each pair's scores and output are BLAS products of its
-    ``(T, d_k)`` slices (BLAS must run on one thread here: the pairs are shared out
-    among ``n_chunks`` chunks, one per thread, each with its own scratch).
+    ``B h T^2`` of them. Each pair's queries are taken ``block`` rows at a time, and
+    a block's scores and output are BLAS products of its ``(block, d_k)`` slice
+    with the keys and values up to its last row: the blocks above the diagonal,
+    all masked, are never computed. BLAS must run on one thread here: the pairs
+    are shared out among ``n_chunks`` chunks, one per thread, each with its own
+    scratch.
     """
     d_k = q.shape[1] // n_heads
     n_pairs = q.shape[0] // length * n_heads
     scale_2 = _LOG2_E / math.sqrt(d_k)
     n_chunks = min(n_chunks, n_pairs)
     for chunk in numba.prange(n_chunks):
-        scores = np.empty((length, length), dtype=q.dtype)
+        scores = np.empty((min(block, length), length), dtype=q.dtype)
         for pair in range(chunk * n_pairs // n_chunks, (chunk + 1) * n_pairs // n_chunks):
             b, h = pair // n_heads, pair % n_heads
-            rows, columns = slice(b * length, (b + 1) * length), slice(h * d_k, (h + 1) * d_k)
-            gemm(scale_2, q[rows, columns], k[rows, columns], 0.0, scores, False, True)
-            _causal_softmax_2(scores, log_sum_exp[b, h])
-            gemm(1.0, scores, v[rows, columns], 0.0, out[rows, columns])
+            first, columns = b * length, slice(h * d_k, (h + 1) * d_k)
+            for start in range(0, length, block):
+                stop = min(start + block, length)
+                queries = slice(first + start, first + stop)
+                keys = slice(first, first + stop)
+                tile = scores[: stop - start, :stop]
+                gemm(scale_2, q[queries, columns], k[keys, columns], 0.0, tile, False, True)
+                _causal_softmax_2(tile, start, log_sum_exp[b, h, start:stop])
+                gemm(1.0, tile, v[keys, columns], 0.0, out[queries, columns])
 
 
 @cpu_kernel
-def _causal_softmax_2(scores, log_sum_exp):
-    """Row ``i`` of ``scores`` (base-2 logits) becomes its softmax over columns ``<= i``,
-    zero beyond; ``log_sum_exp[i]`` keeps its base-2 normaliser."""
-    length = scores.shape[0]
-    for i in range(length):
-        row = scores[i]
+def _causal_softmax_2(scores, first_query, log_sum_exp):
+    """Row ``r`` of ``scores`` (base-2 logits of query ``first_query + r``) becomes its
+    softmax over the columns up to that query, zero beyond; ``log_sum_exp[r]``
+    keeps its base-2 normaliser."""
+    for r in range(scores.shape[0]):
+        row, last = scores[r], first_query + r
         row_max = row[0]
-        for j in range(1, i + 1):
+        for j in range(1, last + 1):
             row_max = max(row_max, row[j])
         total = row.dtype.type(0)
-        for j in range(i + 1):
+        for j in range(last + 1):
             p = exp2_scalar(row[j] - row_max)
             row[j] = p
             total += p
         inverse = 1 / total
-        for j in range(i + 1):
+        for j in range(last + 1):
             row[j] *= inverse
-        for j in range(i + 1, length):
+        for j in range(last + 1, scores.shape[1]):
             row[j] = 0
-        log_sum_exp[i] = row_max + math.log2(total)
+        log_sum_exp[r] = row_max + math.log2(total)
 
 
 @cpu_kernel(parallel=True)
 def causal_attention_backward(
-    q, k, v, out, grad_out, log_sum_exp, n_heads, length, n_chunks, grad_q, grad_k, grad_v
-):
+    q, k, v, out, grad_out, log_sum_exp, n_heads, length, block, n_chunks, grad_q, grad_k,
+    grad_v,
+):  # fmt: skip
     r"""Gradients of :func:`causal_attention_forward` (all ``(B T, h d_k)``, overwritten).
 
     With :math:`P` recomputed from the saved log-sum-exp and
     :math:`D_i = \sum_e dO_{ie} O_{ie}`:
     :math:`dS = s\, P \odot (dO V^\top - D)`, :math:`dQ = dS K`,
-    :math:`dK = dS^\top Q`, :math:`dV = P^\top dO`; five BLAS products per pair.
+    :math:`dK = dS^\top Q`, :math:`dV = P^\top dO`; five BLAS products per block of
+    ``block`` queries, over the keys up to its last row.
     """
     d_k = q.shape[1] // n_heads
     n_pairs = q.shape[0] // length * n_heads
@@ -244,31 +254,38 @@ def causal_attention_backward(
     scale_2 = _LOG2_E / math.sqrt(d_k)
     n_chunks = min(n_chunks, n_pairs)
     for chunk in numba.prange(n_chunks):
-        p = np.empty((length, length), dtype=q.dtype)
-        dp = np.empty((length, length), dtype=q.dtype)
+        p = np.empty((min(block, length), length), dtype=q.dtype)
+        dp = np.empty((min(block, length), length), dtype=q.dtype)
         for pair in range(chunk * n_pairs // n_chunks, (chunk + 1) * n_pairs // n_chunks):
             b, h = pair // n_heads, pair % n_heads
-            rows, columns = slice(b * length, (b + 1) * length), slice(h * d_k, (h + 1) * d_k)
-            q_pair, k_pair, v_pair = q[rows, columns], k[rows, columns], v[rows, columns]
-            o_pair, g_pair = out[rows, columns], grad_out[rows, columns]
-            gemm(scale_2, q_pair, k_pair, 0.0, p, False, True)
-            gemm(1.0, g_pair, v_pair, 0.0, dp, False, True)
-            lse = log_sum_exp[b, h]
-            for i in range(length):
-                delta = q.dtype.type(0)
-                for e in range(d_k):
-                    delta += g_pair[i, e] * o_pair[i, e]
-                p_row, dp_row = p[i], dp[i]
-                for j in range(i + 1):
-                    probability = exp2_scalar(p_row[j] - lse[i])
-                    p_row[j] = probability
-                    dp_row[j] = probability * (dp_row[j] - delta) * scale
-                for j in range(i + 1, length):
-                    p_row[j] = 0
-                    dp_row[j] = 0
-            gemm(1.0, dp, k_pair, 0.0, grad_q[rows, columns])
-            gemm(1.0, dp, q_pair, 0.0, grad_k[rows, columns], True, False)
-            gemm(1.0, p, g_pair, 0.0, grad_v[rows, columns], True, False)
+            first, columns = b * length, slice(h * d_k, (h + 1) * d_k)
+            grad_k[first : first + length, columns] = 0
+            grad_v[first : first + length, columns] = 0
+            for start in range(0, length, block):
+                stop = min(start + block, length)
+                queries = slice(first + start, first + stop)
+                keys = slice(first, first + stop)
+                q_block, g_block = q[queries, columns], grad_out[queries, columns]
+                p_tile, dp_tile = p[: stop - start, :stop], dp[: stop - start, :stop]
+                gemm(scale_2, q_block, k[keys, columns], 0.0, p_tile, False, True)
+                gemm(1.0, g_block, v[keys, columns], 0.0, dp_tile, False, True)
+                o_block, lse = out[queries, columns], log_sum_exp[b, h, start:stop]
+                for r in range(stop - start):
+                    last = start + r
+                    delta = q.dtype.type(0)
+                    for e in range(d_k):
+                        delta += g_block[r, e] * o_block[r, e]
+                    p_row, dp_row = p_tile[r], dp_tile[r]
+                    for j in range(last + 1):
+                        probability = exp2_scalar(p_row[j] - lse[r])
+                        p_row[j] = probability
+                        dp_row[j] = probability * (dp_row[j] - delta) * scale
+                    for j in range(last + 1, stop):
+                        p_row[j] = 0
+                        dp_row[j] = 0
+                gemm(1.0, dp_tile, k[keys, columns], 0.0, grad_q[queries, columns])
+                gemm(1.0, dp_tile, q_block, 1.0, grad_k[keys, columns], True, False)
+                gemm(1.0, p_tile, g_block, 1.0, grad_v[keys, columns], True, False)
 
 
 @cpu_kernel(parallel=True)
