@@ -25,6 +25,8 @@ import tfmath
 from tfmath.analysis.timing import best_time, interleaved_best_times, measure_peak_bytes
 from tfmath.tools.bench import gemm_roof, optional_torch
 
+from ._peers import needs_torch
+
 HEADS = 8
 HEAD_DIM = 64
 SEED = 0
@@ -73,10 +75,9 @@ class FlashForward:
 
     track_fraction_of_gemm_roof.unit = "fraction"
 
+    @needs_torch
     def track_torch_time_over_tfmath_time(self, n, causal, method):
         torch = optional_torch()
-        if torch is None:
-            raise NotImplementedError("PyTorch is not installed")
         tensors = [torch.from_numpy(a) for a in self.tensors]
 
         def torch_forward():
@@ -115,10 +116,9 @@ class FlashTrainingStep:
     def time_forward_backward(self, n):
         self.step()
 
+    @needs_torch
     def track_torch_time_over_tfmath_time(self, n):
         torch = optional_torch()
-        if torch is None:
-            raise NotImplementedError("PyTorch is not installed")
         query, key, value, grad = self.arrays
         tensors = [torch.from_numpy(a.copy()).requires_grad_() for a in (query, key, value)]
         torch_grad = torch.from_numpy(grad)

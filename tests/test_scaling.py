@@ -426,17 +426,17 @@ def test_sweep_saves_each_point_and_resumes(tmp_path, monkeypatch):
 
     original = sweep_module.run_training
     monkeypatch.setattr(sweep_module, "run_training", counting)
-    first = run_sweep(runs[:2], results_dir=tmp_path)
+    first = run_sweep(runs[:2], results_dir=tmp_path, workers=1)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(f"{r.key}.json" for r in runs[:2])
     # A second sweep trains only the new point and returns the saved ones unchanged.
     lines = []
-    second = run_sweep(runs, results_dir=tmp_path, progress=lines.append)
+    second = run_sweep(runs, results_dir=tmp_path, progress=lines.append, workers=1)
     assert trained == [runs[0].key, runs[1].key, runs[2].key]
     assert [r.to_dict() for r in second[:2]] == [r.to_dict() for r in first]
     assert [line.split()[0] for line in lines] == ["loaded", "loaded", "trained"]
     # A damaged file is trained again, and the result equals the lost one.
     (tmp_path / f"{runs[0].key}.json").write_text('{"key": "trunc')
-    third = run_sweep(runs, results_dir=tmp_path)
+    third = run_sweep(runs, results_dir=tmp_path, workers=1)
     assert trained[-1] == runs[0].key
     assert _comparable(third[0]) == _comparable(first[0])
     saved = json.loads((tmp_path / f"{runs[0].key}.json").read_text())
@@ -458,10 +458,24 @@ def test_sweep_refuses_bad_arguments():
         run_sweep([_tiny_run()], scheduler=42)
 
 
+def test_worker_processes_train_what_this_process_trains(tmp_path):
+    runs = [_tiny_run(seed, steps=40) for seed in (5, 6, 7)]
+    lines = []
+    # Two worker processes on one thread each, against this process on every thread.
+    parallel = run_sweep(runs, results_dir=tmp_path, workers=2, progress=lines.append)
+    assert [_comparable(r) for r in parallel] == [
+        _comparable(r) for r in run_sweep(runs, workers=1)
+    ]
+    assert sorted(line.split()[0] for line in lines) == ["trained"] * 3
+    assert len(list(tmp_path.glob("*.json"))) == 3
+    with pytest.raises(ValueError, match="workers"):
+        run_sweep(runs, workers=0)
+
+
 def test_dask_sweep_equals_the_in_process_one(tmp_path):
     distributed = pytest.importorskip("distributed")
     runs = [_tiny_run(seed, steps=40) for seed in (5, 6, 7)]
-    local = run_sweep(runs)
+    local = run_sweep(runs, workers=1)
     with (
         distributed.LocalCluster(
             n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None

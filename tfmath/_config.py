@@ -217,6 +217,7 @@ def _kernel_function_cache_class(variant):
     class KernelCacheLocator(caching._CacheLocator):
         def __init__(self, py_func, py_file):
             self._lineno = py_func.__code__.co_firstlineno
+            self._py_file = py_file  # Numba's warning that code cannot be cached names it
             subfolder = Path(py_file).resolve().parent.relative_to(KERNELS_FOLDER.resolve())
             self._cache_path = str(kernel_cache().folder / subfolder / variant)
 
@@ -313,6 +314,20 @@ def _blas_controller():
 def _blas_libraries():
     """threadpoolctl's controller of each BLAS library loaded, found once per process."""
     return tuple(_blas_controller().select(user_api="blas").lib_controllers)
+
+
+@contextlib.contextmanager
+def blas_threads(count):
+    """A context in which BLAS runs on at most ``count`` threads (restored on exit)."""
+    libraries = _blas_libraries()
+    previous = [library.get_num_threads() for library in libraries]
+    for library in libraries:
+        library.set_num_threads(count)
+    try:
+        yield
+    finally:
+        for library, threads in zip(libraries, previous, strict=True):
+            library.set_num_threads(threads)
 
 
 @contextlib.contextmanager

@@ -68,8 +68,9 @@ def _parser():
     bench = commands.add_parser("bench", help="time tfmath's kernels against their peers")
     bench.add_argument(
         "topic",
-        choices=("attention", "dropin"),
-        help="what to benchmark (dropin: a PyTorch GPT's training step with tfmath's attention)",
+        choices=("attention", "training", "dropin"),
+        help="what to benchmark (training: tfmath's training step against PyTorch's; dropin: "
+        "a PyTorch GPT's training step with tfmath's attention)",
     )
     bench.add_argument("--quick", action="store_true", help="shorter sequences only")
     bench.add_argument(
@@ -90,6 +91,7 @@ def _parser():
         choices=("cpu", "cuda"),
         help="where tfmath and torch run (default cpu; cuda needs a real GPU)",
     )
+    bench.add_argument("--threads", type=int, help="training: threads of both (default all)")
     bench.set_defaults(handler=_bench)
     return parser
 
@@ -98,7 +100,19 @@ def _bench(args):
     if args.topic == "dropin":
         from tfmath.tools.bench_dropin import print_dropin_report
 
+        _print_compilation_notice()
         print_dropin_report(quick=args.quick)
+        return 0
+    if args.topic == "training":
+        from tfmath.tools.bench_training import print_training_report
+
+        if args.threads is not None and args.threads < 1:
+            message = f"tfmath bench: --threads must be at least 1, got {args.threads}"
+            print(message, file=sys.stderr)
+            return 2
+
+        _print_compilation_notice()
+        print_training_report(quick=args.quick, threads=args.threads, out=_flushed)
         return 0
     from tfmath.tools.bench import print_attention_report, print_matrix_report, print_small_report
 
@@ -129,6 +143,10 @@ def _print_compilation_notice():
     notice = _config.compilation_notice()
     if notice is not None:
         print(f"tfmath: {notice}", file=sys.stderr, flush=True)
+
+
+def _flushed(line):
+    print(line, flush=True)
 
 
 def _reproduce(args):

@@ -14,10 +14,17 @@ validation set, with the sampling noise of that set removed (see
 :class:`TrainingResult`), so that losses of different runs, and the source's
 entropy rate :math:`E`, can be compared to a few parts in ten thousand.
 
-The models here are tiny (hundreds to tens of thousands of parameters), for
-which thread start-up costs more than the arithmetic: the loop runs Numba's
-kernels and BLAS on one thread (:func:`single_threaded`), which on a busy
-two-core machine is several times faster than two.
+For the models of :func:`language_model_config` the step is
+:class:`~tfmath.training.fused.FusedDecoder`: the same function and gradients,
+computed with fused kernels into buffers kept between steps, on ``threads=``
+threads where a matrix or a batch of heads is large enough to share out. The
+default is one: on the shared 2-core development machine a second thread made
+steps slower, not faster, at every width measured (16 to 256; see
+``docs/benchmarks.rst``), since every shared-out call waits for the slowest
+thread and a busy machine often deschedules one for a time slice.
+Other models, and ``backend="reference"`` or ``"cuda"``, go through the blocks.
+A run's results do not depend on the number of threads (``tests/test_training_fused.py``
+checks it), so sweeps can train several models at once on one thread each.
 """
 
 import math
@@ -31,6 +38,7 @@ from tfmath import _config
 from tfmath._contract.checks import integer
 from tfmath.errors import ArgumentError, DTypeError
 from tfmath.formulas.accounting import ModelConfig, count_parameters
+from tfmath.training.fused import FusedDecoder, fusable
 from tfmath.training.layers import cross_entropy, cross_entropy_backward, cross_entropy_forward
 from tfmath.training.models import decoder_only_backward, decoder_only_forward, init_model
 from tfmath.training.optim import Adam, CosineSchedule, WarmupSchedule
@@ -41,6 +49,7 @@ __all__ = [
     "TrainingResult",
     "language_model_config",
     "single_threaded",
+    "threads_limited",
     "train_language_model",
 ]
 
@@ -258,6 +267,27 @@ def single_threaded():
         numba.set_num_threads(previous)
 
 
+@contextmanager
+def threads_limited(count=None):
+    """Run Numba's parallel kernels and BLAS on ``count`` threads inside the block.
+
+    None: all of Numba's threads (``NUMBA_NUM_THREADS``, by default the cores).
+    Both thread counts are restored on exit.
+    """
+    import numba
+
+    count = numba.config.NUMBA_NUM_THREADS if count is None else count
+    count = integer("threads", count, minimum=1, allow_none=False)
+    count = min(count, numba.config.NUMBA_NUM_THREADS)
+    previous = numba.get_num_threads()
+    numba.set_num_threads(count)
+    try:
+        with _config.blas_threads(count):
+            yield
+    finally:
+        numba.set_num_threads(previous)
+
+
 class _Batches:
     """Training batches: fresh text, or draws with replacement from a fixed corpus."""
 
@@ -280,7 +310,7 @@ class _Batches:
         return self.corpus[rows]
 
 
-def train_language_model(config, source, training=None, *, backend="auto"):
+def train_language_model(config, source, training=None, *, backend="auto", threads=1):
     r"""Train a decoder-only model on a language of known entropy, and measure it.
 
     Each step minimises the mean cross-entropy of the next token,
@@ -304,7 +334,12 @@ def train_language_model(config, source, training=None, *, backend="auto"):
         of known entropy, or a text file (:class:`~tfmath.training.sources.ByteCorpus`).
     training : TrainingConfig, optional
     backend : {"auto", "cpu", "cuda", "reference"}, optional
-        Backend of the blocks' kernels.
+        Backend of the blocks' kernels. ``"auto"`` and ``"cpu"`` train the models
+        of :func:`language_model_config` with the fused step
+        (:class:`~tfmath.training.fused.FusedDecoder`).
+    threads : int or None, optional
+        Threads of Numba's kernels and BLAS during the run (None: all of Numba's);
+        default 1. The results do not depend on it.
 
     Returns
     -------
@@ -333,7 +368,7 @@ def train_language_model(config, source, training=None, *, backend="auto"):
         raise DTypeError(f"source must be a TokenSource, got {type(source).__name__}")
     _check_fits(config, source, training)
     started = time.perf_counter()
-    with single_threaded():
+    with threads_limited(threads):
         result = _train(config, source, training, backend)
     return TrainingResult(**result, seconds=time.perf_counter() - started)
 
@@ -357,7 +392,7 @@ def _train(config, source, training, backend):
     dtype = np.dtype(training.dtype)
     params = init_model(config, seed=training.seed, dtype=dtype)
     adam = Adam(learning_rate=_learning_rate(config, training))
-    state = adam.init(params)
+    model = _Model(config, params, adam, backend)
     batches = _Batches(source, training)
     validation_rng = np.random.default_rng([training.seed, _STREAMS["validation"]])
     validation = source.validation_sample(
@@ -376,15 +411,10 @@ def _train(config, source, training, backend):
     while step < training.steps:
         step += 1
         batch = batches.next()
-        logits, cache = decoder_only_forward(params, batch[:, :-1], config, backend=backend)
-        loss, loss_cache = cross_entropy_forward(logits, batch[:, 1:], backend=backend)
-        grad_logits = cross_entropy_backward(dtype.type(1.0), loss_cache)
-        grads = decoder_only_backward(grad_logits, cache)
-        params, state = adam.update(params, grads, state)
-        train_losses.append(float(loss))
+        train_losses.append(model.step(batch))
         if step % training.eval_every and step != training.steps:
             continue
-        raw = _mean_loss(params, validation, config, backend)
+        raw = model.mean_loss(validation)
         curve_steps.append(step)
         curve_losses.append(raw + offset)
         curve_train.append(float(np.mean(train_losses)))
@@ -406,7 +436,7 @@ def _train(config, source, training, backend):
         "steps": step,
         "tokens_seen": step * training.batch_size * targets_per_sequence,
         "non_embedding_parameters": count_parameters(config, include_embeddings=False),
-        "parameters": params.size,
+        "parameters": model.size,
         "curve_steps": tuple(curve_steps),
         "curve_losses": tuple(curve_losses),
         "curve_train_losses": tuple(curve_train),
@@ -424,7 +454,39 @@ def _learning_rate(config, training):
     return lambda step: training.learning_rate_scale * schedule(step)
 
 
-def _mean_loss(params, tokens, config, backend):
-    """Mean next-token cross-entropy of ``tokens`` (forward only)."""
-    logits, _ = decoder_only_forward(params, tokens[:, :-1], config, backend=backend)
-    return float(cross_entropy(logits.astype(np.float64), tokens[:, 1:], backend=backend))
+class _Model:
+    """The model being trained and its optimiser: one :meth:`step` per batch, fused
+    (:class:`~tfmath.training.fused.FusedDecoder`) where the model allows it."""
+
+    def __init__(self, config, params, adam, backend):
+        self.config, self.adam, self.backend = config, adam, backend
+        self.size = params.size
+        self.fused = None
+        if backend in ("auto", "cpu") and fusable(config):
+            self.fused = FusedDecoder(config, params)
+        else:
+            self.params, self.state = params, adam.init(params)
+
+    def step(self, batch):
+        """One Adam step on ``batch`` ``(B, T + 1)``; returns the batch's mean loss."""
+        if self.fused is not None:
+            loss = self.fused.loss_and_grads(batch)
+            adam = self.adam
+            self.fused.adam_step(adam.rate(self.fused.adam_steps + 1), adam.beta1, adam.beta2,
+                                 adam.eps)  # fmt: skip
+            return loss
+        config, backend = self.config, self.backend
+        logits, cache = decoder_only_forward(self.params, batch[:, :-1], config, backend=backend)
+        loss, loss_cache = cross_entropy_forward(logits, batch[:, 1:], backend=backend)
+        grad_logits = cross_entropy_backward(logits.dtype.type(1.0), loss_cache)
+        grads = decoder_only_backward(grad_logits, cache)
+        self.params, self.state = self.adam.update(self.params, grads, self.state)
+        return float(loss)
+
+    def mean_loss(self, tokens):
+        """Mean next-token cross-entropy of ``tokens`` (forward only)."""
+        if self.fused is not None:
+            return self.fused.mean_loss(tokens)
+        logits, _ = decoder_only_forward(self.params, tokens[:, :-1], self.config,
+                                         backend=self.backend)  # fmt: skip
+        return float(cross_entropy(logits.astype(np.float64), tokens[:, 1:], backend=self.backend))

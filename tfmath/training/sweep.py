@@ -5,7 +5,9 @@ or data size), which is embarrassingly parallel. :func:`run_sweep` takes a
 list of :class:`TrainingRun` and returns their
 :class:`~tfmath.training.TrainingResult`, in order:
 
-* by default it trains them one after another in this process;
+* by default it trains them in parallel, one model per core, each in a process
+  of its own on one thread (``workers=``; see :func:`run_sweep` for why), or one
+  after another in this process with ``workers=1``;
 * with ``scheduler=`` (a Dask scheduler address such as
   ``"tcp://10.0.0.5:8786"``, or a ``distributed.Client``) it submits each run
   to the cluster with ``Client.submit`` and gathers the results as they
@@ -22,12 +24,16 @@ uninterrupted sweep. :func:`cache_dir` is the default home of such folders.
 
 import hashlib
 import json
+import multiprocessing
 import os
 import tempfile
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from tfmath._config import cache_dir
+from tfmath._contract.checks import integer
 from tfmath.errors import DTypeError
 from tfmath.formulas.accounting import ModelConfig
 from tfmath.training.loop import TrainingConfig, TrainingResult, train_language_model
@@ -37,7 +43,7 @@ __all__ = ["TrainingRun", "cache_dir", "run_sweep", "run_training"]
 
 #: Part of every run's key: raise it when a change to the training code changes
 #: results, so that results saved by older code are not reused.
-RESULTS_FORMAT = 1
+RESULTS_FORMAT = 2  # 2: the fused training step (float32 rounding differs from the blocks')
 
 
 @dataclass(frozen=True)
@@ -84,17 +90,27 @@ class TrainingRun:
         return hashlib.sha256(text.encode()).hexdigest()[:20]
 
 
-def run_training(run):
+def run_training(run, threads=1):
     """Train one :class:`TrainingRun`; returns ``{"key", "run", "result"}`` as JSON data.
 
-    A module-level function, so Dask workers can import it by name.
+    A module-level function, so Dask workers and worker processes can import it by
+    name. ``threads`` is passed to :func:`~tfmath.training.train_language_model`.
     """
-    result = train_language_model(run.model, run.source, run.training, backend=run.backend)
+    result = train_language_model(
+        run.model, run.source, run.training, backend=run.backend, threads=threads
+    )
     return {"key": run.key, "run": run.spec(), "result": result.to_dict()}
 
 
-def run_sweep(runs, *, results_dir=None, scheduler=None, progress=None):
+def run_sweep(runs, *, results_dir=None, scheduler=None, progress=None, workers=None):
     """Train every run that has no saved result, and return all results in order.
+
+    The sweeps' models are small: one of them keeps one core busy, and the matrices
+    of its step are too small to share out (``tfmath bench training``), so several
+    models trained at once, each on one thread in a process of its own, finish a
+    sweep sooner than the same models one after another
+    (``docs/benchmarks.rst`` gives the measurement). Results do not depend on the
+    thread count, so they are the same either way.
 
     Parameters
     ----------
@@ -107,6 +123,13 @@ def run_sweep(runs, *, results_dir=None, scheduler=None, progress=None):
         scheduler address; a client made from it is closed afterwards.
     progress : callable, optional
         Called with one line of text per run as it is loaded or finished.
+    workers : int, optional
+        Without ``scheduler``: worker processes that train one run each at a time,
+        on one thread. Default: one per core available to this process (at most
+        one per run to train); 1 trains them one after another in this process. Worker
+        processes are spawned, and import the main module: a script that calls
+        this with more than one worker must do so under
+        ``if __name__ == "__main__":``, as with :mod:`multiprocessing`.
 
     Returns
     -------
@@ -123,6 +146,7 @@ def run_sweep(runs, *, results_dir=None, scheduler=None, progress=None):
     for run in runs:
         if not isinstance(run, TrainingRun):
             raise DTypeError(f"runs must be TrainingRun objects, got {type(run).__name__}")
+    workers = integer("workers", workers, minimum=1, allow_none=True)
     progress = progress or (lambda line: None)
     folder = None if results_dir is None else Path(results_dir)
     records = {}
@@ -139,8 +163,12 @@ def run_sweep(runs, *, results_dir=None, scheduler=None, progress=None):
         progress(f"trained {_describe(run, record)}")
 
     if scheduler is None:
-        for run in pending:
-            finished(run_training(run), run)
+        workers = min(len(pending), _cores()) if workers is None else workers
+        if workers <= 1 or len(pending) <= 1:
+            for run in pending:
+                finished(run_training(run), run)
+        else:
+            _run_in_processes(pending, workers, finished)
     elif pending:
         _run_on_dask(pending, scheduler, finished)
     return [TrainingResult.from_dict(records[run.key]["result"]) for run in runs]
@@ -154,6 +182,36 @@ def _describe(run, record):
         f"{result['validation_loss']:.4f} after {result['steps']} steps in "
         f"{result['seconds']:.1f} s"
     )
+
+
+def _cores():
+    """The cores this process may run on."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    return len(affinity(0)) if affinity is not None else os.cpu_count() or 1
+
+
+def _run_in_processes(runs, workers, finished):
+    """Train ``runs`` in ``workers`` fresh processes (spawned: a forked child would
+    inherit the parent's OpenMP thread pool, which is not safe to use after a fork),
+    one thread each, calling ``finished`` in this process as each run completes."""
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
+        futures = {pool.submit(run_training, run, 1): run for run in runs}
+        try:
+            remaining = set(futures)
+            while remaining:
+                done, remaining = wait(remaining, return_when=FIRST_COMPLETED)
+                for future in done:
+                    finished(future.result(), futures[future])
+        except BrokenProcessPool as error:
+            raise RuntimeError(
+                "a sweep's worker process died; if it could not start, call run_sweep under "
+                "'if __name__ == \"__main__\":' in a script (workers are spawned and import "
+                "the main module), or pass workers=1"
+            ) from error
+        finally:
+            for future in futures:
+                future.cancel()
 
 
 def _run_on_dask(runs, scheduler, finished):

@@ -1,0 +1,121 @@
+"""The fused training step against the blocks it replaces, and its independence of threads."""
+
+import numba
+import numpy as np
+import pytest
+
+from tfmath.training import TrainingConfig, fused, language_model_config, train_language_model
+from tfmath.training.fused import FusedDecoder, fusable
+from tfmath.training.layers import cross_entropy_backward, cross_entropy_forward
+from tfmath.training.models import decoder_only_backward, decoder_only_forward, init_model
+from tfmath.training.optim import Adam
+from tfmath.training.synthetic import ZipfLexicon
+
+# Float64 differs from the blocks by summation order only; float32 by the same,
+# amplified through a few layers of LayerNorm and softmax.
+TOLERANCE = {np.float64: 1e-10, np.float32: 2e-4}
+
+
+def _blocks_loss_and_grads(params, sequences, config):
+    logits, cache = decoder_only_forward(params, sequences[:, :-1], config, backend="cpu")
+    loss, loss_cache = cross_entropy_forward(logits, sequences[:, 1:], backend="cpu")
+    grads = decoder_only_backward(cross_entropy_backward(logits.dtype.type(1), loss_cache), cache)
+    return float(loss), grads
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize(
+    ("d_model", "n_layers", "head_width", "batch", "length"),
+    [(8, 1, 8, 3, 5), (12, 2, 4, 2, 7), (16, 3, 16, 1, 1)],
+)
+def test_fused_step_equals_the_blocks(
+    dtype, d_model, n_layers, head_width, batch, length, monkeypatch
+):
+    # Attention blocks of 3 queries: the 5- and 7-token sequences take two and three,
+    # the last one short, and the 1-token sequence a block of its own length.
+    monkeypatch.setattr(fused, "ATTENTION_BLOCK", 3)
+    vocab = 7
+    config = language_model_config(
+        d_model, n_layers, vocab_size=vocab, context=length, head_width=head_width
+    )
+    # Large weights, so that attention is far from uniform and every path carries gradient.
+    params = init_model(config, seed=d_model, dtype=dtype, std=0.5)
+    sequences = np.random.default_rng(length).integers(0, vocab, size=(batch, length + 1))
+    model = FusedDecoder(config, params)
+    loss = model.loss_and_grads(sequences)
+    expected_loss, expected = _blocks_loss_and_grads(params, sequences, config)
+    tolerance = TOLERANCE[dtype]
+    assert loss == pytest.approx(expected_loss, rel=tolerance)
+    assert model.mean_loss(sequences) == pytest.approx(expected_loss, rel=tolerance)
+    assert sorted(model.grads) == sorted(expected)
+    # b_k's true gradient is zero (softmax ignores a constant added to every score of a
+    # row), so each gradient is compared on the scale of the largest one.
+    scale = max(np.abs(g).max() for g in expected.values())
+    for name, grad in expected.items():
+        np.testing.assert_allclose(model.grads[name], grad, rtol=0, atol=tolerance * scale,
+                                   err_msg=name)  # fmt: skip
+    logits, _ = decoder_only_forward(params, sequences[:, :-1], config, backend="cpu")
+    np.testing.assert_allclose(model.logits(sequences[:, :-1]), logits, rtol=tolerance, atol=0)
+
+
+def test_fused_adam_step_equals_adam():
+    config = language_model_config(8, 1, vocab_size=5, context=4)
+    params = init_model(config, seed=1)
+    fused = FusedDecoder(config, params)
+    adam = Adam(learning_rate=0.01)
+    state = adam.init(params)
+    rng = np.random.default_rng(2)
+    for _ in range(3):
+        grads = params.map(lambda a: rng.standard_normal(a.shape))
+        for name, grad in grads.items():
+            fused.grads[name][...] = grad
+        params, state = adam.update(params, grads, state)
+        fused.adam_step(adam.rate(state.step), adam.beta1, adam.beta2, adam.eps)
+    for name, theta in params.items():
+        np.testing.assert_allclose(fused.params[name], theta, rtol=1e-12, atol=1e-15)
+
+
+def test_fused_decoder_refuses_other_models():
+    config = language_model_config(8, 1, vocab_size=5, context=4)
+    from dataclasses import replace
+
+    gelu = replace(config, activation="gelu")
+    assert fusable(config) and not fusable(gelu)
+    with pytest.raises(ValueError, match="not a model FusedDecoder computes"):
+        FusedDecoder(gelu, init_model(gelu))
+
+
+@pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="needs two threads")
+def test_training_does_not_depend_on_the_thread_count(monkeypatch):
+    # Every kernel on its parallel path and every product on two BLAS threads.
+    monkeypatch.setattr(fused, "PARALLEL_MIN_WORK", 1)
+    monkeypatch.setattr(fused, "PARALLEL_GEMM_MIN_WORK", 1)
+    source = ZipfLexicon(n_letters=6, word_length=3, n_words=40, seed=2)
+    model = language_model_config(16, 2, vocab_size=source.vocab_size, context=32)
+    training = TrainingConfig(steps=3, batch_size=32, words_per_sequence=8, eval_every=3,
+                              warmup=2, validation_sequences=32)  # fmt: skip
+    one, two = (train_language_model(model, source, training, threads=n) for n in (1, 2))
+    assert {**one.to_dict(), "seconds": 0} == {**two.to_dict(), "seconds": 0}
+    # The fused step trains the model the blocks train, to float32 rounding.
+    blocks = train_language_model(model, source, training, backend="reference")
+    assert one.validation_loss == pytest.approx(blocks.validation_loss, rel=1e-4)
+
+
+def test_bench_training_prints_a_row_per_shape_for_the_same_model_in_torch(monkeypatch):
+    from tfmath.tools import bench_training
+
+    monkeypatch.setattr(bench_training, "ROOF_SIZE", 64)  # the rows are the point
+
+    shape = bench_training.TrainingShape("tiny", 16, 1, 8, batch=2, vocab=11)
+    torch = bench_training.optional_torch()
+    if torch is not None:
+        # The peer is the same model: the same tensors, element for element.
+        peer = bench_training.torch_step(torch, shape)
+        ours = init_model(shape.config())
+        assert sum(p.numel() for p in peer.parameters) == ours.size
+    lines = []
+    bench_training.print_training_report(threads=1, out=lines.append, shapes=[shape], rounds=1)
+    assert len(lines) == 4
+    row = lines[-1].split()
+    assert row[:5] == ["tiny", "16", "1", "8", "2"]
+    assert ("n/a" in row) == (torch is None)

@@ -1,0 +1,356 @@
+"""CPU kernels of the fused training step of a pre-LN decoder (:mod:`tfmath.training.fused`).
+
+Each kernel does in one pass over memory what the composable blocks do in
+several (bias, activation, residual, norm; softmax and loss and its gradient),
+writes into buffers its caller keeps between steps, and is parallel over rows,
+over (sequence, head) pairs, or over chunks of the flat parameter vector.
+
+Every result is independent of the number of threads: rows and heads are
+independent, and the sums over rows (the gradients of biases and norm gains)
+add fixed chunks of rows (:data:`ROW_CHUNKS`, whatever the thread count) and
+then the chunks in order, so a run is reproducible across thread counts.
+"""
+
+import math
+
+import numba
+import numpy as np
+
+from tfmath._config import cpu_kernel
+from tfmath.kernels.cpu.blas import gemm
+from tfmath.kernels.cpu.exp2 import exp2_scalar
+
+_LOG2_E = 1 / math.log(2)
+
+#: Sums over rows add this many chunks' partial sums, in order (see the module docstring).
+ROW_CHUNKS = 16
+
+
+@cpu_kernel
+def _chunk_bounds(chunk, n_rows, n_chunks):
+    return chunk * n_rows // n_chunks, (chunk + 1) * n_rows // n_chunks
+
+
+@cpu_kernel(parallel=True)
+def layer_norm_forward(x, weight, bias, eps, y, mean, rstd):
+    """``y = (x - mean) * rstd * weight + bias`` per row, saving ``mean`` and ``rstd``."""
+    n_rows, n_features = x.shape
+    for i in numba.prange(n_rows):
+        row, out = x[i], y[i]
+        mu = row.dtype.type(0)
+        for j in range(n_features):
+            mu += row[j]
+        mu /= n_features
+        variance = row.dtype.type(0)
+        for j in range(n_features):
+            centred = row[j] - mu
+            variance += centred * centred
+        r = 1 / math.sqrt(variance / n_features + eps)
+        mean[i] = mu
+        rstd[i] = r
+        for j in range(n_features):
+            out[j] = (row[j] - mu) * r * weight[j] + bias[j]
+
+
+@cpu_kernel(parallel=True)
+def layer_norm_backward(grad_y, x, weight, mean, rstd, grad_x, accumulate, grad_weight, grad_bias):
+    """Gradients of :func:`layer_norm_forward`; ``grad_x`` is added to when ``accumulate``
+    (the residual stream's gradient), else overwritten. ``grad_weight`` and
+    ``grad_bias`` are overwritten."""
+    n_rows, n_features = x.shape
+    partial_weight = np.zeros((ROW_CHUNKS, n_features), dtype=x.dtype)
+    partial_bias = np.zeros((ROW_CHUNKS, n_features), dtype=x.dtype)
+    for chunk in numba.prange(ROW_CHUNKS):
+        start, stop = _chunk_bounds(chunk, n_rows, ROW_CHUNKS)
+        pw, pb = partial_weight[chunk], partial_bias[chunk]
+        for i in range(start, stop):
+            mu, r = mean[i], rstd[i]
+            row, g_row, out = x[i], grad_y[i], grad_x[i]
+            g_mean = x.dtype.type(0)
+            g_xhat_mean = x.dtype.type(0)
+            for j in range(n_features):
+                xhat = (row[j] - mu) * r
+                g = g_row[j] * weight[j]
+                g_mean += g
+                g_xhat_mean += g * xhat
+                pw[j] += g_row[j] * xhat
+                pb[j] += g_row[j]
+            g_mean /= n_features
+            g_xhat_mean /= n_features
+            for j in range(n_features):
+                xhat = (row[j] - mu) * r
+                value = r * (g_row[j] * weight[j] - g_mean - xhat * g_xhat_mean)
+                out[j] = out[j] + value if accumulate else value
+    _sum_chunks(partial_weight, grad_weight)
+    _sum_chunks(partial_bias, grad_bias)
+
+
+@cpu_kernel
+def _sum_chunks(partials, out):
+    out[:] = 0
+    for chunk in range(partials.shape[0]):
+        for j in range(out.shape[0]):
+            out[j] += partials[chunk, j]
+
+
+@cpu_kernel(parallel=True)
+def column_sums(g, out):
+    """``out = g.sum(axis=0)`` for a 2-D ``g``, in fixed chunks of rows."""
+    n_rows, n_features = g.shape
+    partials = np.zeros((ROW_CHUNKS, n_features), dtype=g.dtype)
+    for chunk in numba.prange(ROW_CHUNKS):
+        start, stop = _chunk_bounds(chunk, n_rows, ROW_CHUNKS)
+        partial = partials[chunk]
+        for i in range(start, stop):
+            row = g[i]
+            for j in range(n_features):
+                partial[j] += row[j]
+    _sum_chunks(partials, out)
+
+
+@cpu_kernel(parallel=True)
+def add_bias(y, bias):
+    """``y += bias`` on every row of a 2-D ``y``."""
+    for i in numba.prange(y.shape[0]):
+        row = y[i]
+        for j in range(y.shape[1]):
+            row[j] += bias[j]
+
+
+@cpu_kernel(parallel=True)
+def bias_relu(h, bias):
+    """``h = max(h + bias, 0)`` in place."""
+    zero = h.dtype.type(0)
+    for i in numba.prange(h.shape[0]):
+        row = h[i]
+        for j in range(h.shape[1]):
+            row[j] = max(row[j] + bias[j], zero)
+
+
+@cpu_kernel(parallel=True)
+def relu_backward(grad, activated):
+    """``grad *= (activated > 0)`` in place: the ReLU's gradient from its output."""
+    for i in numba.prange(grad.shape[0]):
+        g, a = grad[i], activated[i]
+        for j in range(grad.shape[1]):
+            if a[j] <= 0:
+                g[j] = 0
+
+
+@cpu_kernel(parallel=True)
+def residual_bias(out, x, y, bias):
+    """``out = x + y + bias`` (a residual connection after a linear map's product)."""
+    for i in numba.prange(out.shape[0]):
+        o, a, b = out[i], x[i], y[i]
+        for j in range(out.shape[1]):
+            o[j] = a[j] + b[j] + bias[j]
+
+
+@cpu_kernel(parallel=True)
+def embed(tokens, table, positions, x):
+    """``x[b * T + t] = table[tokens[b, t]] + positions[t]``."""
+    n_batch, length = tokens.shape
+    for b in numba.prange(n_batch):
+        for t in range(length):
+            out, row, position = x[b * length + t], table[tokens[b, t]], positions[t]
+            for j in range(x.shape[1]):
+                out[j] = row[j] + position[j]
+
+
+@cpu_kernel(parallel=True)
+def embed_backward(tokens, grad_x, grad_table, grad_positions):
+    """Adds the token rows' gradients into ``grad_table`` (in token order, one thread:
+    rows of one token collide) and sets ``grad_positions`` to the sum over sequences."""
+    n_batch, length = tokens.shape
+    width = grad_x.shape[1]
+    for t in numba.prange(length):
+        out = grad_positions[t]
+        out[:] = 0
+        for b in range(n_batch):
+            row = grad_x[b * length + t]
+            for j in range(width):
+                out[j] += row[j]
+    for b in range(n_batch):
+        for t in range(length):
+            row, out = grad_x[b * length + t], grad_table[tokens[b, t]]
+            for j in range(width):
+                out[j] += row[j]
+
+
+@cpu_kernel(parallel=True)
+def causal_attention_forward(q, k, v, n_heads, length, block, n_chunks, out, log_sum_exp):
+    r"""Causal softmax attention of every (sequence, head), scale ``1/sqrt(d_k)``.
+
+    ``q``, ``k``, ``v`` and ``out`` are ``(B T, h d_k)`` (heads side by side in a
+    row, as the projections write them); ``log_sum_exp`` ``(B, h, T)`` keeps each
+    row's normaliser (in base 2: the scores are scaled by :math:`\log_2 e` so that the
+    vectorised :func:`~tfmath.kernels.cpu.exp2.exp2_scalar` exponentiates them), from
+    which the backward pass recomputes the probabilities instead of storing
+    ``B h T^2`` of them. Each pair's queries are taken ``block`` rows at a time, and
+    a block's scores and output are BLAS products of its ``(block, d_k)`` slice
+    with the keys and values up to its last row: the blocks above the diagonal,
+    all masked, are never computed. BLAS must run on one thread here: the pairs
+    are shared out among ``n_chunks`` chunks, one per thread, each with its own
+    scratch.
+    """
+    d_k = q.shape[1] // n_heads
+    n_pairs = q.shape[0] // length * n_heads
+    scale_2 = _LOG2_E / math.sqrt(d_k)
+    n_chunks = min(n_chunks, n_pairs)
+    for chunk in numba.prange(n_chunks):
+        scores = np.empty((min(block, length), length), dtype=q.dtype)
+        for pair in range(chunk * n_pairs // n_chunks, (chunk + 1) * n_pairs // n_chunks):
+            b, h = pair // n_heads, pair % n_heads
+            first, columns = b * length, slice(h * d_k, (h + 1) * d_k)
+            for start in range(0, length, block):
+                stop = min(start + block, length)
+                queries = slice(first + start, first + stop)
+                keys = slice(first, first + stop)
+                tile = scores[: stop - start, :stop]
+                gemm(scale_2, q[queries, columns], k[keys, columns], 0.0, tile, False, True)
+                _causal_softmax_2(tile, start, log_sum_exp[b, h, start:stop])
+                gemm(1.0, tile, v[keys, columns], 0.0, out[queries, columns])
+
+
+@cpu_kernel
+def _causal_softmax_2(scores, first_query, log_sum_exp):
+    """Row ``r`` of ``scores`` (base-2 logits of query ``first_query + r``) becomes its
+    softmax over the columns up to that query, zero beyond; ``log_sum_exp[r]``
+    keeps its base-2 normaliser."""
+    for r in range(scores.shape[0]):
+        row, last = scores[r], first_query + r
+        row_max = row[0]
+        for j in range(1, last + 1):
+            row_max = max(row_max, row[j])
+        total = row.dtype.type(0)
+        for j in range(last + 1):
+            p = exp2_scalar(row[j] - row_max)
+            row[j] = p
+            total += p
+        inverse = 1 / total
+        for j in range(last + 1):
+            row[j] *= inverse
+        for j in range(last + 1, scores.shape[1]):
+            row[j] = 0
+        log_sum_exp[r] = row_max + math.log2(total)
+
+
+@cpu_kernel(parallel=True)
+def causal_attention_backward(
+    q, k, v, out, grad_out, log_sum_exp, n_heads, length, block, n_chunks, grad_q, grad_k,
+    grad_v,
+):  # fmt: skip
+    r"""Gradients of :func:`causal_attention_forward` (all ``(B T, h d_k)``, overwritten).
+
+    With :math:`P` recomputed from the saved log-sum-exp and
+    :math:`D_i = \sum_e dO_{ie} O_{ie}`:
+    :math:`dS = s\, P \odot (dO V^\top - D)`, :math:`dQ = dS K`,
+    :math:`dK = dS^\top Q`, :math:`dV = P^\top dO`; five BLAS products per block of
+    ``block`` queries, over the keys up to its last row.
+    """
+    d_k = q.shape[1] // n_heads
+    n_pairs = q.shape[0] // length * n_heads
+    scale = q.dtype.type(1 / math.sqrt(d_k))
+    scale_2 = _LOG2_E / math.sqrt(d_k)
+    n_chunks = min(n_chunks, n_pairs)
+    for chunk in numba.prange(n_chunks):
+        p = np.empty((min(block, length), length), dtype=q.dtype)
+        dp = np.empty((min(block, length), length), dtype=q.dtype)
+        for pair in range(chunk * n_pairs // n_chunks, (chunk + 1) * n_pairs // n_chunks):
+            b, h = pair // n_heads, pair % n_heads
+            first, columns = b * length, slice(h * d_k, (h + 1) * d_k)
+            grad_k[first : first + length, columns] = 0
+            grad_v[first : first + length, columns] = 0
+            for start in range(0, length, block):
+                stop = min(start + block, length)
+                queries = slice(first + start, first + stop)
+                keys = slice(first, first + stop)
+                q_block, g_block = q[queries, columns], grad_out[queries, columns]
+                p_tile, dp_tile = p[: stop - start, :stop], dp[: stop - start, :stop]
+                gemm(scale_2, q_block, k[keys, columns], 0.0, p_tile, False, True)
+                gemm(1.0, g_block, v[keys, columns], 0.0, dp_tile, False, True)
+                o_block, lse = out[queries, columns], log_sum_exp[b, h, start:stop]
+                for r in range(stop - start):
+                    last = start + r
+                    delta = q.dtype.type(0)
+                    for e in range(d_k):
+                        delta += g_block[r, e] * o_block[r, e]
+                    p_row, dp_row = p_tile[r], dp_tile[r]
+                    for j in range(last + 1):
+                        probability = exp2_scalar(p_row[j] - lse[r])
+                        p_row[j] = probability
+                        dp_row[j] = probability * (dp_row[j] - delta) * scale
+                    for j in range(last + 1, stop):
+                        p_row[j] = 0
+                        dp_row[j] = 0
+                gemm(1.0, dp_tile, k[keys, columns], 0.0, grad_q[queries, columns])
+                gemm(1.0, dp_tile, q_block, 1.0, grad_k[keys, columns], True, False)
+                gemm(1.0, p_tile, g_block, 1.0, grad_v[keys, columns], True, False)
+
+
+@cpu_kernel(parallel=True)
+def cross_entropy_with_grad(logits, targets, row_loss):
+    """Each row's next-token loss into ``row_loss``; ``logits`` is overwritten by the
+    gradient of the mean loss, ``(softmax - onehot) / n_rows``."""
+    n_rows, n_classes = logits.shape
+    inverse_rows = logits.dtype.type(1 / n_rows)
+    log2_e = logits.dtype.type(_LOG2_E)
+    for i in numba.prange(n_rows):
+        row = logits[i]
+        row_max = row[0]
+        for j in range(1, n_classes):
+            row_max = max(row_max, row[j])
+        target = row[targets[i]]
+        total = row.dtype.type(0)
+        for j in range(n_classes):
+            e = exp2_scalar((row[j] - row_max) * log2_e)
+            row[j] = e
+            total += e
+        row_loss[i] = row_max - target + math.log(total)
+        weight = inverse_rows / total
+        for j in range(n_classes):
+            row[j] *= weight
+        row[targets[i]] -= inverse_rows
+
+
+@cpu_kernel(parallel=True)
+def cross_entropy_rows(logits, targets, row_loss):
+    """Each row's next-token loss (float64 ``row_loss``), leaving ``logits`` as they are."""
+    n_rows, n_classes = logits.shape
+    for i in numba.prange(n_rows):
+        row = logits[i]
+        row_max = np.float64(row[0])
+        for j in range(1, n_classes):
+            row_max = max(row_max, np.float64(row[j]))
+        total = 0.0
+        for j in range(n_classes):
+            total += math.exp(np.float64(row[j]) - row_max)
+        row_loss[i] = row_max + math.log(total) - np.float64(row[targets[i]])
+
+
+#: Elements of the flat parameter vector per chunk of the fused Adam update.
+ADAM_CHUNK = 4096
+
+
+@cpu_kernel(parallel=True)
+def adam_update(theta, grad, first, second, rate, beta1, beta2, eps, step):
+    r"""One Adam step (Kingma and Ba 2015) over flat arrays, in place.
+
+    :math:`m \leftarrow \beta_1 m + (1 - \beta_1) g`,
+    :math:`v \leftarrow \beta_2 v + (1 - \beta_2) g^2`,
+    :math:`\theta \leftarrow \theta - \alpha\, \hat m / (\sqrt{\hat v} + \epsilon)`
+    with the bias corrections :math:`\hat m = m / (1 - \beta_1^t)`,
+    :math:`\hat v = v / (1 - \beta_2^t)`; the arithmetic is in float64 and rounded
+    to the parameters' dtype once.
+    """
+    first_correction = 1 - beta1**step
+    second_correction = 1 - beta2**step
+    n = theta.shape[0]
+    for chunk in numba.prange((n + ADAM_CHUNK - 1) // ADAM_CHUNK):
+        for i in range(chunk * ADAM_CHUNK, min(n, (chunk + 1) * ADAM_CHUNK)):
+            g = np.float64(grad[i])
+            m = beta1 * first[i] + (1 - beta1) * g
+            v = beta2 * second[i] + (1 - beta2) * g * g
+            first[i] = m
+            second[i] = v
+            theta[i] -= rate * (m / first_correction) / (math.sqrt(v / second_correction) + eps)

@@ -1,0 +1,217 @@
+"""``tfmath bench training``: training steps per second, tfmath against PyTorch.
+
+One row per model shape: a decoder-only language model of
+:func:`~tfmath.training.language_model_config` (pre-LN, heads of width 8, ReLU
+feed-forward of width 4d, learned positions, tied head), a batch of sequences,
+float32, a full Adam step (forward, backward, update) in tfmath's fused step
+(:class:`~tfmath.training.fused.FusedDecoder`) and in the same model written
+with PyTorch's modules (``nn.TransformerEncoderLayer``, ``torch.optim.Adam``),
+both on the same number of threads. The two are timed in turn, round after
+round, in one process (:func:`~tfmath.analysis.timing.interleaved_best_times`),
+so a busy spell of a shared machine falls on both. GFLOP/s count a training
+step's FLOPs as :func:`~tfmath.formulas.accounting.flops_per_token` does
+(:math:`6N` plus attention), and the roof is NumPy's float32 GEMM on the same
+threads, timed in the same rounds as the row.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from tfmath.analysis.timing import interleaved_best_times, measure_peak_bytes
+from tfmath.tools.bench import optional_torch
+
+__all__ = ["TRAINING_SHAPES", "TrainingShape", "print_training_report", "training_rows"]
+
+
+@dataclass(frozen=True)
+class TrainingShape:
+    """One row: a model and its batch."""
+
+    label: str
+    d_model: int
+    n_layers: int
+    context: int
+    batch: int = 32
+    vocab: int = 64
+
+    def config(self):
+        from tfmath.training import language_model_config
+
+        return language_model_config(
+            self.d_model, self.n_layers, vocab_size=self.vocab, context=self.context
+        )
+
+    @property
+    def tokens(self):
+        return self.batch * self.context
+
+
+def _shapes():
+    widths = [TrainingShape("width", d, 2, 64) for d in (16, 32, 64, 128, 256, 512)]
+    layers = [TrainingShape("layers", 128, n, 64) for n in (1, 4)]
+    contexts = [TrainingShape("context", 128, 2, n) for n in (128, 256, 512)]
+    # The sweeps': compute_optimal (one layer, 40 targets, 13 tokens) and
+    # scaling_reproduction (two layers, 48 targets, 17 tokens).
+    compute_optimal = [TrainingShape("compute_optimal", d, 1, 40, vocab=13) for d in (8, 24, 48)]
+    scaling = [TrainingShape("scaling", d, 2, 48, vocab=17) for d in (8, 24, 48)]
+    return (*widths, *layers, *contexts, *compute_optimal, *scaling)
+
+
+#: Every row of ``tfmath bench training``; ``--quick`` takes :data:`QUICK_SHAPES`.
+TRAINING_SHAPES = _shapes()
+QUICK_SHAPES = tuple(
+    s
+    for s in TRAINING_SHAPES
+    if (s.label == "width" and s.d_model in (16, 64, 256)) or s.label == "compute_optimal"
+)
+
+
+def _batches(shape, count=4):
+    rng = np.random.default_rng(shape.d_model)
+    size = (shape.batch, shape.context + 1)
+    return [rng.integers(0, shape.vocab, size=size) for _ in range(count)]
+
+
+def tfmath_step(shape):
+    """A call that trains ``shape``'s model one step with tfmath's fused step."""
+    from tfmath.training.fused import FusedDecoder
+    from tfmath.training.models import init_model
+    from tfmath.training.optim import Adam
+
+    config = shape.config()
+    model = FusedDecoder(config, init_model(config, seed=0, dtype=np.float32))
+    adam, batches = Adam(learning_rate=1e-3), _batches(shape)
+
+    def step():
+        model.loss_and_grads(batches[model.adam_steps % len(batches)])
+        model.adam_step(adam.rate(model.adam_steps + 1), adam.beta1, adam.beta2, adam.eps)
+
+    return step
+
+
+def torch_step(torch, shape):
+    """The same model and step in PyTorch; its ``parameters`` attribute lists the
+    model's tensors."""
+    nn = torch.nn
+    torch.manual_seed(0)
+    d = shape.d_model
+    config = shape.config()
+    embed = nn.Embedding(shape.vocab, d)
+    positions = nn.Parameter(torch.zeros(shape.context, d))
+    layer = {"dropout": 0.0, "batch_first": True, "norm_first": True}
+    blocks = nn.ModuleList(
+        nn.TransformerEncoderLayer(d, config.n_heads, 4 * d, **layer) for _ in range(shape.n_layers)
+    )
+    final_norm = nn.LayerNorm(d)
+    parameters = [*embed.parameters(), positions, *blocks.parameters(), *final_norm.parameters()]
+    optimizer = torch.optim.Adam(parameters, lr=1e-3)
+    causal = nn.Transformer.generate_square_subsequent_mask(shape.context)
+    batches = [torch.from_numpy(b) for b in _batches(shape)]
+    count = [0]
+
+    def step():
+        batch = batches[count[0] % len(batches)]
+        count[0] += 1
+        x = embed(batch[:, :-1]) + positions
+        for block in blocks:
+            x = block(x, src_mask=causal, is_causal=True)
+        logits = final_norm(x) @ embed.weight.T
+        targets = batch[:, 1:].reshape(-1)
+        loss = nn.functional.cross_entropy(logits.reshape(-1, shape.vocab), targets)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+
+    step.parameters = parameters
+    return step
+
+
+def _peak_bytes(make_step):
+    """Peak memory of building a model and training it two steps."""
+
+    def build_and_train():
+        step = make_step()
+        step()
+        step()
+
+    return measure_peak_bytes(build_and_train)
+
+
+#: Side of the square float32 product timed with every row as the GEMM roof.
+ROOF_SIZE = 1024
+
+
+def training_rows(shapes=TRAINING_SHAPES, threads=None, rounds=5, repeats=2):
+    """Measure each shape, yielding ``(shape, seconds, peak_bytes)`` as soon as it is known.
+
+    ``seconds`` and ``peak_bytes`` map ``"tfmath"`` (and ``"torch"`` when PyTorch
+    is importable) to one training step's best time and to the peak memory of
+    building the model and training two steps; ``seconds["roof"]`` is the best time
+    of NumPy's float32 product of two :data:`ROOF_SIZE` square matrices, timed in
+    the same rounds, so that the roof is measured under the same load as the row.
+    """
+    rng = np.random.default_rng(0)
+    a, b = (rng.standard_normal((ROOF_SIZE, ROOF_SIZE), dtype=np.float32) for _ in range(2))
+    from tfmath.training.loop import threads_limited
+
+    torch = optional_torch()
+    with threads_limited(threads):
+        import numba
+
+        count = numba.get_num_threads()
+        if torch is not None:
+            previous = torch.get_num_threads()
+            torch.set_num_threads(count)
+        try:
+            for shape in shapes:
+                makers = {"tfmath": lambda s=shape: tfmath_step(s)}
+                if torch is not None:
+                    makers["torch"] = lambda s=shape: torch_step(torch, s)
+                peaks = {name: _peak_bytes(make) for name, make in makers.items()}
+                calls = {name: make() for name, make in makers.items()}
+                calls["roof"] = lambda: a @ b
+                times = interleaved_best_times(calls, repeats, rounds)
+                del calls
+                yield shape, times, peaks
+        finally:
+            if torch is not None:
+                torch.set_num_threads(previous)
+
+
+def print_training_report(quick=False, threads=None, out=print, shapes=None, rounds=5):
+    """``tfmath bench training``: one line per shape, printed as soon as it is measured.
+
+    ``shapes`` replaces the rows (default :data:`TRAINING_SHAPES`, or
+    :data:`QUICK_SHAPES` with ``quick``); ``rounds`` of interleaved timings."""
+    import numba
+
+    from tfmath.formulas.accounting import flops_per_token
+    from tfmath.training.loop import threads_limited
+
+    with threads_limited(threads):
+        count = numba.get_num_threads()
+    if shapes is None:
+        shapes = QUICK_SHAPES if quick else TRAINING_SHAPES
+    out(f"float32 Adam steps, tfmath's fused step against PyTorch, both on {count} thread(s); "
+        f"best of interleaved rounds, with the roof: NumPy's float32 {ROOF_SIZE}^3 product on "
+        f"the same threads, timed in the same rounds")  # fmt: skip
+    out("ratio = tfmath tokens/s / torch tokens/s (> 1: tfmath faster); % roof = tfmath GFLOP/s "
+        "over the GEMM roof; memory = peak MiB of building the model and two steps")  # fmt: skip
+    header = (f"{'shape':<16} {'d':>4} {'L':>2} {'T':>4} {'B':>3} {'tfmath tok/s':>13} "
+              f"{'torch tok/s':>12} {'ratio':>6} {'GFLOP/s':>8} {'roof':>6} {'% roof':>7} "
+              f"{'MiB tfmath':>11} {'torch':>7}")  # fmt: skip
+    out(header)
+    for shape, times, peaks in training_rows(shapes, threads=threads, rounds=rounds):
+        per_token = flops_per_token(shape.config(), n_ctx=shape.context).training
+        roof = 2 * ROOF_SIZE**3 / times.pop("roof") / 1e9
+        tokens_per_second = {name: shape.tokens / t for name, t in times.items()}
+        rate = per_token * tokens_per_second["tfmath"] / 1e9
+        torch_rate = tokens_per_second.get("torch")
+        torch_text = "n/a" if torch_rate is None else f"{torch_rate:,.0f}"
+        ratio = "" if torch_rate is None else f"{tokens_per_second['tfmath'] / torch_rate:.2f}"
+        torch_mib = "n/a" if "torch" not in peaks else f"{peaks['torch'] / 2**20:.1f}"
+        out(f"{shape.label:<16} {shape.d_model:>4} {shape.n_layers:>2} {shape.context:>4} "
+            f"{shape.batch:>3} {tokens_per_second['tfmath']:>13,.0f} {torch_text:>12} "
+            f"{ratio:>6} {rate:>8.1f} {roof:>6.0f} {100 * rate / roof:>6.0f}% "
+            f"{peaks['tfmath'] / 2**20:>11.1f} {torch_mib:>7}")  # fmt: skip

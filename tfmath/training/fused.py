@@ -1,0 +1,391 @@
+r"""The training step of :func:`~tfmath.training.train_language_model`, fused.
+
+The composable blocks of :mod:`tfmath.training.layers` check their arguments,
+allocate their results and build a :class:`~tfmath.training.params.Parameters`
+at every call, and pass over memory once per operation: right for a library of
+layers, slow for a loop that runs the same small model ten thousand times.
+:class:`FusedDecoder` computes the same function and the same gradients for
+the models of :func:`~tfmath.training.language_model_config` (pre-LN blocks,
+LayerNorm, ReLU feed-forward, learned positions, biases, tied head) with
+
+* every parameter, gradient and Adam moment in one flat array each, so the
+  optimiser is one fused pass (:func:`~tfmath.kernels.cpu.training_step.adam_update`)
+  and the :class:`~tfmath.training.params.Parameters` are views into it;
+* buffers kept from step to step for every activation and gradient;
+* the matrix products in BLAS (:func:`~tfmath.kernels.cpu.blas.gemm`, multi-threaded
+  on large matrices), accumulating in place where a gradient has several terms;
+* everything else in kernels that fuse the element-wise work (bias and ReLU;
+  bias and residual; norm backward and residual; softmax, loss and its gradient)
+  and run parallel over rows or over (sequence, head) pairs.
+
+The gradients equal those of :func:`~tfmath.training.models.decoder_only_backward`
+to rounding (``tests/test_training_fused.py``), and do not depend on the number of
+threads (see :mod:`tfmath.kernels.cpu.training_step`).
+"""
+
+import contextlib
+
+import numba
+import numpy as np
+
+from tfmath import _config
+from tfmath.kernels.cpu import training_step as kernels
+from tfmath.kernels.cpu.blas import gemm
+from tfmath.training.params import Parameters
+
+__all__ = ["FusedDecoder", "fusable"]
+
+
+def fusable(config):
+    """Whether :class:`FusedDecoder` computes ``config``'s model (else the blocks do)."""
+    d_head = config.d_head or (config.d_model // config.n_heads)
+    return (
+        config.architecture == "decoder"
+        and config.norm == "layer_norm"
+        and config.norm_order == "pre"
+        and config.activation == "relu"
+        and config.bias
+        and config.position == "learned"
+        and config.output_head == "tied"
+        and not config.output_bias
+        and config.final_norm
+        and not config.embedding_norm
+        and not config.scale_embeddings
+        and not config.n_token_types
+        and config.n_kv_heads in (None, config.n_heads)
+        and d_head * config.n_heads == config.d_model
+    )
+
+
+#: Work (elements, or score-feature products for attention) below which a kernel of
+#: the step runs on the calling thread: eight times tfmath's usual threshold
+#: (:data:`tfmath._config.PARALLEL_MIN_WORK`). A step makes dozens of kernel calls,
+#: and on a shared machine one call in ten that shares out its loop waits a whole
+#: time slice (milliseconds) for a descheduled thread (measured with two threads
+#: and a load of 2.7 on two cores: median 14 us, 90th percentile 6.6 ms, for a
+#: LayerNorm of 2048 x 16), so a call must have enough work to pay for that.
+PARALLEL_MIN_WORK = 2**18
+
+#: Multiply-adds below which a matrix product runs on one BLAS thread (OpenBLAS
+#: shares out products far smaller than this), for the same reason.
+PARALLEL_GEMM_MIN_WORK = 2**24
+
+
+#: Queries per block of the causal attention kernels: a block's scores are computed
+#: against the keys up to its last query only, so the masked blocks are skipped.
+ATTENTION_BLOCK = 64
+
+
+def _run(kernel, work):
+    return kernel if work >= PARALLEL_MIN_WORK else kernel.serial
+
+
+def _attention_work(rows, length, width):
+    """Attention's work in units of :data:`PARALLEL_MIN_WORK`: its score-feature
+    products, 16 to an element (a product is one lane of a vector multiply-add), so
+    that it shares out its pairs from :math:`2^{22}` products."""
+    return rows * length * width // 16
+
+
+class _Buffers:
+    """Activations and scratch for ``n_batch`` sequences of ``length`` tokens.
+
+    With ``training`` every layer keeps its own activations for the backward
+    pass; without, the layers share them (a forward pass for the loss only).
+    """
+
+    def __init__(self, n_batch, length, config, dtype, training):
+        d, n_layers, n_heads = config.d_model, config.n_layers, config.n_heads
+        rows = n_batch * length
+        stored = n_layers if training else 1
+        self.n_batch, self.length, self.rows, self.training = n_batch, length, rows, training
+
+        def empty(*shape):
+            return np.empty(shape, dtype=dtype)
+
+        self.x = empty(n_layers + 1 if training else 2, rows, d)
+        self.normed_1, self.normed_2 = empty(stored, rows, d), empty(stored, rows, d)
+        self.mean_1, self.rstd_1 = empty(stored, rows), empty(stored, rows)
+        self.mean_2, self.rstd_2 = empty(stored, rows), empty(stored, rows)
+        self.qkv = empty(stored, 3, rows, d)
+        self.attended = empty(stored, rows, d)
+        self.log_sum_exp = empty(stored, n_batch, n_heads, length)
+        self.after_attention = empty(stored, rows, d)
+        self.hidden = empty(stored, rows, config.d_ff)
+        self.final, self.mean_f, self.rstd_f = empty(rows, d), empty(rows), empty(rows)
+        self.logits = empty(rows, config.vocab_size)
+        self.product = empty(rows, d)
+        self.row_loss = np.empty(rows, dtype=dtype if training else np.float64)
+        if training:
+            self.grad_residual, self.grad_normed = empty(rows, d), empty(rows, d)
+            self.grad_qkv, self.grad_attended = empty(3, rows, d), empty(rows, d)
+            self.grad_hidden = empty(rows, config.d_ff)
+
+    def layer(self, i):
+        """Index of layer ``i``'s stored activations."""
+        return i if self.training else 0
+
+    def residual(self, i):
+        """Index of the residual stream entering layer ``i``."""
+        return i if self.training else i % 2
+
+
+class FusedDecoder:
+    """A decoder-only language model's parameters, gradients and Adam state, flat.
+
+    Parameters
+    ----------
+    config : ModelConfig
+        A model :func:`fusable` accepts.
+    params : Parameters
+        Its initial parameters (copied), as :func:`~tfmath.training.models.init_model`
+        draws them.
+
+    Attributes
+    ----------
+    params, grads : Parameters
+        Views into the flat parameter and gradient vectors, named as the
+        model's parameters; :meth:`step` changes them in place.
+    """
+
+    def __init__(self, config, params):
+        if not fusable(config):
+            raise ValueError(f"config {config.name!r} is not a model FusedDecoder computes")
+        self.config = config
+        arrays = dict(params)
+        self.dtype = next(iter(arrays.values())).dtype
+        self.flat = np.concatenate([np.ravel(a) for a in arrays.values()]).astype(self.dtype)
+        self.grad_flat = np.zeros_like(self.flat)
+        self.first_moment = np.zeros_like(self.flat, dtype=np.float64)
+        self.second_moment = np.zeros_like(self.flat, dtype=np.float64)
+        self.adam_steps = 0
+        self._offsets = {}
+        start = 0
+        for name, array in arrays.items():
+            self._offsets[name] = (start, array.shape)
+            start += array.size
+        self.params = Parameters(self._views(self.flat))
+        self.grads = Parameters(self._views(self.grad_flat))
+        self._layers = [self._layer(self.flat, i) for i in range(config.n_layers)]
+        self._grad_layers = [self._layer(self.grad_flat, i) for i in range(config.n_layers)]
+        self._buffers = {}
+        self._threads = 1
+        self._blas_threads = None
+
+    @contextlib.contextmanager
+    def _threads_of_the_call(self):
+        """Take Numba's thread count as BLAS's ceiling; restore BLAS's threads after."""
+        libraries = _config._blas_libraries()
+        previous = [library.get_num_threads() for library in libraries]
+        self._threads, self._blas_threads = numba.get_num_threads(), None
+        try:
+            yield
+        finally:
+            for library, count in zip(libraries, previous, strict=True):
+                library.set_num_threads(count)
+
+    def _gemm(self, a, b, beta, c, transpose_a=False, transpose_b=False):
+        """``c = op(a) @ op(b) + beta c`` (:func:`~tfmath.kernels.cpu.blas.gemm`), on one
+        BLAS thread below :data:`PARALLEL_GEMM_MIN_WORK` multiply-adds."""
+        depth = a.shape[0] if transpose_a else a.shape[1]
+        self._use_blas_threads(self._threads if c.size * depth >= PARALLEL_GEMM_MIN_WORK else 1)
+        gemm(1.0, a, b, beta, c, transpose_a, transpose_b)
+
+    def _use_blas_threads(self, threads):
+        if threads != self._blas_threads:
+            for library in _config._blas_libraries():
+                library.set_num_threads(threads)
+            self._blas_threads = threads
+
+    def _views(self, flat):
+        return {
+            name: flat[start : start + int(np.prod(shape))].reshape(shape)
+            for name, (start, shape) in self._offsets.items()
+        }
+
+    def _stacked(self, flat, names):
+        """The consecutive arrays ``names`` of ``flat`` as one ``(len(names), ...)`` view."""
+        start, shape = self._offsets[names[0]]
+        for k, name in enumerate(names):
+            if self._offsets[name] != (start + k * int(np.prod(shape)), shape):
+                raise ValueError(f"{names} are not consecutive in the parameter vector")
+        return flat[start : start + len(names) * int(np.prod(shape))].reshape(len(names), *shape)
+
+    def _layer(self, flat, i):
+        prefix = f"decoder.layers.{i}."
+        views = {
+            name[len(prefix) :]: view
+            for name, view in self._views(flat).items()
+            if name.startswith(prefix)
+        }
+        attention = prefix + "self_attn."
+        views["w_qkv"] = self._stacked(flat, [attention + n for n in ("w_q", "w_k", "w_v")])
+        views["b_qkv"] = self._stacked(flat, [attention + n for n in ("b_q", "b_k", "b_v")])
+        return views
+
+    def _named(self, flat, name):
+        start, shape = self._offsets[name]
+        return flat[start : start + int(np.prod(shape))].reshape(shape)
+
+    def buffers(self, n_batch, length, training):
+        key = (n_batch, length, training)
+        if key not in self._buffers:
+            self._buffers[key] = _Buffers(n_batch, length, self.config, self.dtype, training)
+        return self._buffers[key]
+
+    # -- forward ---------------------------------------------------------------------
+
+    def _forward(self, tokens, buffers):
+        """Logits of ``tokens`` ``(B, T)`` into ``buffers.logits`` ``(B T, V)``."""
+        config, b = self.config, buffers
+        rows, d = b.rows, config.d_model
+        eps = self.dtype.type(config.norm_eps)
+        table = self._named(self.flat, "embed.tokens")
+        positions = self._named(self.flat, "decoder.embed.positions")
+        _run(kernels.embed, rows * d)(tokens, table, positions, b.x[0])
+        for i, w in enumerate(self._layers):
+            s, x, x_next = b.layer(i), b.x[b.residual(i)], b.x[b.residual(i + 1)]
+            norm = _run(kernels.layer_norm_forward, rows * d)
+            norm(x, w["norm1.weight"], w["norm1.bias"], eps, b.normed_1[s], b.mean_1[s],
+                 b.rstd_1[s])  # fmt: skip
+            for j in range(3):
+                self._gemm(b.normed_1[s], w["w_qkv"][j], 0.0, b.qkv[s, j])
+                _run(kernels.add_bias, rows * d)(b.qkv[s, j], w["b_qkv"][j])
+            q, k, v = b.qkv[s]
+            self._use_blas_threads(1)  # the kernel multiplies inside its parallel loop
+            attend = _run(kernels.causal_attention_forward, _attention_work(rows, b.length, d))
+            attend(q, k, v, config.n_heads, b.length, ATTENTION_BLOCK, self._threads,
+                   b.attended[s], b.log_sum_exp[s])  # fmt: skip
+            self._gemm(b.attended[s], w["self_attn.w_o"], 0.0, b.product)
+            residual = _run(kernels.residual_bias, rows * d)
+            residual(b.after_attention[s], x, b.product, w["self_attn.b_o"])
+            norm(b.after_attention[s], w["norm2.weight"], w["norm2.bias"], eps, b.normed_2[s],
+                 b.mean_2[s], b.rstd_2[s])  # fmt: skip
+            self._gemm(b.normed_2[s], w["ffn.w_1"], 0.0, b.hidden[s])
+            _run(kernels.bias_relu, rows * config.d_ff)(b.hidden[s], w["ffn.b_1"])
+            self._gemm(b.hidden[s], w["ffn.w_2"], 0.0, b.product)
+            residual(x_next, b.after_attention[s], b.product, w["ffn.b_2"])
+        last = b.x[b.residual(config.n_layers)]
+        _run(kernels.layer_norm_forward, rows * d)(
+            last,
+            self._named(self.flat, "decoder.final_norm.weight"),
+            self._named(self.flat, "decoder.final_norm.bias"),
+            eps,
+            b.final,
+            b.mean_f,
+            b.rstd_f,
+        )
+        self._gemm(b.final, table, 0.0, b.logits, False, True)
+
+    def logits(self, tokens):
+        """The logits ``(B, T, V)`` of ``tokens`` ``(B, T)`` (a copy)."""
+        tokens = np.ascontiguousarray(tokens, dtype=np.int64)
+        buffers = self.buffers(*tokens.shape, training=False)
+        with self._threads_of_the_call():
+            self._forward(tokens, buffers)
+        return buffers.logits.reshape(*tokens.shape, -1).copy()
+
+    def mean_loss(self, sequences):
+        """Mean next-token cross-entropy (nats, float64) of ``sequences`` ``(B, T + 1)``."""
+        sequences = np.ascontiguousarray(sequences, dtype=np.int64)
+        inputs, targets = sequences[:, :-1], np.ascontiguousarray(sequences[:, 1:]).ravel()
+        buffers = self.buffers(*inputs.shape, training=False)
+        with self._threads_of_the_call():
+            self._forward(np.ascontiguousarray(inputs), buffers)
+        _run(kernels.cross_entropy_rows, buffers.logits.size)(
+            buffers.logits, targets, buffers.row_loss
+        )
+        return float(buffers.row_loss.mean())
+
+    # -- backward --------------------------------------------------------------------
+
+    def loss_and_grads(self, sequences):
+        """Mean next-token loss of ``sequences`` ``(B, T + 1)``; fills :attr:`grads`."""
+        sequences = np.ascontiguousarray(sequences, dtype=np.int64)
+        inputs = np.ascontiguousarray(sequences[:, :-1])
+        targets = np.ascontiguousarray(sequences[:, 1:]).ravel()
+        b = self.buffers(*inputs.shape, training=True)
+        with self._threads_of_the_call():
+            self._forward(inputs, b)
+            _run(kernels.cross_entropy_with_grad, b.logits.size)(b.logits, targets, b.row_loss)
+            self._backward(inputs, b)
+        return float(np.sum(b.row_loss, dtype=np.float64) / b.rows)
+
+    def _backward(self, tokens, b):
+        config, rows, d = self.config, b.rows, self.config.d_model
+        table = self._named(self.flat, "embed.tokens")
+        grad_table = self._named(self.grad_flat, "embed.tokens")
+        grad_logits, grad_final = b.logits, b.grad_normed
+        self._gemm(grad_logits, table, 0.0, grad_final)
+        self._gemm(grad_logits, b.final, 0.0, grad_table, True, False)
+        norm_backward = _run(kernels.layer_norm_backward, rows * d)
+        norm_backward(
+            grad_final,
+            b.x[config.n_layers],
+            self._named(self.flat, "decoder.final_norm.weight"),
+            b.mean_f,
+            b.rstd_f,
+            b.grad_residual,
+            False,
+            self._named(self.grad_flat, "decoder.final_norm.weight"),
+            self._named(self.grad_flat, "decoder.final_norm.bias"),
+        )
+        for i in reversed(range(config.n_layers)):
+            self._layer_backward(i, b)
+        _run(kernels.embed_backward, rows * d)(
+            tokens,
+            b.grad_residual,
+            grad_table,
+            self._named(self.grad_flat, "decoder.embed.positions"),
+        )
+
+    def _layer_backward(self, i, b):
+        w, g = self._layers[i], self._grad_layers[i]
+        rows, d, d_ff = b.rows, self.config.d_model, self.config.d_ff
+        grad, grad_normed = b.grad_residual, b.grad_normed
+        columns = _run(kernels.column_sums, rows * d)
+        norm_backward = _run(kernels.layer_norm_backward, rows * d)
+        # Feed-forward: x_next = after_attention + relu(normed_2 W_1 + b_1) W_2 + b_2.
+        columns(grad, g["ffn.b_2"])
+        self._gemm(b.hidden[i], grad, 0.0, g["ffn.w_2"], True, False)
+        self._gemm(grad, w["ffn.w_2"], 0.0, b.grad_hidden, False, True)
+        _run(kernels.relu_backward, rows * d_ff)(b.grad_hidden, b.hidden[i])
+        _run(kernels.column_sums, rows * d_ff)(b.grad_hidden, g["ffn.b_1"])
+        self._gemm(b.normed_2[i], b.grad_hidden, 0.0, g["ffn.w_1"], True, False)
+        self._gemm(b.grad_hidden, w["ffn.w_1"], 0.0, grad_normed, False, True)
+        norm_backward(grad_normed, b.after_attention[i], w["norm2.weight"], b.mean_2[i],
+                      b.rstd_2[i], grad, True, g["norm2.weight"], g["norm2.bias"])  # fmt: skip
+        # Attention: after_attention = x + attention(normed_1) W_o + b_o.
+        columns(grad, g["self_attn.b_o"])
+        self._gemm(b.attended[i], grad, 0.0, g["self_attn.w_o"], True, False)
+        self._gemm(grad, w["self_attn.w_o"], 0.0, b.grad_attended, False, True)
+        q, k, v = b.qkv[i]
+        grad_q, grad_k, grad_v = b.grad_qkv
+        self._use_blas_threads(1)  # the kernel multiplies inside its parallel loop
+        _run(kernels.causal_attention_backward, _attention_work(rows, b.length, d))(
+            q, k, v, b.attended[i], b.grad_attended, b.log_sum_exp[i], self.config.n_heads,
+            b.length, ATTENTION_BLOCK, self._threads, grad_q, grad_k, grad_v,
+        )  # fmt: skip
+        for j in range(3):
+            columns(b.grad_qkv[j], g["b_qkv"][j])
+            self._gemm(b.normed_1[i], b.grad_qkv[j], 0.0, g["w_qkv"][j], True, False)
+            self._gemm(b.grad_qkv[j], w["w_qkv"][j], float(j > 0), grad_normed, False, True)
+        norm_backward(grad_normed, b.x[i], w["norm1.weight"], b.mean_1[i], b.rstd_1[i], grad,
+                      True, g["norm1.weight"], g["norm1.bias"])  # fmt: skip
+
+    # -- optimiser -------------------------------------------------------------------
+
+    def adam_step(self, rate, beta1, beta2, eps):
+        """One Adam step of every parameter at learning rate ``rate`` (in place)."""
+        self.adam_steps += 1
+        _run(kernels.adam_update, self.flat.size)(
+            self.flat,
+            self.grad_flat,
+            self.first_moment,
+            self.second_moment,
+            float(rate),
+            float(beta1),
+            float(beta2),
+            float(eps),
+            self.adam_steps,
+        )
