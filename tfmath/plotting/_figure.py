@@ -41,7 +41,7 @@ def plain_log_ticks(axis):
         def __init__(self, major):
             super().__init__(subs=(1.0,) if major else "auto")
             self.major = major
-            self.even = MaxNLocator(nbins=6, steps=[1, 2, 2.5, 5, 10])
+            self.even = MaxNLocator(nbins=8, steps=[1, 2, 2.5, 5, 10])
 
         def tick_values(self, vmin, vmax):
             low, high = sorted((vmin, vmax))
