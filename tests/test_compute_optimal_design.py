@@ -199,6 +199,21 @@ def test_design_centres_each_budget_and_keeps_every_minimum_inside(shakespeare, 
     assert fit.a == pytest.approx(0.5, abs=0.1)
 
 
+@pytest.mark.parametrize("observed_slope", [-0.5, 0.0, 3.0])
+def test_a_noisy_slope_is_clamped_about_the_minima_it_came_from(observed_slope):
+    """Minima whose slope is noise (here negative, flat or steep) centre the next budget
+    where the clamped slope carries the minima's centre, not decades away."""
+    plan = experiment.PLANS[True]
+    sizes = np.array([12 * w * w + 15 * w for w in experiment.WIDTHS], dtype=float)
+    log_c = np.log([3e8, 9.5e8])
+    minima = list(zip(log_c, math.log(375) + observed_slope * (log_c - log_c[0]), strict=True))
+    budget = 3e9
+    slope = min(max(observed_slope, 0.2), 1.0)
+    expected = np.mean([n for _, n in minima]) + slope * (math.log(budget) - log_c.mean())
+    centre = experiment._expected_centre(plan, budget, minima)
+    assert abs(math.log(sizes[centre]) - expected) <= np.max(np.diff(np.log(sizes))) / 2
+
+
 def test_every_run_meets_its_budget_within_one_percent(shakespeare):
     source = shakespeare
     plan = experiment.PLANS[False]

@@ -4,6 +4,7 @@ The figures are read back from matplotlib's artists (image arrays, line data,
 texts), never compared as pictures.
 """
 
+import math
 import subprocess
 import sys
 
@@ -112,6 +113,33 @@ def _band(collection, grid):
     vertices = collection.get_paths()[0].vertices
     at = [vertices[np.isclose(vertices[:, 0], x, rtol=1e-12), 1] for x in grid]
     return np.array([y.min() for y in at]), np.array([y.max() for y in at])
+
+
+def _labelled_ticks(axis):
+    """The tick values inside the view whose labels are not empty, after a draw."""
+    axis.axes.figure.canvas.draw()
+    low, high = sorted(axis.get_view_interval())
+    ticks = axis.get_majorticklocs().tolist() + axis.get_minorticklocs().tolist()
+    labels = [t.get_text() for t in axis.get_majorticklabels() + axis.get_minorticklabels()]
+    return sorted(v for v, text in zip(ticks, labels, strict=True) if text and low <= v <= high)
+
+
+def test_a_narrow_loss_axis_is_labelled_in_plain_even_steps():
+    """On 0.9 to 1.5 nats matplotlib's log ticks label only 0.9 and 1."""
+    n = np.array([1e3, 2e3, 4e3, 8e3])
+    ax = sweep_results(n, [1.5, 1.3, 1.1, 0.9])
+    ticks = _labelled_ticks(ax.yaxis)
+    assert len(ticks) >= 4
+    assert np.allclose(np.diff(ticks), ticks[1] - ticks[0])
+    assert all(t.get_text() == f"{v:g}" for v, t in zip(ax.get_yticks(), ax.get_yticklabels(),
+                                                          strict=True))  # fmt: skip
+    # Across decades the ticks are decades again, with 2 and 5 between them labelled.
+    ax = power_law(KAPLAN_LAWS["N"], [1e-2, 1e30])
+    low, high = ax.get_ylim()
+    assert high / low > 10
+    assert set(np.log10(_labelled_ticks(ax.yaxis))) <= set(range(-10, 10)) | {
+        math.log10(m * 10.0**k) for m in (2, 5) for k in range(-10, 10)
+    }
 
 
 def test_sweep_results_refuses_mismatched_runs():

@@ -205,8 +205,11 @@ def _expected_centre(plan, budget, minima):
     if len(minima) == 1:  # Chinchilla's a = 0.5 from the one minimum known
         log_n = minima[0][1] + 0.5 * (math.log(budget) - minima[0][0])
     else:
-        slope, intercept = np.polyfit(*np.array(minima).T, 1)
-        log_n = intercept + min(max(slope, 0.2), 1.0) * math.log(budget)
+        # The clamped slope pivots about the minima's centre: with the fitted intercept,
+        # a clamped negative slope would send the window decades away.
+        log_c, log_n = np.array(minima).T
+        slope = min(max(np.polyfit(log_c, log_n, 1)[0], 0.2), 1.0)
+        log_n = log_n.mean() + slope * (math.log(budget) - log_c.mean())
     sizes = [12 * w * w + 15 * w for w in WIDTHS]  # N of one layer (see language_model_config)
     return int(np.argmin([abs(math.log(n) - log_n) for n in sizes]))
 

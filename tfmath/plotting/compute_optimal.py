@@ -7,7 +7,7 @@ it was fitted to, where it draws them) and an optional ``ax``, and returns the A
 
 import numpy as np
 
-from tfmath.plotting._figure import axes_or_new
+from tfmath.plotting._figure import axes_or_new, plain_log_ticks, sparse_log_labels
 
 __all__ = [
     "frontier_prediction",
@@ -71,6 +71,7 @@ def optimal_allocation(fit, *, ax=None):
     for who, exponent, style in PUBLISHED_A:
         ax.loglog(grid, fit.n_opt(centre) * (grid / centre) ** exponent, "k" + style, lw=1,
                   label=f"{who}: N_opt ∝ C^{exponent}")  # fmt: skip
+    sparse_log_labels(ax.xaxis)
     ax.set(xlabel="compute C (FLOPs)", ylabel="N_opt, D_opt")
     ax.set_title("Compute-optimal parameters and tokens (95% intervals)", fontsize=10)
     ax.legend(fontsize=8)
@@ -88,6 +89,8 @@ def tokens_per_parameter(fit, *, ax=None):
     ax.axhline(20, color="k", ls=":", label="Hoffmann et al.: about 20")
     ax.set_xscale("log")
     ax.set_yscale("log")
+    sparse_log_labels(ax.xaxis)
+    plain_log_ticks(ax.yaxis)
     ax.set(xlabel="compute C (FLOPs)", ylabel="D_opt / N_opt (tokens per parameter)")
     ax.set_title("Tokens per parameter at the optimum", fontsize=10)
     ax.legend(fontsize=8)
@@ -117,6 +120,7 @@ def frontier_prediction(fit, prediction, *, ax=None):
                 yerr=[[max(0, predicted - low)], [max(0, high - predicted)]],
                 fmt="s", mfc="none", color="k", capsize=4,
                 label="prediction for the largest budget")  # fmt: skip
+    sparse_log_labels(ax.xaxis)
     ax.set(xlabel="compute C (FLOPs)", ylabel="loss at the optimum (nats/token)")
     ax.set_title("The compute-efficient frontier and a held-out prediction", fontsize=10)
     ax.legend(fontsize=8)

@@ -11,7 +11,7 @@ several sizes: :math:`L(N)` over parameters, :math:`L(D)` over tokens,
 
 import numpy as np
 
-from tfmath.plotting._figure import axes_or_new
+from tfmath.plotting._figure import axes_or_new, plain_log_ticks
 
 __all__ = ["power_law", "sweep_results"]
 
@@ -64,7 +64,7 @@ def power_law(law, x, *, label=None, band=True, pivot=None, color=None, linestyl
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.grid(True, which="both", alpha=0.3)
-    _plain_loss_ticks(ax)
+    plain_log_ticks(ax.yaxis)
     return ax
 
 
@@ -100,18 +100,8 @@ def sweep_results(
     ax.set_yscale("log")
     ax.set_xlabel(xlabel)
     ax.set_ylabel("loss (nats per token)")
-    _plain_loss_ticks(ax)
+    plain_log_ticks(ax.yaxis)
     return ax
-
-
-def _plain_loss_ticks(ax):
-    """Label a log loss axis spanning less than a decade 1.2, 1.5, 2, not 1.2×10⁰."""
-    from matplotlib.ticker import FormatStrFormatter
-
-    low, high = ax.get_ylim()
-    if ax.get_yscale() == "log" and 0 < low and high / low < 10:
-        ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
-        ax.yaxis.set_minor_formatter(FormatStrFormatter("%g"))
 
 
 def _law_label(law, label):
