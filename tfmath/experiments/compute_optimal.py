@@ -105,12 +105,13 @@ class IsoFlopPlan:
 
 
 PLANS = {
-    # quick: 1.5 decades; about a minute of training on two busy cores.
+    # quick: 1.5 decades, two seeds at every budget (one seed left the interval on a
+    # at the mercy of the seed scatter); under a minute of training on two cores.
     True: IsoFlopPlan(
         budgets=tuple(3e8 * 10 ** (k / 2) for k in range(4)),
         sizes=7,
         first_width=5,
-        seeded_budgets=1,
+        seeded_budgets=4,
     ),
     # full: 2.5 decades, 12 widths a budget, two seeds everywhere.
     False: IsoFlopPlan(

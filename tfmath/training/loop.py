@@ -38,7 +38,6 @@ from tfmath import _config
 from tfmath._contract.checks import integer
 from tfmath.errors import ArgumentError, DTypeError
 from tfmath.formulas.accounting import ModelConfig, count_parameters
-from tfmath.training.fused import FusedDecoder, fusable
 from tfmath.training.layers import cross_entropy, cross_entropy_backward, cross_entropy_forward
 from tfmath.training.models import decoder_only_backward, decoder_only_forward, init_model
 from tfmath.training.optim import Adam, CosineSchedule, WarmupSchedule
@@ -462,6 +461,9 @@ class _Model:
         self.config, self.adam, self.backend = config, adam, backend
         self.size = params.size
         self.fused = None
+        # Imported here: the fused step's kernels load Numba, which `import tfmath` must not.
+        from tfmath.training.fused import FusedDecoder, fusable
+
         if backend in ("auto", "cpu") and fusable(config):
             self.fused = FusedDecoder(config, params)
         else:
