@@ -338,3 +338,20 @@ def test_held_out_prediction_interval_holds_the_measurement_of_a_planted_frontie
     low, high = prediction["difference_interval"]
     assert low < 0 < high and high - low < 0.05
     assert prediction["measured"] == pytest.approx(fit.curves[-1].loss_opt)
+
+
+def test_refits_that_lose_a_minimum_are_left_out_of_the_prediction_interval():
+    compute, n, d, loss = _planted(np.random.default_rng(2), 0.003)
+    pure = loss - (1.5 + (1e12 / compute) ** 0.1) + 3.0 * compute**-0.05
+    fit = fit_isoflop(compute, n, d, pure, n_bootstrap=100)
+    whole = experiment.predict_largest_budget(fit)
+    # A third of the refits lose a lower budget's minimum: the interval comes from the rest.
+    fit.bootstrap_optima[::3, 0, 2] = np.nan
+    kept = experiment.predict_largest_budget(fit)
+    assert kept["refits_used"] == 100 - len(range(0, 100, 3))
+    assert np.isfinite(kept["difference_interval"]).all()
+    assert kept["predicted"] == whole["predicted"]
+    # Most of them: too noisy to test a prediction.
+    fit.bootstrap_optima[::2, 1, 2] = -1.0
+    fit.bootstrap_optima[1::2, 1, 2] = np.nan
+    assert experiment.predict_largest_budget(fit) is None

@@ -323,7 +323,10 @@ def predict_largest_budget(fit):
 
     The interval comes from the IsoFLOP bootstrap's refits: each refit's lower
     budgets give a prediction, and its largest budget a measurement, so both the
-    fit's and the measurement's noise are in it.
+    fit's and the measurement's noise are in it. A refit in which some curve
+    loses its minimum (no finite, positive optimal loss) predicts nothing and is
+    left out; when that leaves fewer than half of the refits, the prediction is
+    not made and None is returned (the runs are too noisy to test it).
     """
     budgets = budgets_of(fit)
     log_c = np.log(budgets)
@@ -333,9 +336,12 @@ def predict_largest_budget(fit):
         slope, intercept = np.polyfit(log_c[:-1], np.log(losses[:-1]), 1)
         return math.exp(intercept + slope * log_c[-1])
 
-    predicted = predict(measured)
     optima = fit.bootstrap_optima[:, :, 2]
-    differences = [draw[-1] - predict(draw) for draw in optima]
+    usable = optima[np.all(np.isfinite(optima) & (optima > 0), axis=1)]
+    if 2 * len(usable) < len(optima):
+        return None
+    predicted = predict(measured)
+    differences = [draw[-1] - predict(draw) for draw in usable]
     tails = 100 * np.array([(1 - fit.confidence) / 2, (1 + fit.confidence) / 2])
     low, high = np.percentile(differences, tails)
     return {
@@ -345,6 +351,7 @@ def predict_largest_budget(fit):
         "difference": float(measured[-1] - predicted),
         "difference_interval": [float(low), float(high)],
         "prediction_interval": [float(predicted + low), float(predicted + high)],
+        "refits_used": len(usable),
     }
 
 
