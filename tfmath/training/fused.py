@@ -66,9 +66,14 @@ def fusable(config):
 #: LayerNorm of 2048 x 16), so a call must have enough work to pay for that.
 PARALLEL_MIN_WORK = 2**18
 
-#: Multiply-adds below which a matrix product runs on one BLAS thread (OpenBLAS
-#: shares out products far smaller than this), for the same reason.
-PARALLEL_GEMM_MIN_WORK = 2**24
+#: Multiply-adds from which a matrix product runs on Numba's thread count of BLAS
+#: threads. Out of reach: OpenBLAS's workers spin after each threaded product, and on
+#: an idle two-core machine they took the cores from the step's next parallel kernels,
+#: so that two threads were 2 to 4 times slower than one (width 64: 89 against 24 ms a
+#: step; width 256: 300 against 200 ms); with every product on one BLAS thread, two
+#: threads beat one (19 against 24 ms, 172 against 197 ms). Lower it on a machine
+#: whose BLAS threads sleep between calls.
+PARALLEL_GEMM_MIN_WORK = 2**62
 
 
 #: Queries per block of the causal attention kernels: a block's scores are computed
