@@ -16,6 +16,7 @@ from tfmath.analysis.compute_optimal import fit_isoflop, fit_kaplan_loss, fit_pa
 from tfmath.errors import ArgumentError, TfmathError
 from tfmath.experiments import compute_optimal as experiment
 from tfmath.formulas.accounting import flops_per_token
+from tfmath.formulas.scaling import ChinchillaLaw
 from tfmath.training import TrainingConfig, language_model_config
 from tfmath.training.layers import attention as attention_layer
 from tfmath.training.layers import embedding, feed_forward, losses
@@ -260,6 +261,29 @@ def test_isoflop_interval_coverage_and_width_are_calibrated():
     assert 0.90 <= covered / trials <= 0.99
     assert np.median(widths) <= 1.5 * spread
     assert np.median(widths) >= 0.5 * spread
+
+
+def test_approach3_interval_coverage_and_width_are_calibrated():
+    """Approach 3 on planted L(N, D) (four budgets, seven sizes each around the optimum,
+    0.3% noise): the 95% interval of a = beta / (alpha + beta) holds the truth 90-99% of
+    the time and is at most 1.5x as wide as the spread of the estimates themselves."""
+    truth = ChinchillaLaw(e=1.6, a=40.0, b=60.0, alpha=0.4, beta=0.35)
+    compute = np.repeat(np.geomspace(1e9, 10**10.5, 4), 7)
+    n = truth.optimal(compute).n * np.tile(np.geomspace(0.25, 4, 7), 4)
+    d = compute / (6 * n)
+    rng = np.random.default_rng(0)
+    estimates, covered, widths = [], 0, []
+    trials = 60
+    for k in range(trials):
+        loss = truth.loss(n, d) * np.exp(0.003 * rng.standard_normal(n.size))
+        fit = fit_parametric_loss(n, d, loss, n_bootstrap=40, seed=k)
+        low, high = fit.intervals["n_exponent"]
+        estimates.append(fit.law.n_exponent)
+        covered += low <= truth.n_exponent <= high
+        widths.append(high - low)
+    spread = np.subtract(*np.percentile(estimates, [97.5, 2.5]))
+    assert 0.90 <= covered / trials <= 0.99
+    assert 0.5 * spread <= np.median(widths) <= 1.5 * spread
 
 
 def test_approach3_names_a_parameter_at_its_bound_instead_of_an_interval():
