@@ -87,14 +87,20 @@ def test_fused_decoder_refuses_other_models():
 
 @pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="needs two threads")
 def test_training_does_not_depend_on_the_thread_count(monkeypatch):
-    # Every kernel on its parallel path and every product on two BLAS threads.
+    # Every kernel on its parallel path; the products large enough to be split over
+    # two threads are (counted below), in blocks of their real minimum size.
     monkeypatch.setattr(fused, "PARALLEL_MIN_WORK", 1)
-    monkeypatch.setattr(fused, "PARALLEL_GEMM_MIN_WORK", 1)
+    split = fused.kernels.split_gemm
+    splits = []
+    monkeypatch.setattr(fused.kernels, "split_gemm", lambda *a: splits.append(a) or split(*a))
     source = ZipfLexicon(n_letters=6, word_length=3, n_words=40, seed=2)
-    model = language_model_config(16, 2, vocab_size=source.vocab_size, context=32)
+    model = language_model_config(64, 2, vocab_size=source.vocab_size, context=32)
     training = TrainingConfig(steps=3, batch_size=32, words_per_sequence=8, eval_every=3,
                               warmup=2, validation_sequences=32)  # fmt: skip
-    one, two = (train_language_model(model, source, training, threads=n) for n in (1, 2))
+    one = train_language_model(model, source, training, threads=1)
+    assert not splits
+    two = train_language_model(model, source, training, threads=2)
+    assert len(splits) >= 3 * 2 * 10  # the feed-forward's and attention's products
     assert {**one.to_dict(), "seconds": 0} == {**two.to_dict(), "seconds": 0}
     # The fused step trains the model the blocks train, to float32 rounding.
     blocks = train_language_model(model, source, training, backend="reference")

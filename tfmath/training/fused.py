@@ -12,8 +12,9 @@ LayerNorm, ReLU feed-forward, learned positions, biases, tied head) with
   optimiser is one fused pass (:func:`~tfmath.kernels.cpu.training_step.adam_update`)
   and the :class:`~tfmath.training.params.Parameters` are views into it;
 * buffers kept from step to step for every activation and gradient;
-* the matrix products in BLAS (:func:`~tfmath.kernels.cpu.blas.gemm`, multi-threaded
-  on large matrices), accumulating in place where a gradient has several terms;
+* the matrix products in BLAS (:func:`~tfmath.kernels.cpu.blas.gemm`, split over
+  the threads on large matrices), accumulating in place where a gradient has
+  several terms;
 * everything else in kernels that fuse the element-wise work (bias and ReLU;
   bias and residual; norm backward and residual; softmax, loss and its gradient)
   and run parallel over rows or over (sequence, head) pairs.
@@ -66,14 +67,17 @@ def fusable(config):
 #: LayerNorm of 2048 x 16), so a call must have enough work to pay for that.
 PARALLEL_MIN_WORK = 2**18
 
-#: Multiply-adds from which a matrix product runs on Numba's thread count of BLAS
-#: threads. Out of reach: OpenBLAS's workers spin after each threaded product, and on
-#: an idle two-core machine they took the cores from the step's next parallel kernels,
-#: so that two threads were 2 to 4 times slower than one (width 64: 89 against 24 ms a
-#: step; width 256: 300 against 200 ms); with every product on one BLAS thread, two
-#: threads beat one (19 against 24 ms, 172 against 197 ms). Lower it on a machine
-#: whose BLAS threads sleep between calls.
-PARALLEL_GEMM_MIN_WORK = 2**62
+#: Multiply-adds per thread from which a matrix product is split over Numba's
+#: threads (:func:`~tfmath.kernels.cpu.training_step.split_gemm`: one
+#: single-threaded BLAS product per thread, over blocks of rows or columns). Every
+#: block keeps at least this many, above the :math:`10^6` under which OpenBLAS
+#: switches to small-matrix kernels that sum in another order, so a product's bits
+#: do not depend on the thread count. Not BLAS's own threads: OpenBLAS's workers
+#: spin after each threaded product, and on an idle two-core machine they took the
+#: cores from the step's next parallel kernels, so that two threads were 2 to 4
+#: times slower than one (width 64: 89 against 24 ms a step; width 256: 300
+#: against 200 ms).
+SPLIT_GEMM_MIN_WORK = 2**21
 
 
 #: Queries per block of the causal attention kernels: a block's scores are computed
@@ -175,32 +179,24 @@ class FusedDecoder:
         self._grad_layers = [self._layer(self.grad_flat, i) for i in range(config.n_layers)]
         self._buffers = {}
         self._threads = 1
-        self._blas_threads = None
 
     @contextlib.contextmanager
     def _threads_of_the_call(self):
-        """Take Numba's thread count as BLAS's ceiling; restore BLAS's threads after."""
-        libraries = _config._blas_libraries()
-        previous = [library.get_num_threads() for library in libraries]
-        self._threads, self._blas_threads = numba.get_num_threads(), None
-        try:
+        """BLAS on one thread for the call (the step shares out its products itself,
+        see :data:`SPLIT_GEMM_MIN_WORK`), Numba's thread count read once."""
+        self._threads = numba.get_num_threads()
+        with _config.serial_blas():
             yield
-        finally:
-            for library, count in zip(libraries, previous, strict=True):
-                library.set_num_threads(count)
 
     def _gemm(self, a, b, beta, c, transpose_a=False, transpose_b=False):
-        """``c = op(a) @ op(b) + beta c`` (:func:`~tfmath.kernels.cpu.blas.gemm`), on one
-        BLAS thread below :data:`PARALLEL_GEMM_MIN_WORK` multiply-adds."""
+        """``c = op(a) @ op(b) + beta c`` (:func:`~tfmath.kernels.cpu.blas.gemm`), split
+        over the threads in blocks of at least :data:`SPLIT_GEMM_MIN_WORK` multiply-adds."""
         depth = a.shape[0] if transpose_a else a.shape[1]
-        self._use_blas_threads(self._threads if c.size * depth >= PARALLEL_GEMM_MIN_WORK else 1)
-        gemm(1.0, a, b, beta, c, transpose_a, transpose_b)
-
-    def _use_blas_threads(self, threads):
-        if threads != self._blas_threads:
-            for library in _config._blas_libraries():
-                library.set_num_threads(threads)
-            self._blas_threads = threads
+        blocks = min(self._threads, c.size * depth // SPLIT_GEMM_MIN_WORK)
+        if blocks > 1:
+            kernels.split_gemm(1.0, a, b, beta, c, transpose_a, transpose_b, blocks)
+        else:
+            gemm(1.0, a, b, beta, c, transpose_a, transpose_b)
 
     def _views(self, flat):
         return {
@@ -257,7 +253,6 @@ class FusedDecoder:
                 self._gemm(b.normed_1[s], w["w_qkv"][j], 0.0, b.qkv[s, j])
                 _run(kernels.add_bias, rows * d)(b.qkv[s, j], w["b_qkv"][j])
             q, k, v = b.qkv[s]
-            self._use_blas_threads(1)  # the kernel multiplies inside its parallel loop
             attend = _run(kernels.causal_attention_forward, _attention_work(rows, b.length, d))
             attend(q, k, v, config.n_heads, b.length, ATTENTION_BLOCK, self._threads,
                    b.attended[s], b.log_sum_exp[s])  # fmt: skip
@@ -366,7 +361,6 @@ class FusedDecoder:
         self._gemm(grad, w["self_attn.w_o"], 0.0, b.grad_attended, False, True)
         q, k, v = b.qkv[i]
         grad_q, grad_k, grad_v = b.grad_qkv
-        self._use_blas_threads(1)  # the kernel multiplies inside its parallel loop
         _run(kernels.causal_attention_backward, _attention_work(rows, b.length, d))(
             q, k, v, b.attended[i], b.grad_attended, b.log_sum_exp[i], self.config.n_heads,
             b.length, ATTENTION_BLOCK, self._threads, grad_q, grad_k, grad_v,

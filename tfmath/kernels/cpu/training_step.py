@@ -31,6 +31,56 @@ def _chunk_bounds(chunk, n_rows, n_chunks):
     return chunk * n_rows // n_chunks, (chunk + 1) * n_rows // n_chunks
 
 
+#: Elements to which the blocks of a split product are aligned (a 64-byte cache line
+#: of float32), so that no two threads write into one line of the result.
+SPLIT_ALIGNMENT = 16
+
+
+@cpu_kernel
+def _aligned_edge(chunk, size, n_chunks):
+    if chunk >= n_chunks:
+        return size
+    return chunk * size // n_chunks // SPLIT_ALIGNMENT * SPLIT_ALIGNMENT
+
+
+@cpu_kernel
+def _aligned_bounds(chunk, size, n_chunks):
+    return _aligned_edge(chunk, size, n_chunks), _aligned_edge(chunk + 1, size, n_chunks)
+
+
+@cpu_kernel(parallel=True)
+def split_gemm(alpha, a, b, beta, c, transpose_a, transpose_b, n_chunks):
+    r"""``c = alpha op(a) op(b) + beta c`` (:func:`~tfmath.kernels.cpu.blas.gemm`) as
+    ``n_chunks`` products, one per thread, over blocks of ``c``'s rows or, when it is
+    wider than tall, of its columns. BLAS must run on one thread here.
+
+    Each element of a block is the dot product the whole product computes, summed
+    in the same order, as long as no block is small enough for OpenBLAS's
+    small-matrix kernels (at most :math:`10^6` multiply-adds), which sum in
+    another order; the caller keeps blocks above that
+    (:data:`tfmath.training.fused.SPLIT_GEMM_MIN_WORK`), so the result does not
+    depend on ``n_chunks`` (``tests/test_training_fused.py`` checks it bit for bit).
+    One pool of threads (Numba's) does all the step's parallel work: BLAS's own
+    threads spin after each product and took the cores from the kernels that
+    followed.
+    """
+    m, n = c.shape
+    if m >= n:
+        for chunk in numba.prange(n_chunks):
+            start, stop = _aligned_bounds(chunk, m, n_chunks)
+            if transpose_a:
+                gemm(alpha, a[:, start:stop], b, beta, c[start:stop], True, transpose_b)
+            else:
+                gemm(alpha, a[start:stop], b, beta, c[start:stop], False, transpose_b)
+    else:
+        for chunk in numba.prange(n_chunks):
+            start, stop = _aligned_bounds(chunk, n, n_chunks)
+            if transpose_b:
+                gemm(alpha, a, b[start:stop], beta, c[:, start:stop], transpose_a, True)
+            else:
+                gemm(alpha, a, b[:, start:stop], beta, c[:, start:stop], transpose_a, False)
+
+
 @cpu_kernel(parallel=True)
 def layer_norm_forward(x, weight, bias, eps, y, mean, rstd):
     """``y = (x - mean) * rstd * weight + bias`` per row, saving ``mean`` and ``rstd``."""
@@ -213,25 +263,49 @@ def causal_attention_forward(q, k, v, n_heads, length, block, n_chunks, out, log
 
 
 @cpu_kernel
+def _larger(a, b):
+    # A compare and a select, which LLVM turns into one vector maximum; the
+    # builtin ``max`` branches on NaN. A NaN score still reaches the result
+    # through the exponentials, whatever this returns.
+    return b if b > a else a
+
+
+@cpu_kernel
+def _row_max(row, n):
+    """The largest of ``row[:n]`` (``n >= 1``) as eight running maxima, which LLVM
+    keeps in one vector register: a single running maximum is a chain of dependent
+    comparisons."""
+    m0 = m1 = m2 = m3 = m4 = m5 = m6 = m7 = row[0]
+    whole = n // 8 * 8
+    for j in range(0, whole, 8):
+        m0, m1 = _larger(m0, row[j]), _larger(m1, row[j + 1])
+        m2, m3 = _larger(m2, row[j + 2]), _larger(m3, row[j + 3])
+        m4, m5 = _larger(m4, row[j + 4]), _larger(m5, row[j + 5])
+        m6, m7 = _larger(m6, row[j + 6]), _larger(m7, row[j + 7])
+    for j in range(whole, n):
+        m0 = _larger(m0, row[j])
+    low, high = _larger(_larger(m0, m1), _larger(m2, m3)), _larger(_larger(m4, m5), _larger(m6, m7))
+    return _larger(low, high)
+
+
+@cpu_kernel
 def _causal_softmax_2(scores, first_query, log_sum_exp):
     """Row ``r`` of ``scores`` (base-2 logits of query ``first_query + r``) becomes its
     softmax over the columns up to that query, zero beyond; ``log_sum_exp[r]``
-    keeps its base-2 normaliser."""
+    keeps its base-2 normaliser. Every loop runs over the whole row, the masked
+    columns chosen out by a select instead of a loop of its own for the zeros."""
+    zero = scores.dtype.type(0)
     for r in range(scores.shape[0]):
         row, last = scores[r], first_query + r
-        row_max = row[0]
-        for j in range(1, last + 1):
-            row_max = max(row_max, row[j])
-        total = row.dtype.type(0)
-        for j in range(last + 1):
-            p = exp2_scalar(row[j] - row_max)
+        row_max = _row_max(row, last + 1)
+        total = zero
+        for j in range(row.shape[0]):
+            p = exp2_scalar(row[j] - row_max) if j <= last else zero
             row[j] = p
             total += p
         inverse = 1 / total
-        for j in range(last + 1):
+        for j in range(row.shape[0]):
             row[j] *= inverse
-        for j in range(last + 1, scores.shape[1]):
-            row[j] = 0
         log_sum_exp[r] = row_max + math.log2(total)
 
 
@@ -275,9 +349,9 @@ def causal_attention_backward(
                     delta = q.dtype.type(0)
                     for e in range(d_k):
                         delta += g_block[r, e] * o_block[r, e]
-                    p_row, dp_row = p_tile[r], dp_tile[r]
+                    p_row, dp_row, row_lse = p_tile[r], dp_tile[r], lse[r]
                     for j in range(last + 1):
-                        probability = exp2_scalar(p_row[j] - lse[r])
+                        probability = exp2_scalar(p_row[j] - row_lse)
                         p_row[j] = probability
                         dp_row[j] = probability * (dp_row[j] - delta) * scale
                     for j in range(last + 1, stop):
