@@ -26,13 +26,14 @@ def _blocks_loss_and_grads(params, sequences, config):
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 @pytest.mark.parametrize(
     ("d_model", "n_layers", "head_width", "batch", "length"),
-    [(8, 1, 8, 3, 5), (12, 2, 4, 2, 7), (16, 3, 16, 1, 1)],
+    [(8, 1, 8, 3, 5), (12, 2, 4, 2, 7), (16, 3, 16, 1, 1), (16, 1, 8, 2, 21)],
 )
 def test_fused_step_equals_the_blocks(
     dtype, d_model, n_layers, head_width, batch, length, monkeypatch
 ):
     # Attention blocks of 3 queries: the 5- and 7-token sequences take two and three,
-    # the last one short, and the 1-token sequence a block of its own length.
+    # the last one short, and the 1-token sequence a block of its own length; rows of
+    # the 21-token one hold whole groups of eight scores and a remainder.
     monkeypatch.setattr(fused, "ATTENTION_BLOCK", 3)
     vocab = 7
     config = language_model_config(
@@ -85,6 +86,23 @@ def test_fused_decoder_refuses_other_models():
         FusedDecoder(gelu, init_model(gelu))
 
 
+def _small_training():
+    source = ZipfLexicon(n_letters=6, word_length=3, n_words=40, seed=2)
+    training = TrainingConfig(steps=3, batch_size=32, words_per_sequence=8, eval_every=3,
+                              warmup=2, validation_sequences=32)  # fmt: skip
+    return source, training
+
+
+def test_fused_training_trains_the_model_the_blocks_train():
+    source, training = _small_training()
+    model = language_model_config(16, 2, vocab_size=source.vocab_size, context=32)
+    fused_run = train_language_model(model, source, training)
+    blocks = train_language_model(model, source, training, backend="reference")
+    # To float32 rounding (Adam's first steps amplify it: they move every weight by
+    # about the learning rate, whatever the size of its gradient).
+    assert fused_run.validation_loss == pytest.approx(blocks.validation_loss, rel=1e-4)
+
+
 @pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="needs two threads")
 def test_training_does_not_depend_on_the_thread_count(monkeypatch):
     # Every kernel on its parallel path; the products large enough to be split over
@@ -93,18 +111,13 @@ def test_training_does_not_depend_on_the_thread_count(monkeypatch):
     split = fused.kernels.split_gemm
     splits = []
     monkeypatch.setattr(fused.kernels, "split_gemm", lambda *a: splits.append(a) or split(*a))
-    source = ZipfLexicon(n_letters=6, word_length=3, n_words=40, seed=2)
+    source, training = _small_training()
     model = language_model_config(64, 2, vocab_size=source.vocab_size, context=32)
-    training = TrainingConfig(steps=3, batch_size=32, words_per_sequence=8, eval_every=3,
-                              warmup=2, validation_sequences=32)  # fmt: skip
     one = train_language_model(model, source, training, threads=1)
     assert not splits
     two = train_language_model(model, source, training, threads=2)
     assert len(splits) >= 3 * 2 * 10  # the feed-forward's and attention's products
     assert {**one.to_dict(), "seconds": 0} == {**two.to_dict(), "seconds": 0}
-    # The fused step trains the model the blocks train, to float32 rounding.
-    blocks = train_language_model(model, source, training, backend="reference")
-    assert one.validation_loss == pytest.approx(blocks.validation_loss, rel=1e-4)
 
 
 def test_bench_training_prints_a_row_per_shape_for_the_same_model_in_torch(monkeypatch):
@@ -125,3 +138,59 @@ def test_bench_training_prints_a_row_per_shape_for_the_same_model_in_torch(monke
     row = lines[-1].split()
     assert row[:5] == ["tiny", "16", "1", "8", "2"]
     assert ("n/a" in row) == (torch is None)
+
+
+_ATTENTION_BITS = """
+import sys
+import numpy as np
+from tfmath.kernels.cpu import training_step as kernels
+
+rng = np.random.default_rng(0)
+q, k, v, grad = (rng.standard_normal((2 * 70, 16)).astype(np.float32) for _ in range(4))
+out, lse = np.empty_like(q), np.empty((2, 2, 70), np.float32)
+kernels.causal_attention_forward.serial(q, k, v, 2, 70, 64, 1, out, lse)
+grads = [np.empty_like(q) for _ in range(3)]
+kernels.causal_attention_backward.serial(q, k, v, out, grad, lse, 2, 70, 64, 1, *grads)
+sys.stdout.write(b"".join(a.tobytes() for a in (out, lse, *grads)).hex())
+"""
+
+
+def test_attention_kernels_give_the_same_bits_compiled_or_cached(tmp_path):
+    # The first process compiles the kernels and caches them; the second loads them.
+    # (A vectorised running sum once gave different last bits in the two.)
+    import os
+    import subprocess
+    import sys
+
+    environment = {**os.environ, "TFMATH_CACHE_DIR": str(tmp_path), "TFMATH_CACHE": "1"}
+    runs = [
+        subprocess.run([sys.executable, "-c", _ATTENTION_BITS], env=environment,
+                       capture_output=True, text=True, check=True).stdout
+        for _ in range(2)
+    ]  # fmt: skip
+    assert any(tmp_path.rglob("*.nbi")), "the first run cached nothing"
+    assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize("length", [5, 21])
+def test_causal_attention_kernels_with_very_large_logits(length):
+    # Scores of thousands: the softmax must subtract each row's true maximum, wherever
+    # in the row it lies, or its exponentials overflow.
+    from tfmath.kernels.cpu import training_step as kernels
+
+    rng = np.random.default_rng(length)
+    n_heads, d_k = 2, 8
+    q, k, v = (rng.standard_normal((length, n_heads * d_k)) for _ in range(3))
+    q, k = 30 * q, 30 * k
+    expected = np.empty_like(q)
+    for h in range(n_heads):
+        columns = slice(h * d_k, (h + 1) * d_k)
+        scores = q[:, columns] @ k[:, columns].T / np.sqrt(d_k)
+        scores[np.triu_indices(length, 1)] = -np.inf
+        weights = np.exp(scores - scores.max(axis=1, keepdims=True))
+        expected[:, columns] = weights / weights.sum(axis=1, keepdims=True) @ v[:, columns]
+    for dtype in (np.float32, np.float64):
+        out, lse = np.empty_like(q, dtype=dtype), np.empty((1, n_heads, length), dtype=dtype)
+        args = [a.astype(dtype) for a in (q, k, v)]
+        kernels.causal_attention_forward.serial(*args, n_heads, length, 4, 1, out, lse)
+        np.testing.assert_allclose(out, expected, atol=TOLERANCE[dtype] * np.abs(v).max())

@@ -51,10 +51,13 @@ def _shapes():
     widths = [TrainingShape("width", d, 2, 64) for d in (16, 32, 64, 128, 256, 512)]
     layers = [TrainingShape("layers", 128, n, 64) for n in (1, 4)]
     contexts = [TrainingShape("context", 128, 2, n) for n in (128, 256, 512)]
-    # The sweeps': compute_optimal (one layer, 40 targets, 13 tokens) and
-    # scaling_reproduction (two layers, 48 targets, 17 tokens).
-    compute_optimal = [TrainingShape("compute_optimal", d, 1, 40, vocab=13) for d in (8, 24, 48)]
-    scaling = [TrainingShape("scaling", d, 2, 48, vocab=17) for d in (8, 24, 48)]
+    # The sweeps' own: compute_optimal (one layer, 32 Shakespeare bytes, batches of 4 to 8
+    # at the default run's budgets) and scaling_reproduction (the default run's one
+    # layer, 48 targets of a 17-token lexicon, batches of 32).
+    compute_optimal = [
+        TrainingShape("compute_optimal", d, 1, 32, batch=8, vocab=256) for d in (4, 8, 16)
+    ]
+    scaling = [TrainingShape("scaling", d, 1, 48, vocab=17) for d in (8, 16, 24)]
     return (*widths, *layers, *contexts, *compute_optimal, *scaling)
 
 

@@ -258,7 +258,8 @@ def causal_attention_forward(q, k, v, n_heads, length, block, n_chunks, out, log
                 keys = slice(first, first + stop)
                 tile = scores[: stop - start, :stop]
                 gemm(scale_2, q[queries, columns], k[keys, columns], 0.0, tile, False, True)
-                _causal_softmax_2(tile, start, log_sum_exp[b, h, start:stop])
+                lse = log_sum_exp[b, h, start:stop]
+                _causal_softmax_2(scores, stop - start, stop, start, lse)
                 gemm(1.0, tile, v[keys, columns], 0.0, out[queries, columns])
 
 
@@ -289,22 +290,47 @@ def _row_max(row, n):
 
 
 @cpu_kernel
-def _causal_softmax_2(scores, first_query, log_sum_exp):
-    """Row ``r`` of ``scores`` (base-2 logits of query ``first_query + r``) becomes its
-    softmax over the columns up to that query, zero beyond; ``log_sum_exp[r]``
-    keeps its base-2 normaliser. Every loop runs over the whole row, the masked
-    columns chosen out by a select instead of a loop of its own for the zeros."""
+def _row_sum(row):
+    """``row.sum()`` as eight running sums added in a fixed order.
+
+    Vectorised just as fast as a running sum, but its order of additions is the
+    source's, not LLVM's: a vectorised ``total += x`` sums in an order that
+    depends on how the loop was compiled (inlined callees or not), and cached and
+    freshly compiled kernels then gave different last bits
+    (``tests/test_training_fused.py`` compares the two)."""
+    n = row.shape[0]
+    zero = row.dtype.type(0)
+    s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = zero
+    whole = n // 8 * 8
+    for j in range(0, whole, 8):
+        s0, s1, s2, s3 = s0 + row[j], s1 + row[j + 1], s2 + row[j + 2], s3 + row[j + 3]
+        s4, s5, s6, s7 = s4 + row[j + 4], s5 + row[j + 5], s6 + row[j + 6], s7 + row[j + 7]
+    for j in range(whole, n):
+        s0 += row[j]
+    return ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))
+
+
+@cpu_kernel
+def _causal_softmax_2(scores, n_rows, n_columns, first_query, log_sum_exp):
+    """Row ``r < n_rows`` of ``scores[:, :n_columns]`` (base-2 logits of query
+    ``first_query + r``) becomes its softmax over the columns up to that query, zero
+    beyond; ``log_sum_exp[r]`` keeps its base-2 normaliser.
+
+    Each row is a contiguous slice of the C-contiguous ``scores`` (Numba types a
+    row of a strided tile as strided, and LLVM does not vectorise loops over
+    it: half the forward pass's time at context 256), and the loops run over
+    the whole row, the masked columns chosen by a select rather than zeroed by
+    a loop of their own."""
     zero = scores.dtype.type(0)
-    for r in range(scores.shape[0]):
-        row, last = scores[r], first_query + r
+    one = scores.dtype.type(1)
+    for r in range(n_rows):
+        row, last = scores[r, :n_columns], first_query + r
         row_max = _row_max(row, last + 1)
-        total = zero
-        for j in range(row.shape[0]):
-            p = exp2_scalar(row[j] - row_max) if j <= last else zero
-            row[j] = p
-            total += p
-        inverse = 1 / total
-        for j in range(row.shape[0]):
+        for j in range(n_columns):
+            row[j] = exp2_scalar(row[j] - row_max) if j <= last else zero
+        total = _row_sum(row)
+        inverse = one / total
+        for j in range(n_columns):
             row[j] *= inverse
         log_sum_exp[r] = row_max + math.log2(total)
 
