@@ -73,6 +73,30 @@ def to_array(name, tensor):
         ) from None
 
 
+def plain_cpu_arrays(*tensors):
+    """The tensors' data as NumPy arrays, without a copy, when each is a plain CPU
+    tensor: exactly ``torch.Tensor`` (no subclass, no ``Parameter``), strided, float32 or
+    float64, without a pending negation; None otherwise.
+
+    The few comparisons a short path makes instead of :func:`to_array`'s general
+    reading: whatever they do not recognise goes the general way, whose errors it keeps.
+    """
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    kernel_dtypes = (torch.float32, torch.float64)
+    for tensor in tensors:
+        if not (
+            type(tensor) is torch.Tensor
+            and tensor.is_cpu
+            and tensor.layout is torch.strided
+            and tensor.dtype in kernel_dtypes
+            and not tensor.is_neg()
+        ):
+            return None
+    return tuple(tensor.detach().numpy() for tensor in tensors)
+
+
 def to_tensor(array, device):
     """Wrap a result array as a tensor on ``device``, without a copy where NumPy's
     strides allow (torch has no negative strides)."""
@@ -80,9 +104,9 @@ def to_tensor(array, device):
     if _cuda.is_device_array(array):
         return torch.as_tensor(array, device=device)
     array = np.asarray(array)
-    if any(stride < 0 for stride in array.strides) or not array.flags.writeable:
+    if min(array.strides, default=0) < 0 or not array.flags.writeable:
         array = array.copy()
-    if array.dtype.name == "bfloat16":
+    if array.dtype.kind == "V" and array.dtype.name == "bfloat16":  # kind: a cheap test first
         return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(array)
 
@@ -218,11 +242,14 @@ def _function_class():
             device = _first_device(inputs)
             arrays = [_unwrap(name, value) for name, value in zip(names, inputs, strict=True)]
             outputs, saved = rule.forward(*arrays)
-            # The inputs are saved as tensors, so that torch's version counters catch an
-            # in-place change between the forward and the backward.
-            ctx.save_for_backward(*(v if isinstance(v, torch.Tensor) else None for v in inputs))
-            ctx.rule, ctx.saved, ctx.device, ctx.n_inputs = rule, saved, device, len(inputs)
-            return tuple(to_tensor(output, device) for output in outputs)
+            results = tuple(to_tensor(output, device) for output in outputs)
+            # The inputs and outputs are saved as tensors, so that torch's version counters
+            # catch an in-place change between the forward and the backward (the saved
+            # state shares their memory: attention's backward reads its output).
+            inputs = (v if isinstance(v, torch.Tensor) else None for v in inputs)
+            ctx.save_for_backward(*inputs, *results)
+            ctx.rule, ctx.saved, ctx.device = rule, saved, device
+            return results
 
         @staticmethod
         @once_differentiable
@@ -248,3 +275,43 @@ def differentiable(rule, names, inputs):
     """Apply ``rule`` to tensor ``inputs`` (named ``names`` for errors) through
     autograd; returns the tuple of output tensors."""
     return _function_class().apply(rule, tuple(names), *inputs)
+
+
+@functools.cache
+def _plain_function_class():
+    """The lean ``torch.autograd.Function`` of :func:`differentiable_plain`."""
+    torch = sys.modules["torch"]
+    from torch.autograd.function import once_differentiable
+
+    class PlainTfmathFunction(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, rule, *inputs):
+            output, saved = rule.forward()
+            result = to_tensor(output, "cpu")
+            ctx.save_for_backward(*inputs, result)  # version counters, as above
+            ctx.rule, ctx.saved = rule, saved
+            return result
+
+        @staticmethod
+        @once_differentiable
+        def backward(ctx, grad_output):
+            ctx.saved_tensors  # noqa: B018 (raises if an input or the output changed in place)
+            (grad,) = plain_cpu_arrays(grad_output) or (to_array("grad_output", grad_output),)
+            grads = ctx.rule.backward(ctx.saved, grad)
+            wanted = ctx.needs_input_grad[1:]
+            wrapped = (
+                to_tensor(g, "cpu") if want else None for g, want in zip(grads, wanted, strict=True)
+            )
+            return (None, *wrapped)
+
+    return PlainTfmathFunction
+
+
+def differentiable_plain(rule, inputs):
+    """:func:`differentiable` for one output of plain CPU tensors ``inputs``, whose data
+    ``rule`` already holds (read by :func:`plain_cpu_arrays`, or copied from it): the
+    short path of a training step's calls, which neither reads the tensors again nor
+    walks the results. ``rule.forward()`` returns ``(output, saved)`` and
+    ``rule.backward(saved, grad_output)`` one gradient per input. Returns the output
+    tensor."""
+    return _plain_function_class().apply(rule, *inputs)
