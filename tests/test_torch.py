@@ -307,6 +307,20 @@ def test_an_in_place_change_of_the_output_before_the_backward_is_caught():
         out.mul_(3.0)
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             out.sum().backward()
+    x = torch.randn(2, 3, dtype=torch.float64, requires_grad=True)
+    for function in (tfmath.softmax, tfmath.log_softmax):  # their backward reads y too
+        y = function(x)
+        y.mul_(3.0)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            y.sum().backward()
+
+
+def test_outputs_the_backward_does_not_read_may_change_in_place():
+    # Layer norm's backward reads its input and statistics, as PyTorch's does.
+    x, weight, bias = (torch.randn(n, dtype=torch.float64, requires_grad=True) for n in (4, 4, 4))
+    tfmath.layer_norm(x, weight, bias).mul_(3.0).sum().backward()
+    expected = torch.autograd.grad(F.layer_norm(x, (4,), weight, bias).mul(3.0).sum(), x)[0]
+    np.testing.assert_allclose(x.grad.numpy(), expected.numpy(), atol=1e-12)
 
 
 # -- the short path of plain tensors ---------------------------------------------------------

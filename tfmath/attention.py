@@ -142,7 +142,8 @@ def _softmax_of_tensor(x, axis, accumulate, backend):
         grad_x = y_wide * (grad_wide - (grad_wide * y_wide).sum(axis=along, keepdims=True))
         return (grad_x.astype(y.dtype, copy=False),)
 
-    (y,) = differentiable(Rule(softmax_forward, softmax_backward), ("x",), (x,))
+    rule = Rule(softmax_forward, softmax_backward, reads_outputs=True)
+    (y,) = differentiable(rule, ("x",), (x,))
     return y
 
 
@@ -406,7 +407,7 @@ def _attention_of_tensors(args, options):
             grads = groups.operand_gradients(grads)
         return (*grads, None)
 
-    rule = Rule(attention_forward, attention_backward)
+    rule = Rule(attention_forward, attention_backward, reads_outputs=True)
     (output,) = differentiable(
         rule, ("query", "key", "value", "attn_mask"), (query, key, value, attn_mask)
     )
@@ -448,7 +449,8 @@ def _plain_attention_of_tensors(query, key, value, is_causal, scale):
     def attention_backward(saved, grad_output):
         return run_backward(problem, grad_output, saved)
 
-    return differentiable_plain(Rule(attention_forward, attention_backward), (query, key, value))
+    rule = Rule(attention_forward, attention_backward, reads_outputs=True)
+    return differentiable_plain(rule, (query, key, value))
 
 
 def _is_plain_host_call(attn_mask, return_weights, return_log_sum_exp, method, accumulate, backend):

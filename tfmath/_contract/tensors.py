@@ -142,7 +142,7 @@ def _first_device(values):
     return next(value.device for value in values if isinstance(value, torch.Tensor))
 
 
-def call_with_arrays(function, name, args, kwargs, autograd=None):
+def call_with_arrays(function, name, args, kwargs, autograd=None, reads_outputs=False):
     """``function(*args, **kwargs)`` with every tensor argument read as an array and
     every array result wrapped back as a tensor on the first tensor's device.
 
@@ -151,11 +151,12 @@ def call_with_arrays(function, name, args, kwargs, autograd=None):
     cache)`` the gradients of the leading positional arguments (one array or a
     tuple); with it, tensors that need a gradient run through autograd. Without
     it they are refused: a result silently cut from the graph would train nothing.
+    ``reads_outputs``: whether the block's cache holds its result (see :class:`Rule`).
     """
     values = list(itertools.chain(args, kwargs.values()))
     if needs_grad(*values):
         if autograd is not None:
-            return _block_through_autograd(*autograd(), args, kwargs)
+            return _block_through_autograd(*autograd(), args, kwargs, reads_outputs)
         raise DTypeError(
             f"tfmath.{name} has no backward pass, but an argument requires grad; pass "
             "tensor.detach() or call it under torch.no_grad()"
@@ -175,26 +176,28 @@ def _parameter_names(function, count):
     return parameters + [f"argument {i}" for i in range(len(parameters), count)]
 
 
-def accepts_tensors(function=None, *, autograd=None):
+def accepts_tensors(function=None, *, autograd=None, reads_outputs=False):
     """Let a public function take torch tensors and return them (see the module's doc);
-    with ``autograd`` (see :func:`call_with_arrays`), differentiably.
+    with ``autograd`` and ``reads_outputs`` (see :func:`call_with_arrays`), differentiably.
 
     NumPy calls pay one dictionary lookup when torch is not imported, and one
     ``isinstance`` per argument when it is.
     """
     if function is None:
-        return functools.partial(accepts_tensors, autograd=autograd)
+        return functools.partial(accepts_tensors, autograd=autograd, reads_outputs=reads_outputs)
 
     @functools.wraps(function)
     def wrapper(*args, **kwargs):
         if any_tensor(*args, *kwargs.values()):
-            return call_with_arrays(function, function.__name__, args, kwargs, autograd)
+            return call_with_arrays(
+                function, function.__name__, args, kwargs, autograd, reads_outputs
+            )
         return function(*args, **kwargs)
 
     return wrapper
 
 
-def _block_through_autograd(forward, backward, args, kwargs):
+def _block_through_autograd(forward, backward, args, kwargs, reads_outputs):
     """A block's ``forward``/``backward`` pair as one autograd node over its
     positional arguments (keyword arguments are options)."""
 
@@ -208,7 +211,8 @@ def _block_through_autograd(forward, backward, args, kwargs):
         return (*grads, *(None,) * (len(args) - len(grads)))
 
     names = _parameter_names(forward, len(args))
-    (result,) = differentiable(Rule(block_forward, block_backward), names, args)
+    rule = Rule(block_forward, block_backward, reads_outputs=reads_outputs)
+    (result,) = differentiable(rule, names, args)
     return result
 
 
@@ -222,11 +226,18 @@ class Rule:
     whatever the backward needs. ``backward(saved, *grad_outputs)`` returns one
     gradient (or None) per input of ``forward``. Gradients of outputs that nothing
     used arrive as None.
+
+    ``reads_outputs`` says that the backward reads the outputs (``saved`` shares their
+    memory): they are then saved as tensors too, so that an output changed in place
+    before the backward is caught by torch's version counters instead of giving
+    wrong gradients. Without it, outputs may be changed in place, as the outputs of
+    torch's own layer norm may.
     """
 
-    def __init__(self, forward, backward):
+    def __init__(self, forward, backward, *, reads_outputs=False):
         self.forward = forward
         self.backward = backward
+        self.reads_outputs = reads_outputs
 
 
 @functools.cache
@@ -243,11 +254,11 @@ def _function_class():
             arrays = [_unwrap(name, value) for name, value in zip(names, inputs, strict=True)]
             outputs, saved = rule.forward(*arrays)
             results = tuple(to_tensor(output, device) for output in outputs)
-            # The inputs and outputs are saved as tensors, so that torch's version counters
-            # catch an in-place change between the forward and the backward (the saved
-            # state shares their memory: attention's backward reads its output).
+            # The inputs (and outputs the backward reads) are saved as tensors, so that
+            # torch's version counters catch an in-place change between the forward and
+            # the backward.
             inputs = (v if isinstance(v, torch.Tensor) else None for v in inputs)
-            ctx.save_for_backward(*inputs, *results)
+            ctx.save_for_backward(*inputs, *(results if rule.reads_outputs else ()))
             ctx.rule, ctx.saved, ctx.device = rule, saved, device
             return results
 
@@ -288,7 +299,8 @@ def _plain_function_class():
         def forward(ctx, rule, *inputs):
             output, saved = rule.forward()
             result = to_tensor(output, "cpu")
-            ctx.save_for_backward(*inputs, result)  # version counters, as above
+            # Version counters, as above.
+            ctx.save_for_backward(*inputs, *((result,) if rule.reads_outputs else ()))
             ctx.rule, ctx.saved = rule, saved
             return result
 
