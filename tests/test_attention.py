@@ -463,7 +463,7 @@ def test_flash_cpu_when_later_key_tiles_score_far_higher(dtype, is_causal):
     scores about 2**30 times higher than the first tile, and a whole tile about
     2**9 times, which add up past the 2**16 cap."""
     rng = np.random.default_rng(5)
-    n_key = 400  # key tiles of 128 at E = 8
+    n_key = 400  # key tiles of 128 at E = 8 (64 when causal)
     query = rng.uniform(0.5, 1.0, (2, n_key, 8)).astype(dtype)
     key = rng.uniform(-0.1, 0.1, (2, n_key, 8)).astype(dtype)
     key[:, 130:250] = 3.0
@@ -493,7 +493,8 @@ def test_cpu_backward_split_over_key_parts(n_parts, is_causal, monkeypatch):
 
     monkeypatch.setattr(flash_attention, "backward_parts", lambda n_batch, n_key_tiles: n_parts)
     rng = np.random.default_rng(21)
-    # 11 key tiles of 128: 3 sweeps of 4, each with queries below the diagonal.
+    # 11 key tiles of 128 (21 of 64 when causal): 3 (6) sweeps of 4, each with queries
+    # below the diagonal.
     query, key, value, grad_output = rng.standard_normal((4, 1, 1300, 8))
     args = (query, key, value, grad_output)
     grads = tfmath.attention_grad(*args, is_causal=is_causal, backend="cpu")

@@ -172,3 +172,30 @@ def test_unwritable_kernel_cache_is_off_and_kernels_still_run(tmp_path):
     assert float(total) == pytest.approx(3.0)
     assert description.startswith("off (cannot write to") and str(blocker) in description
     assert "TFMATH_CACHE_DIR" in description
+
+
+class _FakeBlas:
+    """A BLAS library controller that records the thread counts set on it."""
+
+    def __init__(self, threads):
+        self.threads, self.calls = threads, []
+
+    def get_num_threads(self):
+        return self.threads
+
+    def set_num_threads(self, threads):
+        self.calls.append(threads)
+        self.threads = threads
+
+
+@pytest.mark.parametrize("threads", [(4, 1), (2, 2), (1, 1)])
+def test_serial_blas_holds_blas_to_one_thread_and_restores_it(threads, monkeypatch):
+    from tfmath import _config
+
+    libraries = tuple(_FakeBlas(n) for n in threads)
+    monkeypatch.setattr(_config, "_blas_libraries", lambda: libraries)
+    with _config.serial_blas():
+        assert [library.threads for library in libraries] == [1, 1]
+    assert tuple(library.threads for library in libraries) == threads
+    if threads == (1, 1):  # already serial: left alone, as a training step calls it often
+        assert all(library.calls == [] for library in libraries)

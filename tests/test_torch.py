@@ -5,9 +5,11 @@ few examples: what is checked is the plumbing (types, dtypes, strides, devices,
 the autograd graph), since the kernels are tested against the reference elsewhere.
 """
 
+import contextlib
 import inspect
 import subprocess
 import sys
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -294,6 +296,153 @@ def test_an_in_place_change_before_the_backward_is_caught():
     k.add_(1.0)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         out.sum().backward()
+
+
+def test_an_in_place_change_of_the_output_before_the_backward_is_caught():
+    # The backward reads the output (D = rowsum(dO * O)); changed in place, it would
+    # give wrong gradients silently. PyTorch's SDPA refuses it the same way.
+    q = torch.randn(1, 3, 4, requires_grad=True)
+    for mask in (None, torch.ones(3, 3, dtype=torch.bool)):  # the short and general paths
+        out = tfmath.scaled_dot_product_attention(q, q, q, mask)
+        out.mul_(3.0)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            out.sum().backward()
+    x = torch.randn(2, 3, dtype=torch.float64, requires_grad=True)
+    for function in (tfmath.softmax, tfmath.log_softmax):  # their backward reads y too
+        y = function(x)
+        y.mul_(3.0)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            y.sum().backward()
+
+
+def test_outputs_the_backward_does_not_read_may_change_in_place():
+    # Layer norm's backward reads its input and statistics, as PyTorch's does.
+    x, weight, bias = (torch.randn(n, dtype=torch.float64, requires_grad=True) for n in (4, 4, 4))
+    tfmath.layer_norm(x, weight, bias).mul_(3.0).sum().backward()
+    expected = torch.autograd.grad(F.layer_norm(x, (4,), weight, bias).mul(3.0).sum(), x)[0]
+    np.testing.assert_allclose(x.grad.numpy(), expected.numpy(), atol=1e-12)
+
+
+# -- the short path of plain tensors ---------------------------------------------------------
+
+
+def general_path_only():
+    """A context in which every tensor call takes the general path."""
+    return mock.patch.object(tfmath.attention, "_plain_attention_of_tensors", lambda *a: None)
+
+
+@st.composite
+def plain_tensor_cases(draw):
+    """Calls the short path takes: CPU float32/float64 tensors, no mask, strided or not."""
+    batch = draw(st.lists(st.integers(1, 2), min_size=0, max_size=2))
+    n_query, n_key = draw(st.integers(1, 70)), draw(st.integers(1, 70))
+    features, value_dim = draw(st.integers(1, 8)), draw(st.integers(1, 8))
+    return {
+        "shapes": (
+            (*batch, n_query, features),
+            (*batch, n_key, features),
+            (*batch, n_key, value_dim),
+        ),
+        "dtype": draw(st.sampled_from(["float32", "float64"])),
+        "is_causal": draw(st.booleans()),
+        "scale": draw(st.sampled_from([None, 0.3])),
+        "layout": draw(st.sampled_from(["contiguous", "transposed", "every_other_row"])),
+        "requires_grad": draw(st.lists(st.booleans(), min_size=3, max_size=3)),
+        "seed": draw(st.integers(0, 2**16)),
+    }
+
+
+def laid_out(rng, shape, dtype, layout):
+    """A tensor of ``shape`` whose strides are those of ``layout``."""
+    if layout == "transposed":  # rows and features swapped in memory
+        data = rng.standard_normal((*shape[:-2], shape[-1], shape[-2]))
+        return torch.from_numpy(data).to(DTYPES[dtype]).transpose(-1, -2)
+    if layout == "every_other_row":
+        data = rng.standard_normal((*shape[:-2], 2 * shape[-2], shape[-1]))
+        return torch.from_numpy(data).to(DTYPES[dtype])[..., ::2, :]
+    return torch.from_numpy(rng.standard_normal(shape)).to(DTYPES[dtype])
+
+
+@settings(max_examples=15, deadline=None)
+@given(plain_tensor_cases())
+def test_the_short_path_gives_the_bits_of_the_general_path(case):
+    rng = np.random.default_rng(case["seed"])
+    operands = [laid_out(rng, s, case["dtype"], case["layout"]) for s in case["shapes"]]
+    if not any(case["requires_grad"]):
+        case["requires_grad"][0] = True
+    grad = torch.from_numpy(rng.standard_normal(case["shapes"][0][:-1] + case["shapes"][2][-1:]))
+    results = []
+    for path in ("short", "general"):
+        leaves = [
+            t.detach().clone().requires_grad_(wanted)
+            for t, wanted in zip(operands, case["requires_grad"], strict=True)
+        ]
+        with contextlib.nullcontext() if path == "short" else general_path_only():
+            with torch.no_grad():
+                plain = tfmath.scaled_dot_product_attention(
+                    *leaves, is_causal=case["is_causal"], scale=case["scale"]
+                )
+            out = tfmath.nn.scaled_dot_product_attention(
+                *leaves, is_causal=case["is_causal"], scale=case["scale"]
+            )
+        backward = "PlainTfmathFunction" if path == "short" else "TfmathFunction"
+        assert type(out.grad_fn).__name__ == backward + "Backward"
+        assert plain.grad_fn is None and torch.equal(plain, out.detach())
+        out.backward(grad.to(out.dtype))
+        results.append([out, *(t.grad for t in leaves)])
+    for short, general in zip(*results, strict=True):
+        assert (short is None) == (general is None)
+        if short is not None:
+            assert short.dtype is general.dtype and torch.equal(short, general)
+
+
+class Tensor(torch.Tensor):
+    """A subclass of torch.Tensor, which the short path leaves to the general one."""
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"key": torch.ones(2, 3, 5, dtype=torch.float64)},  # another dtype
+        {"query": torch.ones(2, 4, 5, dtype=torch.bfloat16)},  # not a NumPy dtype
+        {"query": torch.ones(2, 4, 5, dtype=torch.float16)},  # half precision
+        {"query": torch.ones(2, 4, 5, dtype=torch.int32)},  # integers
+        {"key": torch.ones(1, 3, 5)},  # a broadcast batch
+        {"key": torch.ones(2, 3, 4)},  # another E
+        {"query": torch.ones(2, 0, 5)},  # no queries
+        {"query": torch._neg_view(torch.ones(2, 4, 5))},  # a pending negation
+        {"query": torch.nn.Parameter(torch.ones(2, 4, 5))},  # a subclass
+        {"query": torch.ones(2, 4, 5).as_subclass(Tensor)},
+        {"query": torch.ones(2, 4, 5, device="meta")},  # not on the CPU
+        {"value": torch.ones(2, 3, 2).to_sparse()},  # not strided
+        {"value": np.ones((2, 3, 2), np.float32)},  # a NumPy array beside tensors
+        {"scale": 1},
+        {"is_causal": torch.tensor(True)},
+    ],
+)
+def test_the_tensor_short_path_declines_what_it_does_not_check(change):
+    arguments = {
+        "query": torch.ones(2, 4, 5),
+        "key": torch.ones(2, 3, 5),
+        "value": torch.ones(2, 3, 2),
+        "is_causal": False,
+        "scale": None,
+    }
+    assert isinstance(tfmath.attention._plain_attention_of_tensors(**arguments), torch.Tensor)
+    arguments.update(change)
+    assert tfmath.attention._plain_attention_of_tensors(**arguments) is None
+
+
+def test_errors_of_calls_the_short_path_declines_are_the_general_paths():
+    q = torch.ones(2, 4, 5)
+    for bad_key, error, words in (
+        (torch.ones(2, 3, 4), ShapeError, "same last dimension E"),
+        (torch.ones(2, 3, 5, dtype=torch.int32), DTypeError, "int32"),
+        (torch.ones(2, 3, 5, device="meta"), DTypeError, "device meta"),
+    ):
+        for path in (contextlib.nullcontext(), general_path_only()):
+            with path, pytest.raises(error, match=words):
+                tfmath.scaled_dot_product_attention(q, bad_key, bad_key)
 
 
 # -- grouped-query attention -----------------------------------------------------------------

@@ -344,6 +344,11 @@ def serial_blas():
     """
     libraries = _blas_libraries()
     previous = [library.get_num_threads() for library in libraries]
+    if all(threads == 1 for threads in previous):
+        # Already serial (OMP_NUM_THREADS=1, or one core): nothing to set or restore,
+        # which spares a training step's every attention call four library calls.
+        yield
+        return
     for library in libraries:
         library.set_num_threads(1)
     try:

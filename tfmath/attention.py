@@ -36,7 +36,10 @@ from tfmath._contract.tensors import (
     any_tensor,
     call_with_arrays,
     differentiable,
+    differentiable_plain,
     needs_grad,
+    plain_cpu_arrays,
+    to_tensor,
 )
 from tfmath._dispatch import implementation, narrowed, resolve_backend, run
 from tfmath.errors import ArgumentError, DTypeError
@@ -139,7 +142,8 @@ def _softmax_of_tensor(x, axis, accumulate, backend):
         grad_x = y_wide * (grad_wide - (grad_wide * y_wide).sum(axis=along, keepdims=True))
         return (grad_x.astype(y.dtype, copy=False),)
 
-    (y,) = differentiable(Rule(softmax_forward, softmax_backward), ("x",), (x,))
+    rule = Rule(softmax_forward, softmax_backward, reads_outputs=True)
+    (y,) = differentiable(rule, ("x",), (x,))
     return y
 
 
@@ -310,6 +314,10 @@ def scaled_dot_product_attention(
             # Non-empty float32/float64 host operands: nothing for run() to widen or
             # route to the reference, so the routine is called as it is.
             return implementation(_attention_routine(problem, method, False), "cpu")(problem)[0]
+        if enable_gqa is False:
+            output = _plain_attention_of_tensors(query, key, value, is_causal, scale)
+            if output is not None:
+                return output
     options = {
         "enable_gqa": enable_gqa,
         "return_weights": return_weights,
@@ -399,11 +407,50 @@ def _attention_of_tensors(args, options):
             grads = groups.operand_gradients(grads)
         return (*grads, None)
 
-    rule = Rule(attention_forward, attention_backward)
+    rule = Rule(attention_forward, attention_backward, reads_outputs=True)
     (output,) = differentiable(
         rule, ("query", "key", "value", "attn_mask"), (query, key, value, attn_mask)
     )
     return output
+
+
+def _plain_attention_of_tensors(query, key, value, is_causal, scale):
+    """The short path of plain CPU tensors (:func:`plain_cpu_arrays`) that
+    :func:`plain_attention_problem` accepts, a drop-in's every call: the output tensor,
+    through autograd when an operand needs a gradient; None for any other call.
+
+    It computes what the general path computes, with the same routines on the same
+    operands, so the bits are the same: the forward keeps its output and log-sum-exp,
+    and the backward calls the flash backward on them without checking again what
+    autograd guarantees (the output gradient has the output's shape and dtype).
+    """
+    arrays = plain_cpu_arrays(query, key, value)
+    if arrays is None:
+        return None
+    problem = plain_attention_problem(*arrays, is_causal, scale)
+    if problem is None:
+        return None
+    run_forward = implementation(_attention_routine(problem, "auto", False), "cpu")
+    if not needs_grad(query, key, value):
+        return to_tensor(run_forward(problem)[0], "cpu")
+    # Strided views (the heads of a (B, L, H, D) projection) are copied once here, where
+    # the kernels would copy them, so that the backward reuses the copies.
+    problem = problem._replace(
+        query=np.ascontiguousarray(problem.query),
+        key=np.ascontiguousarray(problem.key),
+        value=np.ascontiguousarray(problem.value),
+    )
+    run_backward = implementation("attention_grad", "cpu")
+
+    def attention_forward():
+        output, log_sum_exp = run_forward(problem)
+        return output, (output, log_sum_exp)
+
+    def attention_backward(saved, grad_output):
+        return run_backward(problem, grad_output, saved)
+
+    rule = Rule(attention_forward, attention_backward, reads_outputs=True)
+    return differentiable_plain(rule, (query, key, value))
 
 
 def _is_plain_host_call(attn_mask, return_weights, return_log_sum_exp, method, accumulate, backend):

@@ -73,6 +73,30 @@ def to_array(name, tensor):
         ) from None
 
 
+def plain_cpu_arrays(*tensors):
+    """The tensors' data as NumPy arrays, without a copy, when each is a plain CPU
+    tensor: exactly ``torch.Tensor`` (no subclass, no ``Parameter``), strided, float32 or
+    float64, without a pending negation; None otherwise.
+
+    The few comparisons a short path makes instead of :func:`to_array`'s general
+    reading: whatever they do not recognise goes the general way, whose errors it keeps.
+    """
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    kernel_dtypes = (torch.float32, torch.float64)
+    for tensor in tensors:
+        if not (
+            type(tensor) is torch.Tensor
+            and tensor.is_cpu
+            and tensor.layout is torch.strided
+            and tensor.dtype in kernel_dtypes
+            and not tensor.is_neg()
+        ):
+            return None
+    return tuple(tensor.detach().numpy() for tensor in tensors)
+
+
 def to_tensor(array, device):
     """Wrap a result array as a tensor on ``device``, without a copy where NumPy's
     strides allow (torch has no negative strides)."""
@@ -80,9 +104,9 @@ def to_tensor(array, device):
     if _cuda.is_device_array(array):
         return torch.as_tensor(array, device=device)
     array = np.asarray(array)
-    if any(stride < 0 for stride in array.strides) or not array.flags.writeable:
+    if min(array.strides, default=0) < 0 or not array.flags.writeable:
         array = array.copy()
-    if array.dtype.name == "bfloat16":
+    if array.dtype.kind == "V" and array.dtype.name == "bfloat16":  # kind: a cheap test first
         return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(array)
 
@@ -118,7 +142,7 @@ def _first_device(values):
     return next(value.device for value in values if isinstance(value, torch.Tensor))
 
 
-def call_with_arrays(function, name, args, kwargs, autograd=None):
+def call_with_arrays(function, name, args, kwargs, autograd=None, reads_outputs=False):
     """``function(*args, **kwargs)`` with every tensor argument read as an array and
     every array result wrapped back as a tensor on the first tensor's device.
 
@@ -127,11 +151,12 @@ def call_with_arrays(function, name, args, kwargs, autograd=None):
     cache)`` the gradients of the leading positional arguments (one array or a
     tuple); with it, tensors that need a gradient run through autograd. Without
     it they are refused: a result silently cut from the graph would train nothing.
+    ``reads_outputs``: whether the block's cache holds its result (see :class:`Rule`).
     """
     values = list(itertools.chain(args, kwargs.values()))
     if needs_grad(*values):
         if autograd is not None:
-            return _block_through_autograd(*autograd(), args, kwargs)
+            return _block_through_autograd(*autograd(), args, kwargs, reads_outputs)
         raise DTypeError(
             f"tfmath.{name} has no backward pass, but an argument requires grad; pass "
             "tensor.detach() or call it under torch.no_grad()"
@@ -151,26 +176,28 @@ def _parameter_names(function, count):
     return parameters + [f"argument {i}" for i in range(len(parameters), count)]
 
 
-def accepts_tensors(function=None, *, autograd=None):
+def accepts_tensors(function=None, *, autograd=None, reads_outputs=False):
     """Let a public function take torch tensors and return them (see the module's doc);
-    with ``autograd`` (see :func:`call_with_arrays`), differentiably.
+    with ``autograd`` and ``reads_outputs`` (see :func:`call_with_arrays`), differentiably.
 
     NumPy calls pay one dictionary lookup when torch is not imported, and one
     ``isinstance`` per argument when it is.
     """
     if function is None:
-        return functools.partial(accepts_tensors, autograd=autograd)
+        return functools.partial(accepts_tensors, autograd=autograd, reads_outputs=reads_outputs)
 
     @functools.wraps(function)
     def wrapper(*args, **kwargs):
         if any_tensor(*args, *kwargs.values()):
-            return call_with_arrays(function, function.__name__, args, kwargs, autograd)
+            return call_with_arrays(
+                function, function.__name__, args, kwargs, autograd, reads_outputs
+            )
         return function(*args, **kwargs)
 
     return wrapper
 
 
-def _block_through_autograd(forward, backward, args, kwargs):
+def _block_through_autograd(forward, backward, args, kwargs, reads_outputs):
     """A block's ``forward``/``backward`` pair as one autograd node over its
     positional arguments (keyword arguments are options)."""
 
@@ -184,7 +211,8 @@ def _block_through_autograd(forward, backward, args, kwargs):
         return (*grads, *(None,) * (len(args) - len(grads)))
 
     names = _parameter_names(forward, len(args))
-    (result,) = differentiable(Rule(block_forward, block_backward), names, args)
+    rule = Rule(block_forward, block_backward, reads_outputs=reads_outputs)
+    (result,) = differentiable(rule, names, args)
     return result
 
 
@@ -198,11 +226,18 @@ class Rule:
     whatever the backward needs. ``backward(saved, *grad_outputs)`` returns one
     gradient (or None) per input of ``forward``. Gradients of outputs that nothing
     used arrive as None.
+
+    ``reads_outputs`` says that the backward reads the outputs (``saved`` shares their
+    memory): they are then saved as tensors too, so that an output changed in place
+    before the backward is caught by torch's version counters instead of giving
+    wrong gradients. Without it, outputs may be changed in place, as the outputs of
+    torch's own layer norm may.
     """
 
-    def __init__(self, forward, backward):
+    def __init__(self, forward, backward, *, reads_outputs=False):
         self.forward = forward
         self.backward = backward
+        self.reads_outputs = reads_outputs
 
 
 @functools.cache
@@ -218,11 +253,14 @@ def _function_class():
             device = _first_device(inputs)
             arrays = [_unwrap(name, value) for name, value in zip(names, inputs, strict=True)]
             outputs, saved = rule.forward(*arrays)
-            # The inputs are saved as tensors, so that torch's version counters catch an
-            # in-place change between the forward and the backward.
-            ctx.save_for_backward(*(v if isinstance(v, torch.Tensor) else None for v in inputs))
-            ctx.rule, ctx.saved, ctx.device, ctx.n_inputs = rule, saved, device, len(inputs)
-            return tuple(to_tensor(output, device) for output in outputs)
+            results = tuple(to_tensor(output, device) for output in outputs)
+            # The inputs (and outputs the backward reads) are saved as tensors, so that
+            # torch's version counters catch an in-place change between the forward and
+            # the backward.
+            inputs = (v if isinstance(v, torch.Tensor) else None for v in inputs)
+            ctx.save_for_backward(*inputs, *(results if rule.reads_outputs else ()))
+            ctx.rule, ctx.saved, ctx.device = rule, saved, device
+            return results
 
         @staticmethod
         @once_differentiable
@@ -248,3 +286,44 @@ def differentiable(rule, names, inputs):
     """Apply ``rule`` to tensor ``inputs`` (named ``names`` for errors) through
     autograd; returns the tuple of output tensors."""
     return _function_class().apply(rule, tuple(names), *inputs)
+
+
+@functools.cache
+def _plain_function_class():
+    """The lean ``torch.autograd.Function`` of :func:`differentiable_plain`."""
+    torch = sys.modules["torch"]
+    from torch.autograd.function import once_differentiable
+
+    class PlainTfmathFunction(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, rule, *inputs):
+            output, saved = rule.forward()
+            result = to_tensor(output, "cpu")
+            # Version counters, as above.
+            ctx.save_for_backward(*inputs, *((result,) if rule.reads_outputs else ()))
+            ctx.rule, ctx.saved = rule, saved
+            return result
+
+        @staticmethod
+        @once_differentiable
+        def backward(ctx, grad_output):
+            ctx.saved_tensors  # noqa: B018 (raises if an input or the output changed in place)
+            (grad,) = plain_cpu_arrays(grad_output) or (to_array("grad_output", grad_output),)
+            grads = ctx.rule.backward(ctx.saved, grad)
+            wanted = ctx.needs_input_grad[1:]
+            wrapped = (
+                to_tensor(g, "cpu") if want else None for g, want in zip(grads, wanted, strict=True)
+            )
+            return (None, *wrapped)
+
+    return PlainTfmathFunction
+
+
+def differentiable_plain(rule, inputs):
+    """:func:`differentiable` for one output of plain CPU tensors ``inputs``, whose data
+    ``rule`` already holds (read by :func:`plain_cpu_arrays`, or copied from it): the
+    short path of a training step's calls, which neither reads the tensors again nor
+    walks the results. ``rule.forward()`` returns ``(output, saved)`` and
+    ``rule.backward(saved, grad_output)`` one gradient per input. Returns the output
+    tensor."""
+    return _plain_function_class().apply(rule, *inputs)

@@ -21,7 +21,7 @@ from tfmath.training.layers._base import (
 )
 
 
-@accepts_tensors(autograd=lambda: (log_softmax_forward, log_softmax_backward))
+@accepts_tensors(autograd=lambda: (log_softmax_forward, log_softmax_backward), reads_outputs=True)
 def log_softmax(x, *, backend="auto"):
     r"""Log-softmax over the last axis, computed without overflow.
 
