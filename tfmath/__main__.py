@@ -4,4 +4,6 @@ import sys
 
 from tfmath.tools.cli import main
 
-sys.exit(main())
+# Guarded: benchmarks start helper processes, which import the main module again.
+if __name__ == "__main__":
+    sys.exit(main())

@@ -7,18 +7,21 @@ float32, a full Adam step (forward, backward, update) in tfmath's fused step
 (:class:`~tfmath.training.fused.FusedDecoder`) and in the same model written
 with PyTorch's modules (``nn.TransformerEncoderLayer``, ``torch.optim.Adam``),
 both on the same number of threads. The two are timed in turn, round after
-round, in one process (:func:`~tfmath.analysis.timing.interleaved_best_times`),
-so a busy spell of a shared machine falls on both. GFLOP/s count a training
+round, so a busy spell of a shared machine falls on both, PyTorch in a process
+of its own (:class:`TorchPeer`: two OpenMP runtimes in one process slowed
+PyTorch down). GFLOP/s count a training
 step's FLOPs as :func:`~tfmath.formulas.accounting.flops_per_token` does
 (:math:`6N` plus attention), and the roof is NumPy's float32 GEMM on the same
 threads, timed in the same rounds as the row.
 """
 
+import math
+import time
 from dataclasses import dataclass
 
 import numpy as np
 
-from tfmath.analysis.timing import interleaved_best_times, measure_peak_bytes
+from tfmath.analysis.timing import SETTLE_SECONDS, measure_peak_bytes, repeat_times
 from tfmath.tools.bench import optional_torch
 
 __all__ = ["TRAINING_SHAPES", "TrainingShape", "print_training_report", "training_rows"]
@@ -145,41 +148,109 @@ def _peak_bytes(make_step):
 ROOF_SIZE = 1024
 
 
+class TorchPeer:
+    """PyTorch's side of the rows, in a process of its own on ``threads`` threads.
+
+    PyTorch and Numba each bring an OpenMP runtime, and in one process their
+    pools slow each other down: PyTorch's two-thread steps ran 1.3 to 3 times
+    slower, and at context 512 about 30 times, in a process where tfmath's
+    kernels had run than alone (on the 2-core Intel development machine,
+    2026-11-25; docs/benchmarks.rst, "Training steps"). The peer builds each model
+    and times its steps itself, so the pipe's latency is not in its times; the
+    rounds still take the two in turn.
+    """
+
+    def __init__(self, threads):
+        import multiprocessing
+
+        context = multiprocessing.get_context("spawn")
+        self._connection, child = context.Pipe()
+        self._process = context.Process(target=_serve_torch, args=(child, threads), daemon=True)
+        self._process.start()
+        child.close()
+
+    def build(self, shape):
+        """Build ``shape``'s model; returns the peak bytes of building it and two steps."""
+        return self._request(("build", shape))
+
+    def best_time(self, repeats):
+        """Best of ``repeats`` timed steps of the model built last, in seconds."""
+        return self._request(("time", repeats))
+
+    def _request(self, message):
+        self._connection.send(message)
+        answer = self._connection.recv()
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer
+
+    def close(self):
+        self._connection.send(None)
+        self._process.join(timeout=60)
+
+
+def _serve_torch(connection, threads):
+    import torch
+
+    torch.set_num_threads(threads)
+    step = None
+    while (message := connection.recv()) is not None:
+        kind, argument = message
+        try:
+            if kind == "build":
+                answer = _peak_bytes(lambda s=argument: torch_step(torch, s))
+                step = torch_step(torch, argument)
+                step()  # warm-up
+            else:
+                answer = min(repeat_times(step, argument, warmup=0))
+        except Exception as error:  # handed to the parent, which raises it
+            answer = error
+        connection.send(answer)
+
+
 def training_rows(shapes=TRAINING_SHAPES, threads=None, rounds=5, repeats=2):
     """Measure each shape, yielding ``(shape, seconds, peak_bytes)`` as soon as it is known.
 
     ``seconds`` and ``peak_bytes`` map ``"tfmath"`` (and ``"torch"`` when PyTorch
-    is importable) to one training step's best time and to the peak memory of
-    building the model and training two steps; ``seconds["roof"]`` is the best time
-    of NumPy's float32 product of two :data:`ROOF_SIZE` square matrices, timed in
-    the same rounds, so that the roof is measured under the same load as the row.
+    is importable, measured in a :class:`TorchPeer`) to one training step's best
+    time and to the peak memory of building the model and training two steps;
+    ``seconds["roof"]`` is the best time of NumPy's float32 product of two
+    :data:`ROOF_SIZE` square matrices, timed in the same rounds, so that the roof
+    is measured under the same load as the row. Each timing follows a pause of
+    :data:`~tfmath.analysis.timing.SETTLE_SECONDS`, in which the previous
+    contender's threads stop spinning.
     """
-    rng = np.random.default_rng(0)
-    a, b = (rng.standard_normal((ROOF_SIZE, ROOF_SIZE), dtype=np.float32) for _ in range(2))
+    import numba
+
     from tfmath.training.loop import threads_limited
 
-    torch = optional_torch()
-    with threads_limited(threads):
-        import numba
-
-        count = numba.get_num_threads()
-        if torch is not None:
-            previous = torch.get_num_threads()
-            torch.set_num_threads(count)
-        try:
+    rng = np.random.default_rng(0)
+    a, b = (rng.standard_normal((ROOF_SIZE, ROOF_SIZE), dtype=np.float32) for _ in range(2))
+    peer = (
+        None if optional_torch() is None else TorchPeer(threads or numba.config.NUMBA_NUM_THREADS)
+    )
+    try:
+        with threads_limited(threads):
             for shape in shapes:
-                makers = {"tfmath": lambda s=shape: tfmath_step(s)}
-                if torch is not None:
-                    makers["torch"] = lambda s=shape: torch_step(torch, s)
-                peaks = {name: _peak_bytes(make) for name, make in makers.items()}
-                calls = {name: make() for name, make in makers.items()}
-                calls["roof"] = lambda: a @ b
-                times = interleaved_best_times(calls, repeats, rounds)
-                del calls
+                peaks = {"tfmath": _peak_bytes(lambda s=shape: tfmath_step(s))}
+                step = tfmath_step(shape)
+                step()  # compile, or load from the cache
+                timers = {
+                    "tfmath": lambda step=step: min(repeat_times(step, repeats, warmup=0)),
+                    "roof": lambda: min(repeat_times(lambda: a @ b, repeats)),
+                }
+                if peer is not None:
+                    peaks["torch"] = peer.build(shape)
+                    timers["torch"] = lambda: peer.best_time(repeats)
+                times = dict.fromkeys(timers, math.inf)
+                for _ in range(rounds):
+                    for name, timer in timers.items():
+                        time.sleep(SETTLE_SECONDS)
+                        times[name] = min(times[name], timer())
                 yield shape, times, peaks
-        finally:
-            if torch is not None:
-                torch.set_num_threads(previous)
+    finally:
+        if peer is not None:
+            peer.close()
 
 
 def print_training_report(quick=False, threads=None, out=print, shapes=None, rounds=5):
