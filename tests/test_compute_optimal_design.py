@@ -362,6 +362,12 @@ def test_held_out_prediction_interval_holds_the_measurement_of_a_planted_frontie
     low, high = prediction["difference_interval"]
     assert low < 0 < high and high - low < 0.05
     assert prediction["measured"] == pytest.approx(fit.curves[-1].loss_opt)
+    # The prediction's interval holds the prediction (and here the measurement).
+    bottom, top = prediction["prediction_interval"]
+    assert bottom <= prediction["predicted"] <= top and bottom < prediction["measured"] < top
+    assert (bottom, top) == pytest.approx(
+        (prediction["measured"] - high, prediction["measured"] - low)
+    )
 
 
 def test_refits_that_lose_a_minimum_are_left_out_of_the_prediction_interval():

@@ -319,7 +319,8 @@ def budgets_of(fit):
 
 def predict_largest_budget(fit):
     r"""The frontier :math:`L_{opt} \propto C^{-\alpha}` fitted on every budget but the
-    largest, its prediction there, and a 95% interval of measured minus predicted.
+    largest, its prediction there, a 95% interval of measured minus predicted, and
+    the interval of predictions it leaves (measured minus that interval).
 
     The interval comes from the IsoFLOP bootstrap's refits: each refit's lower
     budgets give a prediction, and its largest budget a measurement, so both the
@@ -350,7 +351,10 @@ def predict_largest_budget(fit):
         "measured": float(measured[-1]),
         "difference": float(measured[-1] - predicted),
         "difference_interval": [float(low), float(high)],
-        "prediction_interval": [float(predicted + low), float(predicted + high)],
+        # The predictions the measurement would not contradict: measured minus the
+        # interval of the difference (predicted plus it would be an interval about the
+        # measurement, and need not hold the prediction at all).
+        "prediction_interval": [float(measured[-1] - high), float(measured[-1] - low)],
         "refits_used": len(usable),
     }
 
