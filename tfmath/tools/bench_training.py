@@ -8,8 +8,8 @@ float32, a full Adam step (forward, backward, update) in tfmath's fused step
 with PyTorch's modules (``nn.TransformerEncoderLayer``, ``torch.optim.Adam``),
 both on the same number of threads. The two are timed in turn, round after
 round, so a busy spell of a shared machine falls on both, PyTorch in a process
-of its own (:class:`TorchPeer`: two OpenMP runtimes in one process slowed
-PyTorch down). GFLOP/s count a training
+of its own (:class:`TorchPeer`: in tfmath's process PyTorch's steps ran slower
+than alone). GFLOP/s count a training
 step's FLOPs as :func:`~tfmath.formulas.accounting.flops_per_token` does
 (:math:`6N` plus attention), and the roof is NumPy's float32 GEMM on the same
 threads, timed in the same rounds as the row.
@@ -151,11 +151,11 @@ ROOF_SIZE = 1024
 class TorchPeer:
     """PyTorch's side of the rows, in a process of its own on ``threads`` threads.
 
-    PyTorch and Numba each bring an OpenMP runtime, and in one process their
-    pools slow each other down: PyTorch's two-thread steps ran 1.3 to 3 times
-    slower, and at context 512 about 30 times, in a process where tfmath's
-    kernels had run than alone (on the 2-core Intel development machine,
-    2026-11-25; docs/benchmarks.rst, "Training steps"). The peer builds each model
+    In the process where tfmath's steps ran, PyTorch's two-thread steps ran 1.2
+    to 3 times slower than alone, and in one harness about 30 times at context 512
+    (on the 2-core Intel development machine, 2026-11-25; docs/benchmarks.rst,
+    "Training steps", says what is known of the causes). In a process of its own,
+    PyTorch's step is what a PyTorch user gets. The peer builds each model
     and times its steps itself, so the pipe's latency is not in its times; the
     rounds still take the two in turn.
     """
