@@ -62,6 +62,11 @@ def test_bench_on_cuda_without_a_gpu_says_why(monkeypatch, capsys):
     assert "no GPU here" in capsys.readouterr().err
 
 
+def test_bench_refuses_calls_outside_dropin(capsys):
+    assert cli.main(["bench", "training", "--calls"]) == 2
+    assert "--calls is for dropin" in capsys.readouterr().err
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not _cuda.status().real_gpu, reason="timings on the simulator mean nothing")
 def test_attention_rows_on_a_gpu():

@@ -513,3 +513,15 @@ def test_the_benchmarks_gpt_trains_the_same_with_either_attention():
     # the MLP) amplifies that by the conditioning of a few layers, not by orders of
     # magnitude, while a wrong gradient (a dropped mask, a missing scale) is off by 1e-2.
     np.testing.assert_allclose(grads[1].numpy(), grads[0].numpy(), rtol=1e-4, atol=tolerance)
+
+
+def test_the_drop_in_call_times_cover_every_call_of_the_steps():
+    from tfmath.tools.bench_dropin import attention_call_times
+
+    (row,) = attention_call_times(contexts=(8,), steps=2)
+    # Two layers, each one call a step, over two timed steps: the warm-up's calls are
+    # dropped, and a hook that did not fire would leave a backward median undefined.
+    assert row.calls == 2 * 2
+    assert row.context == 8
+    times = (row.torch_forward, row.tfmath_forward, row.torch_backward, row.tfmath_backward)
+    assert all(0 < t < 10 for t in times)

@@ -106,15 +106,13 @@ def dropin_rows(contexts=CONTEXTS, batch=1, repeats=2, rounds=7):
     that moment, and summarised by its median and range over the rounds; on a
     shared machine, bests from different moments are not comparable.
     """
-    import torch
     import torch.nn.functional as F
 
     import tfmath.nn
 
     rows = []
     for context in contexts:
-        generator = torch.Generator().manual_seed(0)
-        tokens = torch.randint(0, 256, (batch, context + 1), generator=generator)
+        tokens = _tokens(batch, context)
         steps = {
             "torch": training_step(tiny_gpt(F.scaled_dot_product_attention), tokens),
             "tfmath": training_step(tiny_gpt(tfmath.nn.scaled_dot_product_attention), tokens),
@@ -142,6 +140,89 @@ def dropin_rows(contexts=CONTEXTS, batch=1, repeats=2, rounds=7):
             )
         )
     return rows
+
+
+def attention_call_times(contexts=(256,), batch=1, steps=30):
+    """Where the drop-in's step differs from PyTorch's: one :class:`CallTimes` per
+    context, the median time of one attention call's forward (the call) and of its
+    backward (the autograd node the call made, timed by hooks on it), taken inside
+    the training steps of :func:`dropin_rows`' two models, stepped in turn.
+
+    The model's other work leaves the caches full of its own data, so a call costs
+    more here than in a loop of calls alone; these are the times the step pays.
+    """
+    import torch.nn.functional as F
+
+    import tfmath.nn
+
+    attentions = {
+        "torch": F.scaled_dot_product_attention,
+        "tfmath": tfmath.nn.scaled_dot_product_attention,
+    }
+    rows = []
+    for context in contexts:
+        tokens = _tokens(batch, context)
+        times = {name: ([], []) for name in attentions}
+        steps_of = {
+            name: training_step(tiny_gpt(_timed(attention, *times[name])), tokens)
+            for name, attention in attentions.items()
+        }
+        for step in steps_of.values():
+            step()  # compiles tfmath's kernels, allocates the optimiser's state
+        for forward, backward in times.values():
+            forward.clear(), backward.clear()
+        for _ in range(steps):
+            for step in steps_of.values():
+                step()
+        rows.append(
+            CallTimes(
+                context,
+                *(statistics.median(times[name][0]) for name in attentions),
+                *(statistics.median(times[name][1]) for name in attentions),
+                len(times["tfmath"][1]),
+            )
+        )
+    return rows
+
+
+def _timed(attention, forward_times, backward_times):
+    """``attention``, timing each call and the backward node each call makes."""
+
+    def timed_attention(query, key, value, is_causal):
+        start = time.perf_counter()
+        output = attention(query, key, value, is_causal=is_causal)
+        forward_times.append(time.perf_counter() - start)
+        node, started = output.grad_fn, []
+        node.register_prehook(lambda grad_outputs: started.append(time.perf_counter()))
+        node.register_hook(
+            lambda grad_inputs, grad_outputs: backward_times.append(
+                time.perf_counter() - started[0]
+            )
+        )
+        return output
+
+    return timed_attention
+
+
+class CallTimes(NamedTuple):
+    """One context of :func:`attention_call_times`: median seconds of one call's
+    forward and backward inside the step, PyTorch's and tfmath's, and how many
+    calls each median is over."""
+
+    context: int
+    torch_forward: float
+    tfmath_forward: float
+    torch_backward: float
+    tfmath_backward: float
+    calls: int
+
+
+def _tokens(batch, context):
+    """The batch of both models' steps: ``context + 1`` tokens a row, seeded."""
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    return torch.randint(0, 256, (batch, context + 1), generator=generator)
 
 
 def _seconds(call):
@@ -187,4 +268,27 @@ def print_dropin_report(quick=False, out=print):
             f"{row.context:>8} {row.torch_seconds * 1e3:>10.1f}ms"
             f" {row.tfmath_seconds * 1e3:>10.1f}ms {row.ratio:>12.2f}x"
             f" [{row.ratio_low:.2f}-{row.ratio_high:.2f}] {row.attention_share:>10.0%}"
+        )
+
+
+def print_call_times_report(quick=False, out=print):
+    """Print :func:`attention_call_times`: what one attention call costs inside the
+    drop-in's training step, PyTorch's SDPA against tfmath's."""
+    try:
+        import torch  # noqa: F401  (only to say it is missing)
+    except ImportError:
+        out("tfmath bench dropin --calls: needs PyTorch (pip install torch)")
+        return
+    out("One attention call inside the training step of the GPT of tfmath bench dropin,")
+    out("the two models stepped in turn: median over the steps' calls of the forward (the")
+    out("call) and of the backward (the autograd node it made, timed by hooks), in ms")
+    out(
+        f"{'context':>8} {'forward: torch':>15} {'tfmath':>8} {'backward: torch':>16}"
+        f" {'tfmath':>8} {'calls':>6}"
+    )
+    for row in attention_call_times(CONTEXTS[:2] if quick else CONTEXTS):
+        out(
+            f"{row.context:>8} {row.torch_forward * 1e3:>15.3f} {row.tfmath_forward * 1e3:>8.3f}"
+            f" {row.torch_backward * 1e3:>16.3f} {row.tfmath_backward * 1e3:>8.3f}"
+            f" {row.calls:>6}"
         )

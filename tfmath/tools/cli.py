@@ -92,16 +92,24 @@ def _parser():
         help="where tfmath and torch run (default cpu; cuda needs a real GPU)",
     )
     bench.add_argument("--threads", type=int, help="training: threads of both (default all)")
+    bench.add_argument(
+        "--calls",
+        action="store_true",
+        help="dropin: what one attention call's forward and backward cost inside the step",
+    )
     bench.set_defaults(handler=_bench)
     return parser
 
 
 def _bench(args):
+    if args.calls and args.topic != "dropin":
+        print(f"tfmath bench: --calls is for dropin, not {args.topic}", file=sys.stderr)
+        return 2
     if args.topic == "dropin":
-        from tfmath.tools.bench_dropin import print_dropin_report
+        from tfmath.tools.bench_dropin import print_call_times_report, print_dropin_report
 
         _print_compilation_notice()
-        print_dropin_report(quick=args.quick)
+        (print_call_times_report if args.calls else print_dropin_report)(quick=args.quick)
         return 0
     if args.topic == "training":
         from tfmath.tools.bench_training import print_training_report
