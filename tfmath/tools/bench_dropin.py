@@ -170,7 +170,8 @@ def attention_call_times(contexts=(256,), batch=1, steps=30):
         for step in steps_of.values():
             step()  # compiles tfmath's kernels, allocates the optimiser's state
         for forward, backward in times.values():
-            forward.clear(), backward.clear()
+            forward.clear()
+            backward.clear()
         for _ in range(steps):
             for step in steps_of.values():
                 step()
