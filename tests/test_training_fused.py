@@ -194,3 +194,12 @@ def test_causal_attention_kernels_with_very_large_logits(length):
         args = [a.astype(dtype) for a in (q, k, v)]
         kernels.causal_attention_forward.serial(*args, n_heads, length, 4, 1, out, lse)
         np.testing.assert_allclose(out, expected, atol=TOLERANCE[dtype] * np.abs(v).max())
+
+
+def test_attention_costs_are_per_row_key_and_head():
+    from tfmath.tools import bench_training
+
+    norm, rows = bench_training.attention_costs(shapes=((2, 8, 16, 2), (2, 8, 16, 1)), repeats=2)
+    assert 0 < norm < 1e-6
+    assert [shape for shape, _, _ in rows] == [(2, 8, 16, 2), (2, 8, 16, 1)]
+    assert all(0 < cost < 1e-3 for _, forward, backward in rows for cost in (forward, backward))

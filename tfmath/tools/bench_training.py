@@ -15,6 +15,7 @@ step's FLOPs as :func:`~tfmath.formulas.accounting.flops_per_token` does
 threads, timed in the same rounds as the row.
 """
 
+import functools
 import math
 import time
 from dataclasses import dataclass
@@ -289,3 +290,61 @@ def print_training_report(quick=False, threads=None, out=print, shapes=None, rou
             f"{shape.batch:>3} {tokens_per_second['tfmath']:>13,.0f} {torch_text:>12} "
             f"{ratio:>6} {rate:>8.1f} {roof:>6.0f} {100 * rate / roof:>6.0f}% "
             f"{peaks['tfmath'] / 2**20:>11.1f} {torch_mib:>7}")  # fmt: skip
+
+
+#: ``(batch, context, d_model, heads)`` of :func:`attention_costs`: the width rows'
+#: and the sweeps' attention, heads of width 8 (4 for the narrowest model).
+ATTENTION_COST_SHAPES = ((32, 64, 16, 2), (32, 64, 64, 8), (32, 48, 8, 1), (32, 48, 24, 3),
+                         (8, 32, 4, 1), (8, 32, 16, 2))  # fmt: skip
+
+
+def attention_costs(shapes=ATTENTION_COST_SHAPES, repeats=20):
+    """What one (query row, key, head) of the fused step's causal attention costs,
+    forward and backward, on the calling thread, against one element of its layer
+    norm: the measurement behind
+    :data:`tfmath.training.fused.ATTENTION_ELEMENTS_PER_SCORE`.
+
+    Returns the layer norm's seconds per element and, per shape, the forward's and
+    backward's seconds per (row, key, head), each the best of ``repeats`` calls.
+    """
+    from tfmath import _config
+    from tfmath.kernels.cpu import training_step as kernels
+    from tfmath.training.fused import ATTENTION_BLOCK
+
+    def best(kernel, *arguments):
+        return min(repeat_times(functools.partial(kernel.serial, *arguments), repeats))
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((4096, 64)).astype(np.float32)
+    gain, shift = np.ones(64, np.float32), np.zeros(64, np.float32)
+    saved = np.empty_like(x), np.empty(4096, np.float32), np.empty(4096, np.float32)
+    norm = best(kernels.layer_norm_forward, x, gain, shift, np.float32(1e-5), *saved)
+    rows = []
+    with _config.serial_blas():
+        for batch, context, width, heads in shapes:
+            q, k, v, grad_out = (
+                rng.standard_normal((batch * context, width)).astype(np.float32) for _ in range(4)
+            )
+            out, grad_q, grad_k, grad_v = (np.empty_like(q) for _ in range(4))
+            lse = np.empty((batch, heads, context), np.float32)
+            shape = (heads, context, ATTENTION_BLOCK, 1)  # ..., and one chunk of pairs
+            forward = best(kernels.causal_attention_forward, q, k, v, *shape, out, lse)
+            grads = grad_q, grad_k, grad_v
+            backward = best(kernels.causal_attention_backward, q, k, v, out, grad_out, lse,
+                            *shape, *grads)  # fmt: skip
+            scores = batch * context * context * heads
+            rows.append(((batch, context, width, heads), forward / scores, backward / scores))
+    return norm / x.size, rows
+
+
+def print_attention_costs(out=print):
+    """Print :func:`attention_costs`, in nanoseconds and in layer-norm elements."""
+    norm, rows = attention_costs()
+    out(f"layer norm, one thread: {norm * 1e9:.2f} ns an element")
+    out(f"{'batch':>6} {'context':>8} {'d_model':>8} {'heads':>6}   forward ns (elements)"
+        f"   backward ns (elements), a (row, key, head)")  # fmt: skip
+    for (batch, context, width, heads), forward, backward in rows:
+        out(
+            f"{batch:>6} {context:>8} {width:>8} {heads:>6}   {forward * 1e9:>10.2f} "
+            f"({forward / norm:.1f}) {backward * 1e9:>15.2f} ({backward / norm:.1f})"
+        )

@@ -89,11 +89,21 @@ def _run(kernel, work):
     return kernel if work >= PARALLEL_MIN_WORK else kernel.serial
 
 
-def _attention_work(rows, length, width):
-    """Attention's work in units of :data:`PARALLEL_MIN_WORK`: its score-feature
-    products, 16 to an element (a product is one lane of a vector multiply-add), so
-    that it shares out its pairs from :math:`2^{22}` products."""
-    return rows * length * width // 16
+#: Elements of :data:`PARALLEL_MIN_WORK` that one (query row, key, head) of the causal
+#: attention kernels costs, forward or backward: its score, exponential and share of
+#: the products took 1.6 to 2.7 ns on one core, 3.3 to 5.6 times a layer norm's 0.48 ns
+#: an element, at the bench's and the sweeps' shapes (Intel Xeon development machine,
+#: 2026-11-25; :func:`tfmath.tools.bench_training.print_attention_costs`). Counted as
+#: products alone, 16 to an element, a width-16 model's attention (0.4 ms a call) ran
+#: on one thread, and its two-thread step was 1.25 times slower.
+ATTENTION_ELEMENTS_PER_SCORE = 4
+
+
+def _attention_work(rows, length, n_heads):
+    """Attention's work in elements of :data:`PARALLEL_MIN_WORK`: every head's
+    scores, of every row against every key of its sequence, at
+    :data:`ATTENTION_ELEMENTS_PER_SCORE` each."""
+    return ATTENTION_ELEMENTS_PER_SCORE * rows * length * n_heads
 
 
 class _Buffers:
@@ -253,7 +263,9 @@ class FusedDecoder:
                 self._gemm(b.normed_1[s], w["w_qkv"][j], 0.0, b.qkv[s, j])
                 _run(kernels.add_bias, rows * d)(b.qkv[s, j], w["b_qkv"][j])
             q, k, v = b.qkv[s]
-            attend = _run(kernels.causal_attention_forward, _attention_work(rows, b.length, d))
+            attend = _run(
+                kernels.causal_attention_forward, _attention_work(rows, b.length, config.n_heads)
+            )
             attend(q, k, v, config.n_heads, b.length, ATTENTION_BLOCK, self._threads,
                    b.attended[s], b.log_sum_exp[s])  # fmt: skip
             self._gemm(b.attended[s], w["self_attn.w_o"], 0.0, b.product)
@@ -361,8 +373,12 @@ class FusedDecoder:
         self._gemm(grad, w["self_attn.w_o"], 0.0, b.grad_attended, False, True)
         q, k, v = b.qkv[i]
         grad_q, grad_k, grad_v = b.grad_qkv
-        _run(kernels.causal_attention_backward, _attention_work(rows, b.length, d))(
-            q, k, v, b.attended[i], b.grad_attended, b.log_sum_exp[i], self.config.n_heads,
+        n_heads = self.config.n_heads
+        attend_backward = _run(
+            kernels.causal_attention_backward, _attention_work(rows, b.length, n_heads)
+        )
+        attend_backward(
+            q, k, v, b.attended[i], b.grad_attended, b.log_sum_exp[i], n_heads,
             b.length, ATTENTION_BLOCK, self._threads, grad_q, grad_k, grad_v,
         )  # fmt: skip
         for j in range(3):
