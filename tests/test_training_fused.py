@@ -172,6 +172,40 @@ def test_attention_kernels_give_the_same_bits_compiled_or_cached(tmp_path):
     assert runs[0] == runs[1]
 
 
+_STEP_BITS = """
+import sys
+import numpy as np
+from tfmath.training import fused, language_model_config
+from tfmath.training.models import init_model
+fused.PARALLEL_MIN_WORK = 1  # every kernel on its parallel path, as large models take it
+config = language_model_config(32, 2, vocab_size=48, context=24)
+model = fused.FusedDecoder(config, init_model(config, seed=0, dtype=np.float32))
+tokens = np.random.default_rng(0).integers(0, 48, (6, 25))
+for _ in range(2):
+    model.loss_and_grads(tokens)
+    model.adam_step(1e-3, 0.9, 0.999, 1e-8)
+sys.stdout.write(model.flat.tobytes().hex())
+"""
+
+
+def test_a_training_step_gives_the_same_bits_compiled_or_cached(tmp_path):
+    # Every kernel of the step, compiled in the first process and loaded from the
+    # cache in the second. With reassociation allowed, LLVM may vectorise a running
+    # sum in one and not the other; the cross-entropy's once differed in the last bits.
+    import os
+    import subprocess
+    import sys
+
+    environment = {**os.environ, "TFMATH_CACHE_DIR": str(tmp_path), "TFMATH_CACHE": "1"}
+    runs = [
+        subprocess.run([sys.executable, "-c", _STEP_BITS], env=environment,
+                       capture_output=True, text=True, check=True).stdout
+        for _ in range(2)
+    ]  # fmt: skip
+    assert any(tmp_path.rglob("*.nbi")), "the first run cached nothing"
+    assert runs[0] == runs[1]
+
+
 @pytest.mark.parametrize("length", [5, 21])
 def test_causal_attention_kernels_with_very_large_logits(length):
     # Scores of thousands: the softmax must subtract each row's true maximum, wherever

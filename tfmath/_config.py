@@ -39,8 +39,14 @@ from pathlib import Path
 
 #: LLVM fast-math flags for CPU kernels. ``nnan`` and ``ninf`` are left out on
 #: purpose: masks are written as ``-inf`` and NaN inputs must propagate, and
-#: both flags would let LLVM assume neither ever occurs.
-FASTMATH_FLAGS = frozenset({"nsz", "arcp", "contract", "afn", "reassoc"})
+#: both flags would let LLVM assume neither ever occurs. ``arcp`` (a division
+#: may become a multiplication by a reciprocal) is left out too: with
+#: ``reassoc`` it let a kernel compiled in the process and the same kernel loaded
+#: from the kernel cache round differently (the fused step's cross-entropy
+#: gradient, in its last bits), so that a training run's result depended on
+#: whether it was the first on the machine. The kernels divide once and multiply
+#: by the reciprocal where that is the intent.
+FASTMATH_FLAGS = frozenset({"nsz", "contract", "afn", "reassoc"})
 
 _THREADING_LAYERS = ("default", "tbb", "omp", "workqueue")
 

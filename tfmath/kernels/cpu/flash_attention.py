@@ -504,8 +504,9 @@ def _forward_kernel(
             _accumulate_values(value_tiles, value_tile_finite, v, t, scores, accumulator)
         for i in range(min(query_tile, n_query - first_row)):
             total = running_sum[i]
+            inverse = 0 if total == 0 else 1 / total  # one division a row
             for e in range(n_values):
-                out[b, tile, i, e] = 0 if total == 0 else accumulator[e, i] / total
+                out[b, tile, i, e] = accumulator[e, i] * inverse
             lse = (running_max[i] + np.log2(total)) * LN2
             log_sum_exp[b, tile, i] = -np.inf if total == 0 else lse
 

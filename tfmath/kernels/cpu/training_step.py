@@ -9,6 +9,9 @@ Every result is independent of the number of threads: rows and heads are
 independent, and the sums over rows (the gradients of biases and norm gains)
 add fixed chunks of rows (:data:`ROW_CHUNKS`, whatever the thread count) and
 then the chunks in order, so a run is reproducible across thread counts.
+
+Each parallel loop asks LLVM for 512-bit vectors (:func:`prefer_wide_vectors`,
+as the attention kernels do; LLVM's default on these CPUs is 256).
 """
 
 import math
@@ -19,6 +22,7 @@ import numpy as np
 from tfmath._config import cpu_kernel
 from tfmath.kernels.cpu.blas import gemm
 from tfmath.kernels.cpu.exp2 import exp2_scalar
+from tfmath.kernels.cpu.vector_width import prefer_wide_vectors
 
 _LOG2_E = 1 / math.log(2)
 
@@ -86,6 +90,7 @@ def layer_norm_forward(x, weight, bias, eps, y, mean, rstd):
     """``y = (x - mean) * rstd * weight + bias`` per row, saving ``mean`` and ``rstd``."""
     n_rows, n_features = x.shape
     for i in numba.prange(n_rows):
+        prefer_wide_vectors()
         row, out = x[i], y[i]
         mu = row.dtype.type(0)
         for j in range(n_features):
@@ -111,6 +116,7 @@ def layer_norm_backward(grad_y, x, weight, mean, rstd, grad_x, accumulate, grad_
     partial_weight = np.zeros((ROW_CHUNKS, n_features), dtype=x.dtype)
     partial_bias = np.zeros((ROW_CHUNKS, n_features), dtype=x.dtype)
     for chunk in numba.prange(ROW_CHUNKS):
+        prefer_wide_vectors()
         start, stop = _chunk_bounds(chunk, n_rows, ROW_CHUNKS)
         pw, pb = partial_weight[chunk], partial_bias[chunk]
         for i in range(start, stop):
@@ -149,6 +155,7 @@ def column_sums(g, out):
     n_rows, n_features = g.shape
     partials = np.zeros((ROW_CHUNKS, n_features), dtype=g.dtype)
     for chunk in numba.prange(ROW_CHUNKS):
+        prefer_wide_vectors()
         start, stop = _chunk_bounds(chunk, n_rows, ROW_CHUNKS)
         partial = partials[chunk]
         for i in range(start, stop):
@@ -162,6 +169,7 @@ def column_sums(g, out):
 def add_bias(y, bias):
     """``y += bias`` on every row of a 2-D ``y``."""
     for i in numba.prange(y.shape[0]):
+        prefer_wide_vectors()
         row = y[i]
         for j in range(y.shape[1]):
             row[j] += bias[j]
@@ -172,6 +180,7 @@ def bias_relu(h, bias):
     """``h = max(h + bias, 0)`` in place."""
     zero = h.dtype.type(0)
     for i in numba.prange(h.shape[0]):
+        prefer_wide_vectors()
         row = h[i]
         for j in range(h.shape[1]):
             row[j] = max(row[j] + bias[j], zero)
@@ -181,6 +190,7 @@ def bias_relu(h, bias):
 def relu_backward(grad, activated):
     """``grad *= (activated > 0)`` in place: the ReLU's gradient from its output."""
     for i in numba.prange(grad.shape[0]):
+        prefer_wide_vectors()
         g, a = grad[i], activated[i]
         for j in range(grad.shape[1]):
             if a[j] <= 0:
@@ -191,6 +201,7 @@ def relu_backward(grad, activated):
 def residual_bias(out, x, y, bias):
     """``out = x + y + bias`` (a residual connection after a linear map's product)."""
     for i in numba.prange(out.shape[0]):
+        prefer_wide_vectors()
         o, a, b = out[i], x[i], y[i]
         for j in range(out.shape[1]):
             o[j] = a[j] + b[j] + bias[j]
@@ -201,6 +212,7 @@ def embed(tokens, table, positions, x):
     """``x[b * T + t] = table[tokens[b, t]] + positions[t]``."""
     n_batch, length = tokens.shape
     for b in numba.prange(n_batch):
+        prefer_wide_vectors()
         for t in range(length):
             out, row, position = x[b * length + t], table[tokens[b, t]], positions[t]
             for j in range(x.shape[1]):
@@ -214,6 +226,7 @@ def embed_backward(tokens, grad_x, grad_table, grad_positions):
     n_batch, length = tokens.shape
     width = grad_x.shape[1]
     for t in numba.prange(length):
+        prefer_wide_vectors()
         out = grad_positions[t]
         out[:] = 0
         for b in range(n_batch):
@@ -248,6 +261,7 @@ def causal_attention_forward(q, k, v, n_heads, length, block, n_chunks, out, log
     scale_2 = _LOG2_E / math.sqrt(d_k)
     n_chunks = min(n_chunks, n_pairs)
     for chunk in numba.prange(n_chunks):
+        prefer_wide_vectors()
         scores = np.empty((min(block, length), length), dtype=q.dtype)
         for pair in range(chunk * n_pairs // n_chunks, (chunk + 1) * n_pairs // n_chunks):
             b, h = pair // n_heads, pair % n_heads
@@ -321,6 +335,7 @@ def _causal_softmax_2(scores, n_rows, n_columns, first_query, log_sum_exp):
     it: half the forward pass's time at context 256), and the loops run over
     the whole row, the masked columns chosen by a select rather than zeroed by
     a loop of their own."""
+    prefer_wide_vectors()
     zero = scores.dtype.type(0)
     one = scores.dtype.type(1)
     for r in range(n_rows):
@@ -354,6 +369,7 @@ def causal_attention_backward(
     scale_2 = _LOG2_E / math.sqrt(d_k)
     n_chunks = min(n_chunks, n_pairs)
     for chunk in numba.prange(n_chunks):
+        prefer_wide_vectors()
         p = np.empty((min(block, length), length), dtype=q.dtype)
         dp = np.empty((min(block, length), length), dtype=q.dtype)
         for pair in range(chunk * n_pairs // n_chunks, (chunk + 1) * n_pairs // n_chunks):
@@ -396,16 +412,13 @@ def cross_entropy_with_grad(logits, targets, row_loss):
     inverse_rows = logits.dtype.type(1 / n_rows)
     log2_e = logits.dtype.type(_LOG2_E)
     for i in numba.prange(n_rows):
+        prefer_wide_vectors()
         row = logits[i]
-        row_max = row[0]
-        for j in range(1, n_classes):
-            row_max = max(row_max, row[j])
+        row_max = _row_max(row, n_classes)  # vectorised, where max() branches on NaN
         target = row[targets[i]]
-        total = row.dtype.type(0)
         for j in range(n_classes):
-            e = exp2_scalar((row[j] - row_max) * log2_e)
-            row[j] = e
-            total += e
+            row[j] = exp2_scalar((row[j] - row_max) * log2_e)
+        total = _row_sum(row)  # in a fixed order, compiled or cached (see _row_sum)
         row_loss[i] = row_max - target + math.log(total)
         weight = inverse_rows / total
         for j in range(n_classes):
@@ -418,6 +431,7 @@ def cross_entropy_rows(logits, targets, row_loss):
     """Each row's next-token loss (float64 ``row_loss``), leaving ``logits`` as they are."""
     n_rows, n_classes = logits.shape
     for i in numba.prange(n_rows):
+        prefer_wide_vectors()
         row = logits[i]
         row_max = np.float64(row[0])
         for j in range(1, n_classes):
@@ -443,14 +457,17 @@ def adam_update(theta, grad, first, second, rate, beta1, beta2, eps, step):
     :math:`\hat v = v / (1 - \beta_2^t)`; the arithmetic is in float64 and rounded
     to the parameters' dtype once.
     """
-    first_correction = 1 - beta1**step
-    second_correction = 1 - beta2**step
+    # Reciprocals, so that each element multiplies: a division by a loop invariant
+    # stays a division per element without the arcp flag (see FASTMATH_FLAGS).
+    inverse_first = 1 / (1 - beta1**step)
+    inverse_second = 1 / (1 - beta2**step)
     n = theta.shape[0]
     for chunk in numba.prange((n + ADAM_CHUNK - 1) // ADAM_CHUNK):
+        prefer_wide_vectors()
         for i in range(chunk * ADAM_CHUNK, min(n, (chunk + 1) * ADAM_CHUNK)):
             g = np.float64(grad[i])
             m = beta1 * first[i] + (1 - beta1) * g
             v = beta2 * second[i] + (1 - beta2) * g * g
             first[i] = m
             second[i] = v
-            theta[i] -= rate * (m / first_correction) / (math.sqrt(v / second_correction) + eps)
+            theta[i] -= rate * (m * inverse_first) / (math.sqrt(v * inverse_second) + eps)
