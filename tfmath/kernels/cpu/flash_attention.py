@@ -506,7 +506,8 @@ def _forward_kernel(
             total = running_sum[i]
             inverse = 0 if total == 0 else 1 / total  # one division a row
             for e in range(n_values):
-                out[b, tile, i, e] = accumulator[e, i] * inverse
+                # 0, not accumulator * 0, for a row with nothing to attend.
+                out[b, tile, i, e] = 0 if total == 0 else accumulator[e, i] * inverse
             lse = (running_max[i] + np.log2(total)) * LN2
             log_sum_exp[b, tile, i] = -np.inf if total == 0 else lse
 
