@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import tfmath.attention
@@ -310,6 +310,7 @@ def test_kaplan_fit_recovers_the_published_exponents_with_noise():
 
 @settings(max_examples=25, deadline=None)
 @given(seed=st.integers(0, 2**31), noise=st.sampled_from([0.01, 0.05, 0.3]))
+@example(seed=256323631, noise=0.05)  # an exponent of 0.0009: the scale e^1371 overflowed
 def test_isoflop_raises_only_tfmath_errors_on_noisy_runs(seed, noise):
     compute, n, d, loss = _planted(np.random.default_rng(seed), noise)
     for rows in (slice(None), slice(0, 14)):

@@ -825,7 +825,9 @@ def _packaged(theta, intervals, known, confidence, method, n_points, dof, residu
     return ScalingLawFit(
         exponent=alpha,
         exponent_interval=tuple(float(v) for v in intervals["exponent"]),
-        scale=math.exp(c / alpha),
+        # An exponent near 0 (a flat fit of noisy points) puts the scale beyond
+        # float range: it is then inf, not an OverflowError.
+        scale=math.exp(c / alpha) if c / alpha < _LOG_FLOAT_MAX else math.inf,
         scale_interval=(_exp(log_low), _exp(log_high)),
         irreducible=e,
         irreducible_interval=None if known is not None else tuple(intervals["irreducible"]),
@@ -836,6 +838,10 @@ def _packaged(theta, intervals, known, confidence, method, n_points, dof, residu
         dof=dof,
         residual_std=residual_std,
     )
+
+
+#: The log of the largest float: exp() of anything above overflows.
+_LOG_FLOAT_MAX = math.log(np.finfo(np.float64).max)
 
 
 def _exp(value):
