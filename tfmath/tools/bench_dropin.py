@@ -96,15 +96,24 @@ def _values_only(query, key, value, is_causal):
     return value
 
 
-def dropin_rows(contexts=CONTEXTS, batch=1, repeats=2, rounds=7):
+#: Each timing of a model's step lasts at least this long: at context 256 one step
+#: (17 ms) varies by 5-10 % from step to step on the 2-core development machine, more
+#: than the difference measured, so a timing there is the mean of several steps.
+MIN_TIMING_SECONDS = 0.1
+#: Interleaved rounds per context.
+ROUNDS = 15
+
+
+def dropin_rows(contexts=CONTEXTS, batch=1, repeats=2, rounds=ROUNDS):
     """One :class:`DropinRow` per context, from interleaved rounds.
 
-    Each round times one training step of the same model with PyTorch's attention,
+    Each round times the training step of the same model with PyTorch's attention,
     tfmath's and none (the values passed through), ``repeats`` times each, best
-    kept, in an order that alternates between rounds. The ratio of PyTorch's time to
-    tfmath's is taken within each round, whose timings share the machine's load of
-    that moment, and summarised by its median and range over the rounds; on a
-    shared machine, bests from different moments are not comparable.
+    kept, in an order that alternates between rounds; a timing is the mean step of
+    as many consecutive steps as last ``MIN_TIMING_SECONDS``. The ratio of PyTorch's
+    time to tfmath's is taken within each round, whose timings share the machine's
+    load of that moment, and summarised by its median and range over the rounds; on
+    a shared machine, bests from different moments are not comparable.
     """
     import torch.nn.functional as F
 
@@ -120,12 +129,14 @@ def dropin_rows(contexts=CONTEXTS, batch=1, repeats=2, rounds=7):
         }
         for step in steps.values():
             step()  # compiles tfmath's kernels, allocates the optimiser's state
+        n_steps = max(1, math.ceil(MIN_TIMING_SECONDS / _seconds(steps["torch"])))
         times = {name: [] for name in steps}
         for round_index in range(rounds):
             order = list(steps) if round_index % 2 == 0 else list(reversed(steps))
             for name in order:
                 time.sleep(SETTLE_SECONDS)
-                times[name].append(min(_seconds(steps[name]) for _ in range(repeats)))
+                best = min(_seconds(steps[name], n_steps) for _ in range(repeats))
+                times[name].append(best / n_steps)
         ratios = [t / f for t, f in zip(times["torch"], times["tfmath"], strict=True)]
         shares = [1 - n / t for n, t in zip(times["none"], times["torch"], strict=True)]
         rows.append(
@@ -226,9 +237,11 @@ def _tokens(batch, context):
     return torch.randint(0, 256, (batch, context + 1), generator=generator)
 
 
-def _seconds(call):
+def _seconds(call, times=1):
+    """Seconds ``times`` calls of ``call`` take, one after the other."""
     start = time.perf_counter()
-    call()
+    for _ in range(times):
+        call()
     return time.perf_counter() - start
 
 
@@ -258,7 +271,8 @@ def print_dropin_report(quick=False, out=print):
         f" on the CPU ({torch.get_num_threads()} threads): one AdamW step, attention by"
     )
     out("PyTorch's SDPA or by tfmath.nn.scaled_dot_product_attention. Ratio: PyTorch's time over")
-    out("tfmath's within each interleaved round, median [range]; attention: its share of")
+    out(f"tfmath's within each of {ROUNDS} interleaved rounds, median [range] (a time: the mean of")
+    out(f"steps lasting {MIN_TIMING_SECONDS} s or more, best of 2); attention: its share of")
     out("PyTorch's step, against the same model without attention")
     out(
         f"{'context':>8} {'torch SDPA':>12} {'tfmath':>12} {'torch/tfmath':>13}"
