@@ -196,6 +196,33 @@ def test_garbage_behind_a_key_padding_mask_is_never_read():
     assert all(np.all(np.isfinite(g[1])) for g in grads)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_the_tiled_forward_never_lets_unattended_garbage_in(dtype):
+    # Above SERIAL_WORK the forward multiplies value tiles by BLAS as if every value
+    # were finite, and redoes a query tile whose output came out non-finite reading
+    # values only at nonzero weights: NaN and inf behind a key-padding mask, or above
+    # the causal diagonal, must never reach an output that does not attend them.
+    rng = np.random.default_rng(11)
+    query, key, value = (rng.standard_normal((2, 3, 128, 16)).astype(dtype) for _ in range(3))
+    problem = attention_problem(query, key, value, backend="cpu")
+    assert not flash_attention._is_small(problem)
+    padding = (np.arange(128) < np.array([100, 128])[:, None])[:, None, None, :]
+    key[0, :, 100:], value[0, :, 100:110], value[0, :, 110:] = np.nan, np.nan, np.inf
+    expected = tfmath.scaled_dot_product_attention(query, key, value, padding, backend="reference")
+    output = tfmath.scaled_dot_product_attention(query, key, value, padding, backend="cpu")
+    assert np.all(np.isfinite(expected))
+    assert_close(output, expected, attention_tolerance(dtype, 16, 128))
+    # Causal: only the last query attends the last key, whose value is NaN.
+    key, value = (rng.standard_normal((2, 3, 128, 16)).astype(dtype) for _ in range(2))
+    value[:, :, -1] = np.nan
+    causal = tfmath.scaled_dot_product_attention(query, key, value, is_causal=True, backend="cpu")
+    expected = tfmath.scaled_dot_product_attention(
+        query, key, value, is_causal=True, backend="reference"
+    )
+    assert np.all(np.isnan(causal[:, :, -1])) and np.all(np.isfinite(causal[:, :, :-1]))
+    assert_close(causal[:, :, :-1], expected[:, :, :-1], attention_tolerance(dtype, 16, 128))
+
+
 @pytest.mark.parametrize("layout", ["key padding B,1,1,S", "B,H,L,S"])
 @pytest.mark.parametrize("kind", ["bool", "float"])
 def test_gradient_with_a_mask_matches_finite_differences(layout, kind):

@@ -396,6 +396,88 @@ def test_the_short_path_gives_the_bits_of_the_general_path(case):
             assert short.dtype is general.dtype and torch.equal(short, general)
 
 
+def heads_of_a_projection(rng, batch, length, heads, features, dtype):
+    """A leaf ``(batch, L, 3, heads, E)`` projection and its query, key and value heads,
+    ``(batch, heads, L, E)`` views whose rows interleave the heads, as a GPT block
+    makes them."""
+    data = rng.standard_normal((batch, length, 3, heads, features))
+    qkv = torch.from_numpy(data).to(DTYPES[dtype]).requires_grad_()
+    return qkv, qkv.permute(2, 0, 3, 1, 4).unbind(0)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("batch", [1, 2])
+def test_a_models_heads_take_the_layout_plan_with_the_general_paths_bits(dtype, is_causal, batch):
+    from tfmath._contract.attention import plain_attention_problem
+    from tfmath.kernels.cpu.flash_attention import plain_flash
+
+    rng = np.random.default_rng(batch)
+    shape = (batch, 128, 3, 4, 16)  # above the one-thread forward's size, whole tiles
+    _, heads = heads_of_a_projection(rng, *shape[:2], *shape[3:], dtype)
+    arrays = [head.detach().numpy() for head in heads]
+    assert plain_flash(*arrays, is_causal, None, plain_attention_problem) is not None
+    grad = torch.from_numpy(rng.standard_normal((batch, 4, 128, 16))).to(DTYPES[dtype])
+    results = []
+    for path in ("short", "general"):
+        qkv = torch.from_numpy(np.stack(arrays, axis=2).transpose(0, 3, 2, 1, 4).copy())
+        qkv.requires_grad_()
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+        with contextlib.nullcontext() if path == "short" else general_path_only():
+            out = tfmath.nn.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
+        out.backward(grad)
+        results.append((out.detach(), qkv.grad))
+    for short, general in zip(*results, strict=True):
+        assert torch.equal(short, general)
+    theirs = [head.detach().clone().requires_grad_() for head in heads]
+    expected = F.scaled_dot_product_attention(*theirs, is_causal=is_causal)
+    expected.backward(grad)
+    tolerance = 1e-10 if dtype == "float64" else attention_tolerance(np.float32, 16, 128)
+    qkv_grad = results[0][1]
+    for mine, peer in zip(
+        (results[0][0], *qkv_grad.permute(2, 0, 3, 1, 4).unbind(0)),
+        (expected, *(t.grad for t in theirs)),
+        strict=True,
+    ):
+        np.testing.assert_allclose(as_numpy(mine), as_numpy(peer), rtol=tolerance, atol=tolerance)
+
+
+def test_a_models_heads_come_back_laid_out_as_pytorchs_output():
+    # The output's rows interleave the heads, as PyTorch's do: the block's transpose
+    # back to (B, L, heads * E) is then a view, not a copy.
+    _, (q, k, v) = heads_of_a_projection(np.random.default_rng(0), 1, 128, 4, 16, "float32")
+    out = tfmath.nn.scaled_dot_product_attention(q, k, v, is_causal=True)
+    theirs = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert out.stride()[1:] == theirs.stride()[1:]  # the batch of 1 has no stride to match
+    merged = out.transpose(1, 2).reshape(1, 128, 64)
+    assert merged.data_ptr() == out.data_ptr() and merged.is_contiguous()
+
+
+def test_an_in_place_change_of_a_head_before_the_backward_is_caught():
+    # The layout plan reads the heads where they are, without copies: autograd's
+    # version counter must still see a change made to them before the backward.
+    q, k, v = (torch.randn(1, 128, 4, 16, dtype=torch.float64) for _ in range(3))
+    q.requires_grad_()
+    heads = [t.transpose(1, 2) for t in (q, k, v)]
+    out = tfmath.nn.scaled_dot_product_attention(*heads)
+    assert type(out.grad_fn).__name__ == "PlainTfmathFunctionBackward"
+    k.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+
+
+@pytest.mark.parametrize("length", [3, 128])  # the plain kernels' path and the layout plan's
+def test_a_second_derivative_is_refused_not_silently_zero(length):
+    q = torch.randn(1, 4, length, 16, dtype=torch.float64, requires_grad=True)
+    out = tfmath.nn.scaled_dot_product_attention(q, q, q)
+    assert type(out.grad_fn).__name__ == "PlainTfmathFunctionBackward"
+    # A gradient that itself requires grad, as in a Hessian-vector product.
+    weights = torch.ones_like(out, requires_grad=True)
+    (grad,) = torch.autograd.grad(out, q, weights, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        grad.sum().backward()
+
+
 class Tensor(torch.Tensor):
     """A subclass of torch.Tensor, which the short path leaves to the general one."""
 

@@ -336,7 +336,65 @@ def blas_threads(count):
             library.set_num_threads(threads)
 
 
-@contextlib.contextmanager
+#: The names OpenBLAS builds give ``openblas_{get,set}_num_threads``: SciPy's and
+#: NumPy's wheels prefix ``scipy_``, 64-bit-integer builds append ``64_`` or ``_64``.
+_OPENBLAS_AFFIXES = [(p, s) for p in ("", "scipy_") for s in ("", "64_", "_64")]
+
+
+def _openblas_thread_functions(library):
+    """``(get, set)``: OpenBLAS's own thread-count functions, called through ctypes,
+    for an OpenBLAS on its own threads (pthreads); None for any other library."""
+    if (
+        getattr(library, "internal_api", None) != "openblas"
+        or getattr(library, "threading_layer", None) != "pthreads"
+    ):
+        return None
+    import ctypes
+
+    dynlib = ctypes.CDLL(library.filepath)  # the loaded library, not a second copy
+    for prefix, suffix in _OPENBLAS_AFFIXES:
+        get = getattr(dynlib, f"{prefix}openblas_get_num_threads{suffix}", None)
+        set_ = getattr(dynlib, f"{prefix}openblas_set_num_threads{suffix}", None)
+        if get is not None and set_ is not None:
+            set_.restype = None
+            return get, set_
+    return None
+
+
+@functools.cache
+def _thread_controls(libraries):
+    """``(get, set)`` of the thread count of each of ``libraries``: OpenBLAS's own
+    functions where :func:`_openblas_thread_functions` finds them, threadpoolctl's
+    methods otherwise. threadpoolctl's wrappers (a lock, a check of which Python
+    thread sets limits) cost about five times the call itself, and a training step
+    enters :func:`serial_blas` at every attention call, forward and backward."""
+    return tuple(
+        _openblas_thread_functions(library) or (library.get_num_threads, library.set_num_threads)
+        for library in libraries
+    )
+
+
+class _SerialBlas:
+    """The context :func:`serial_blas` returns: a class rather than a generator, whose
+    entry costs a tenth as much when the caches are cold, as inside a model's step."""
+
+    __slots__ = ("_changed",)
+
+    def __enter__(self):
+        changed = []
+        for get, set_ in _thread_controls(_blas_libraries()):
+            threads = get()
+            if threads != 1:
+                # Already serial (OMP_NUM_THREADS=1, or one core): left alone.
+                set_(1)
+                changed.append((set_, threads))
+        self._changed = changed
+
+    def __exit__(self, *exception):
+        for set_, threads in self._changed:
+            set_(threads)
+
+
 def serial_blas():
     """A context in which BLAS runs on the calling thread only.
 
@@ -348,20 +406,7 @@ def serial_blas():
     the context costs a few calls into each (threadpoolctl's ``limit`` would
     inspect every loaded library again on every call).
     """
-    libraries = _blas_libraries()
-    previous = [library.get_num_threads() for library in libraries]
-    if all(threads == 1 for threads in previous):
-        # Already serial (OMP_NUM_THREADS=1, or one core): nothing to set or restore,
-        # which spares a training step's every attention call four library calls.
-        yield
-        return
-    for library in libraries:
-        library.set_num_threads(1)
-    try:
-        yield
-    finally:
-        for library, threads in zip(libraries, previous, strict=True):
-            library.set_num_threads(threads)
+    return _SerialBlas()
 
 
 def threading_layer():

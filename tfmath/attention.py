@@ -10,6 +10,8 @@ calls the registered implementation and packages the result. The kernels
 live in :mod:`tfmath.kernels` and the NumPy oracles in :mod:`tfmath.reference`.
 """
 
+import functools
+
 import numpy as np
 
 from tfmath import _cuda
@@ -427,19 +429,24 @@ def _plain_attention_of_tensors(query, key, value, is_causal, scale):
     arrays = plain_cpu_arrays(query, key, value)
     if arrays is None:
         return None
+    if type(is_causal) is bool and (scale is None or type(scale) is float):
+        # The CPU flash kernels' plan of this layout: this path serves only host tensors.
+        flash = _plain_flash()(*arrays, is_causal, scale, plain_attention_problem)
+        if flash is not None:
+            if not needs_grad(query, key, value):
+                return to_tensor(flash.forward(*arrays)[0], "cpu")
+            forward = functools.partial(flash.forward, *arrays)
+            rule = Rule(forward, flash.backward, reads_outputs=True)
+            return differentiable_plain(rule, (query, key, value))
     problem = plain_attention_problem(*arrays, is_causal, scale)
     if problem is None:
         return None
     run_forward = implementation(_attention_routine(problem, "auto", False), "cpu")
     if not needs_grad(query, key, value):
         return to_tensor(run_forward(problem)[0], "cpu")
-    # Strided views (the heads of a (B, L, H, D) projection) are copied once here, where
-    # the kernels would copy them, so that the backward reuses the copies.
-    problem = problem._replace(
-        query=np.ascontiguousarray(problem.query),
-        key=np.ascontiguousarray(problem.key),
-        value=np.ascontiguousarray(problem.value),
-    )
+    # Strided views (the heads of a (B, L, H, D) projection) stay where they are: the
+    # flash kernels read their rows in place, and autograd's version counters guard
+    # them until the backward.
     run_backward = implementation("attention_grad", "cpu")
 
     def attention_forward():
@@ -451,6 +458,15 @@ def _plain_attention_of_tensors(query, key, value, is_causal, scale):
 
     rule = Rule(attention_forward, attention_backward, reads_outputs=True)
     return differentiable_plain(rule, (query, key, value))
+
+
+@functools.cache
+def _plain_flash():
+    """:func:`tfmath.kernels.cpu.flash_attention.plain_flash`, imported at first use
+    (importing it compiles nothing, but loads Numba, which ``import tfmath`` must not)."""
+    from tfmath.kernels.cpu.flash_attention import plain_flash
+
+    return plain_flash
 
 
 def _is_plain_host_call(attn_mask, return_weights, return_log_sum_exp, method, accumulate, backend):

@@ -79,8 +79,17 @@ class AttentionProblem(NamedTuple):
     def weights_shape(self):
         return (*self.batch_shape, self.n_query, self.n_key)
 
-    def kernel_operands(self):
+    def kernel_operands(self, strided_rows=False):
         """The operands as the kernels take them, without copies of broadcast data.
+
+        Parameters
+        ----------
+        strided_rows : bool
+            For kernels that read rows through a leading dimension (the CPU flash
+            kernels): an unbroadcast operand whose batch dimensions flatten without a
+            copy stays a view of the caller's memory, such as the heads of a
+            ``(batch, L, heads, E)`` projection with batch 1. Otherwise every operand
+            comes back C-contiguous.
 
         Returns
         -------
@@ -102,7 +111,12 @@ class AttentionProblem(NamedTuple):
                 # No broadcasting: each operand's entries are the output's. The short
                 # path of small problems, which come by the thousand.
                 n_batch = math.prod(batch)
-                if not (
+                if strided_rows:
+                    # A reshape copies only what cannot be flattened as a view, and only
+                    # a broadcast (zero-stride) operand's copy can outgrow its memory.
+                    if any(0 in array.strides for array in (query, key, value)):
+                        check_allocations(_allocations(self))
+                elif not (
                     query.flags.c_contiguous and key.flags.c_contiguous and value.flags.c_contiguous
                 ):
                     # Calls from plain_attention_problem are checked here, when there

@@ -73,6 +73,10 @@ def to_array(name, tensor):
         ) from None
 
 
+#: The dtypes the CPU kernels compute in, which :func:`plain_cpu_arrays` accepts.
+_KERNEL_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+
+
 def plain_cpu_arrays(*tensors):
     """The tensors' data as NumPy arrays, without a copy, when each is a plain CPU
     tensor: exactly ``torch.Tensor`` (no subclass, no ``Parameter``), strided, float32 or
@@ -80,21 +84,25 @@ def plain_cpu_arrays(*tensors):
 
     The few comparisons a short path makes instead of :func:`to_array`'s general
     reading: whatever they do not recognise goes the general way, whose errors it keeps.
+    ``Tensor.numpy`` itself refuses every tensor without a NumPy view (another device,
+    a sparse or MKL-DNN layout, a pending negation or conjugation, a dtype NumPy
+    lacks), which spares the short path asking each tensor four questions first.
     """
     torch = sys.modules.get("torch")
     if torch is None:
         return None
-    kernel_dtypes = (torch.float32, torch.float64)
+    arrays = []
     for tensor in tensors:
-        if not (
-            type(tensor) is torch.Tensor
-            and tensor.is_cpu
-            and tensor.layout is torch.strided
-            and tensor.dtype in kernel_dtypes
-            and not tensor.is_neg()
-        ):
+        if type(tensor) is not torch.Tensor:
             return None
-    return tuple(tensor.detach().numpy() for tensor in tensors)
+        try:
+            array = tensor.detach().numpy()
+        except (TypeError, RuntimeError):
+            return None
+        if array.dtype not in _KERNEL_DTYPES:
+            return None
+        arrays.append(array)
+    return tuple(arrays)
 
 
 def to_tensor(array, device):
@@ -298,24 +306,35 @@ def _plain_function_class():
         @staticmethod
         def forward(ctx, rule, *inputs):
             output, saved = rule.forward()
-            result = to_tensor(output, "cpu")
+            # A plain rule's results are arrays the kernels have just written (positive
+            # strides, writeable, float32 or float64): torch wraps them as they are.
+            result = torch.from_numpy(output)
             # Version counters, as above.
             ctx.save_for_backward(*inputs, *((result,) if rule.reads_outputs else ()))
             ctx.rule, ctx.saved = rule, saved
             return result
 
         @staticmethod
-        @once_differentiable
         def backward(ctx, grad_output):
-            ctx.saved_tensors  # noqa: B018 (raises if an input or the output changed in place)
-            (grad,) = plain_cpu_arrays(grad_output) or (to_array("grad_output", grad_output),)
-            grads = ctx.rule.backward(ctx.saved, grad)
-            wanted = ctx.needs_input_grad[1:]
-            wrapped = (
-                to_tensor(g, "cpu") if want else None for g, want in zip(grads, wanted, strict=True)
-            )
-            return (None, *wrapped)
+            if torch.is_grad_enabled():
+                # backward(create_graph=True): the gradients tfmath computes are not
+                # differentiable again, which once_differentiable makes an error. In an
+                # ordinary backward, grad mode is off, and its wrapping would only cost
+                # a training step's every attention call a no_grad context.
+                return _backward_once(ctx, grad_output)
+            return _backward(ctx, grad_output)
 
+    def _backward(ctx, grad_output):
+        ctx.saved_tensors  # noqa: B018 (raises if an input or the output changed in place)
+        (grad,) = plain_cpu_arrays(grad_output) or (to_array("grad_output", grad_output),)
+        grads = ctx.rule.backward(ctx.saved, grad)
+        wanted = ctx.needs_input_grad[1:]
+        wrapped = (
+            torch.from_numpy(g) if want else None for g, want in zip(grads, wanted, strict=True)
+        )
+        return (None, *wrapped)
+
+    _backward_once = once_differentiable(_backward)
     return PlainTfmathFunction
 
 
@@ -324,6 +343,7 @@ def differentiable_plain(rule, inputs):
     ``rule`` already holds (read by :func:`plain_cpu_arrays`, or copied from it): the
     short path of a training step's calls, which neither reads the tensors again nor
     walks the results. ``rule.forward()`` returns ``(output, saved)`` and
-    ``rule.backward(saved, grad_output)`` one gradient per input. Returns the output
-    tensor."""
+    ``rule.backward(saved, grad_output)`` one gradient per input, each an array the
+    kernels have just written (float32 or float64, writeable, positive strides), which
+    torch wraps as it is. Returns the output tensor."""
     return _plain_function_class().apply(rule, *inputs)

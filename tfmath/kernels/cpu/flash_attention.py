@@ -410,42 +410,49 @@ def _transpose_into(rows, columns):
             columns[e, i] = rows[i, e]
 
 
-@cpu_kernel(parallel=True)
-def _value_tiles_finite(value_tiles, tile_finite):
-    """Whether all entries of each value tile are finite, in one parallel pass: a
-    non-finite value makes its tile's sum non-finite (a finite tile whose float64 sum
-    overflowed would only take the slower, equally exact path)."""
-    n_batch, n_tiles = value_tiles.shape[0], value_tiles.shape[1]
-    for task in numba.prange(n_batch * n_tiles):
-        b, t = task // n_tiles, task % n_tiles
-        tile = value_tiles[b, t]
-        total = 0.0
-        for j in range(tile.shape[0]):
-            for e in range(tile.shape[1]):
-                total += tile[j, e]
-        tile_finite[b, t] = np.isfinite(total)
+@cpu_kernel
+def _is_finite_tile(tile):
+    """Whether every entry of a tile is finite: a non-finite entry makes the sum
+    non-finite (a finite tile whose float64 sum overflowed only takes the slower,
+    equally exact path)."""
+    total = 0.0
+    for j in range(tile.shape[0]):
+        for e in range(tile.shape[1]):
+            total += tile[j, e]
+    return np.isfinite(total)
 
 
 @cpu_kernel
-def _accumulate_values(value_tiles, value_tile_finite, v, t, weights, accumulator):
-    """Add V^T P for key tile ``t`` to the transposed output accumulator.
+def _accumulate_values(value_tile, check_values, weights, accumulator):
+    """Add V^T P for one key tile to the transposed output accumulator: by BLAS, or,
+    with ``check_values`` and a non-finite value in the tile, reading values only at
+    nonzero weights.
 
     BLAS reads the value tile transposed in place: on the Intel Xeon development
     machine this forward was 10 % faster at L = 256 (causal, 4 heads of 64, float32,
     one thread) and 1-2 % at L = 1024-2048 than with a transposed copy of the values
     made first, which an earlier AMD machine had preferred by a few percent.
     """
-    if value_tile_finite[v, t]:
-        gemm(1.0, value_tiles[v, t], weights, 1.0, accumulator, True)
+    if not check_values or _is_finite_tile(value_tile):
+        gemm(1.0, value_tile, weights, 1.0, accumulator, True)
     else:
-        _accumulate_skipping_zeros(weights, value_tiles[v, t], accumulator)
+        _accumulate_skipping_zeros(weights, value_tile, accumulator)
 
 
 @cpu_kernel(parallel=True)
 def _forward_kernel(
-    query_tiles, key_tiles, value_tiles, value_tile_finite, mask, tile_kinds,
+    query_tiles, key_tiles, value_tiles, mask, tile_kinds,
     index, is_causal, n_query, n_key, scale, out, log_sum_exp,
 ):  # fmt: skip
+    """One task per (batch entry, query tile).
+
+    A task first multiplies every value tile by BLAS, as if all values were finite.
+    A non-finite value, even at a weight of 0 (0 * inf is NaN), leaves the
+    accumulator non-finite, and the task then runs again, reading each non-finite
+    value tile only at nonzero weights, so that NaN or inf stored at masked
+    positions cannot leak in. Checking the values on the way, in a pass of its own,
+    cost a parallel loop's start per call.
+    """
     n_batch, n_query_tiles, query_tile = out.shape[0], out.shape[1], out.shape[2]
     n_key_tiles, key_tile = key_tiles.shape[1], key_tiles.shape[2]
     n_values = value_tiles.shape[3]
@@ -463,45 +470,52 @@ def _forward_kernel(
         query_columns = np.empty((query_tiles.shape[3], query_tile), dtype=dtype)
         _transpose_into(query_tiles[q, tile], query_columns)
         # Transposed, (values, queries): see _accumulate_values.
-        accumulator = np.zeros((n_values, query_tile), dtype=dtype)
-        running_max = np.full(query_tile, -np.inf, dtype=dtype)
-        running_sum = np.zeros(query_tile, dtype=dtype)
+        accumulator = np.empty((n_values, query_tile), dtype=dtype)
+        running_max = np.empty(query_tile, dtype=dtype)
+        running_sum = np.empty(query_tile, dtype=dtype)
         rescale = np.empty(query_tile, dtype=dtype)
         new_max = np.empty(query_tile, dtype=dtype)
         n_tiles = n_key_tiles
         if is_causal:
             last_row = min(first_row + query_tile, n_query) - 1
             n_tiles = min(n_key_tiles, last_row // key_tile + 1)
-        # A refused tile means this block's scores climb from key tile to key tile (as an
-        # ALiBi bias makes them up to the diagonal); the next tiles would likely be
-        # refused too, each at the cost of its scores computed twice, so the rest of the
-        # block takes the two-pass step.
-        try_single_pass = True
-        for t in range(n_tiles):
-            kind = _block_kind(tile_kinds, m, t, tile)
-            if kind == MASKED:
-                continue
-            first_key = t * key_tile
-            _score_tile(
-                scores, key_tiles[k, t], query_columns, score_scale,
-                mask, m, kind, is_causal, first_key, first_row, n_key, n_query, mask_block,
-            )  # fmt: skip
-            if try_single_pass and _has_reference_maximum(running_max):
-                if _softmax_tile_against_reference(scores, running_max, running_sum, new_max):
-                    _accumulate_values(value_tiles, value_tile_finite, v, t, scores, accumulator)
+        for attempt in range(2):
+            check_values = attempt == 1
+            accumulator[:] = 0
+            running_max[:] = -np.inf
+            running_sum[:] = 0
+            # A refused tile means this block's scores climb from key tile to key tile
+            # (as an ALiBi bias makes them up to the diagonal); the next tiles would
+            # likely be refused too, each at the cost of its scores computed twice, so
+            # the rest of the block takes the two-pass step.
+            try_single_pass = True
+            for t in range(n_tiles):
+                kind = _block_kind(tile_kinds, m, t, tile)
+                if kind == MASKED:
                     continue
-                # Refused, after the single pass overwrote the scores.
-                try_single_pass = False
+                first_key = t * key_tile
                 _score_tile(
                     scores, key_tiles[k, t], query_columns, score_scale,
                     mask, m, kind, is_causal, first_key, first_row, n_key, n_query, mask_block,
                 )  # fmt: skip
-            _softmax_tile(scores, running_max, running_sum, rescale, new_max)
-            # A loop, not an array expression, which cost a sixth of the kernel.
-            for e in range(n_values):
-                for i in range(query_tile):
-                    accumulator[e, i] *= rescale[i]
-            _accumulate_values(value_tiles, value_tile_finite, v, t, scores, accumulator)
+                if try_single_pass and _has_reference_maximum(running_max):
+                    if _softmax_tile_against_reference(scores, running_max, running_sum, new_max):
+                        _accumulate_values(value_tiles[v, t], check_values, scores, accumulator)
+                        continue
+                    # Refused, after the single pass overwrote the scores.
+                    try_single_pass = False
+                    _score_tile(
+                        scores, key_tiles[k, t], query_columns, score_scale,
+                        mask, m, kind, is_causal, first_key, first_row, n_key, n_query, mask_block,
+                    )  # fmt: skip
+                _softmax_tile(scores, running_max, running_sum, rescale, new_max)
+                # A loop, not an array expression, which cost a sixth of the kernel.
+                for e in range(n_values):
+                    for i in range(query_tile):
+                        accumulator[e, i] *= rescale[i]
+                _accumulate_values(value_tiles[v, t], check_values, scores, accumulator)
+            if check_values or _is_finite_tile(accumulator):
+                break
         for i in range(min(query_tile, n_query - first_row)):
             total = running_sum[i]
             inverse = 0 if total == 0 else 1 / total  # one division a row
@@ -525,10 +539,29 @@ def _probabilities_and_score_gradients(scores, grad_probabilities, shift, delta)
             grad_probabilities[j, i] = p * (grad_probabilities[j, i] - delta[i])
 
 
+@cpu_kernel
+def _shift_and_delta(
+    log_sum_exp, b, first_row, n_query, log2e, grad_columns, output_columns, shift, delta
+):  # fmt: skip
+    r"""For the rows of one query tile: ``shift``, each row's log2-sum-exp, or +inf for
+    a row with nothing to attend (and a padding row), so that its probabilities come
+    out 0; and ``delta``, :math:`D_i = \sum_e dO_{ie} O_{ie}`, from the transposed
+    tiles of the output gradient and the output (summed over ``e`` in order, each row
+    in its own vector lane)."""
+    for i in range(shift.shape[0]):
+        row = first_row + i
+        lse = log_sum_exp[b, row] if row < n_query else -np.inf
+        shift[i] = np.inf if lse == -np.inf else lse * log2e
+        delta[i] = 0
+    for e in range(grad_columns.shape[0]):
+        for i in range(delta.shape[0]):
+            delta[i] += grad_columns[e, i] * output_columns[e, i]
+
+
 @cpu_kernel(parallel=True)
 def _backward_kernel(
-    query_tiles, key_tiles, value_tiles, grad_tiles,
-    probability_shift, delta, mask, tile_kinds, index, is_causal, n_query, n_key, scale,
+    query_tiles, key_tiles, value_tiles, grad_tiles, output_tiles, log_sum_exp,
+    mask, tile_kinds, index, is_causal, n_query, n_key, scale, log2e,
     grad_query_parts, grad_key, grad_value,
 ):  # fmt: skip
     """One task per (batch entry, part of its key sweeps); part ``c`` of
@@ -538,8 +571,10 @@ def _backward_kernel(
     are then summed in a fixed order into ``grad_query_parts[0]``.
 
     The kernel applies ``scale`` (in base 2 for the scores) inside the tile
-    products. ``probability_shift`` is each row's log2-sum-exp, or +inf for a
-    row with nothing to attend, so that its probabilities come out 0.
+    products. Each task derives its rows' probability shifts and the
+    :math:`D_i` of the score gradients from the forward's output and log-sum-exp
+    (``log2e`` is log2(e) in the operands' dtype), rather than the caller in passes
+    of its own.
     """
     n_batch, n_query_tiles, query_tile = (
         grad_tiles.shape[0],
@@ -561,13 +596,26 @@ def _backward_kernel(
         grad_scores = np.empty((key_tile, query_tile), dtype=dtype)
         query_columns = np.empty((n_query_tiles, n_features, query_tile), dtype=dtype)
         grad_columns = np.empty((n_query_tiles, n_values, query_tile), dtype=dtype)
+        output_columns = np.empty((n_values, query_tile), dtype=dtype)
+        shift = np.empty((n_query_tiles, query_tile), dtype=dtype)
+        delta = np.empty((n_query_tiles, query_tile), dtype=dtype)
+        queries, grads = query_tiles[q], grad_tiles[b]
         for tile in range(n_query_tiles):
-            _transpose_into(query_tiles[q, tile], query_columns[tile])
-            _transpose_into(grad_tiles[b, tile], grad_columns[tile])
+            _transpose_into(queries[tile], query_columns[tile])
+            _transpose_into(grads[tile], grad_columns[tile])
+            _transpose_into(output_tiles[b, tile], output_columns)
+            _shift_and_delta(
+                log_sum_exp, b, tile * query_tile, n_query, log2e,
+                grad_columns[tile], output_columns, shift[tile], delta[tile],
+            )  # fmt: skip
         grad_query[b] = 0
         for sweep in range(part, n_sweeps, n_parts):
             sweep_start = sweep * KEY_TILES_PER_SWEEP
             sweep_end = min(sweep_start + KEY_TILES_PER_SWEEP, n_key_tiles)
+            keys, values = (
+                key_tiles[k, sweep_start:sweep_end],
+                value_tiles[v, sweep_start:sweep_end],
+            )
             for t in range(sweep_start, sweep_end):
                 grad_key[b, t] = 0
                 grad_value[b, t] = 0
@@ -581,19 +629,20 @@ def _backward_kernel(
                         continue
                     first_row = tile * query_tile
                     # grad_scores is free until the product below overwrites it.
+                    in_sweep = t - sweep_start
                     _score_tile(
-                        probabilities, key_tiles[k, t], query_columns[tile], score_scale,
+                        probabilities, keys[in_sweep], query_columns[tile], score_scale,
                         mask, m, kind, is_causal, t * key_tile, first_row, n_key, n_query,
                         grad_scores,
                     )  # fmt: skip
-                    gemm(1.0, value_tiles[v, t], grad_columns[tile], 0.0, grad_scores)
+                    gemm(1.0, values[in_sweep], grad_columns[tile], 0.0, grad_scores)
                     _probabilities_and_score_gradients(
-                        probabilities, grad_scores, probability_shift[b, tile], delta[b, tile]
+                        probabilities, grad_scores, shift[tile], delta[tile]
                     )
                     # beta = 1: the products add straight into the gradients.
-                    gemm(1.0, probabilities, grad_tiles[b, tile], 1.0, grad_value[b, t])
-                    gemm(scale, grad_scores, query_tiles[q, tile], 1.0, grad_key[b, t])
-                    gemm(scale, grad_scores, key_tiles[k, t], 1.0, grad_query[b, tile], True)
+                    gemm(1.0, probabilities, grads[tile], 1.0, grad_value[b, t])
+                    gemm(scale, grad_scores, queries[tile], 1.0, grad_key[b, t])
+                    gemm(scale, grad_scores, keys[in_sweep], 1.0, grad_query[b, tile], True)
     for task in numba.prange(n_batch * n_query_tiles):
         b, tile = task // n_query_tiles, task % n_query_tiles
         total = grad_query_parts[0, b, tile]
@@ -614,6 +663,11 @@ def backward_parts(n_batch, n_key_tiles):
     """How many parts the backward splits each batch entry's keys into: enough
     for every thread to have a task when there are fewer batch entries than
     threads, and one (no partial dQ to add up) otherwise."""
+    if n_batch >= numba.config.NUMBA_NUM_THREADS:
+        # As many entries as threads can ever run: one part, whatever the thread count
+        # now. numba.get_num_threads() takes a process lock, 19 µs of a drop-in's
+        # backward inside a training step.
+        return 1
     n_sweeps = -(-n_key_tiles // KEY_TILES_PER_SWEEP)
     return max(1, min(n_sweeps, -(-numba.get_num_threads() // max(n_batch, 1))))
 
@@ -621,35 +675,71 @@ def backward_parts(n_batch, n_key_tiles):
 def _row_tiles(array, tile):
     """Zero-pad the rows of ``(batch, rows, features)`` to whole tiles:
     ``(batch, n_tiles, tile, features)``; a view, without copying, when the rows
-    already fill whole tiles (the kernels only read these)."""
+    already fill whole tiles and BLAS can read them where they are (the kernels only
+    read these)."""
     batch, rows, features = array.shape
     n_tiles = max(math.ceil(rows / tile), 1)
     if rows == n_tiles * tile:
-        return np.ascontiguousarray(array).reshape(batch, n_tiles, tile, features)
+        if not _blas_readable_rows(array):
+            array = np.ascontiguousarray(array)
+        return array.reshape(batch, n_tiles, tile, features)
     padded = np.zeros((batch, n_tiles * tile, features), dtype=array.dtype)
     padded[:, :rows] = array
     return padded.reshape(batch, n_tiles, tile, features)
 
 
+def _blas_readable_rows(array):
+    """Whether BLAS can read the rows of ``(batch, rows, features)`` in place, through
+    a leading dimension: aligned, features adjacent, each row at least a row's length
+    after the one before, no negative strides."""
+    batch_stride, row_stride, feature_stride = array.strides
+    itemsize = array.itemsize
+    return (
+        array.flags.aligned
+        and (feature_stride == itemsize or array.shape[2] == 1)
+        and row_stride >= array.shape[2] * itemsize
+        and row_stride % itemsize == 0
+        and batch_stride >= 0
+    )
+
+
+def _heads_interleaved(query, n_batch):
+    """Whether the rows of the query ``(batch, rows, features)`` interleave its
+    ``n_batch`` entries: a ``(L, heads, E)`` view, whose entries lie closer together
+    than its rows."""
+    return query.shape[0] == n_batch > 1 and 0 <= query.strides[0] < query.strides[1]
+
+
+def _output_tiles(query, n_batch, n_query_tiles, query_tile, value_dim):
+    """The forward's output, ``(n_batch, n_query_tiles, query_tile, value_dim)``.
+
+    When the query's heads are interleaved in its rows (:func:`_heads_interleaved`),
+    the output is laid out the same way, ``(rows, batch, value_dim)`` in memory: the
+    block that called attention transposes it back to ``(L, heads * Ev)``, which then
+    needs no copy. PyTorch's CPU flash attention returns the same layout.
+    """
+    if _heads_interleaved(query, n_batch):
+        memory = np.empty((n_query_tiles, query_tile, n_batch, value_dim), dtype=query.dtype)
+        return memory.transpose(2, 0, 1, 3)
+    return np.empty((n_batch, n_query_tiles, query_tile, value_dim), dtype=query.dtype)
+
+
 def flash_forward(problem):
     """Tiled forward pass: returns ``(output, log_sum_exp)`` of shapes
     ``(n_batch, L, Ev)`` and ``(n_batch, L)`` (``-inf`` for rows with nothing to attend)."""
-    query, key, value, mask, index = problem.kernel_operands()
+    query, key, value, mask, index = problem.kernel_operands(strided_rows=True)
     dtype = problem.dtype
     key_tile, query_tile = tile_sizes(problem)
     query_tiles = _row_tiles(query, query_tile)
     value_tiles = _row_tiles(value, key_tile)
-    value_tile_finite = np.empty(value_tiles.shape[:2], dtype=np.bool_)
-    _value_tiles_finite(value_tiles, value_tile_finite)
     n_batch, n_query_tiles = index.shape[0], query_tiles.shape[1]
-    out = np.empty((n_batch, n_query_tiles, query_tile, problem.value_dim), dtype=dtype)
+    out = _output_tiles(query, n_batch, n_query_tiles, query_tile, problem.value_dim)
     log_sum_exp = np.empty((n_batch, n_query_tiles, query_tile), dtype=dtype)
     mask, tile_kinds = mask_operand(mask, dtype, key_tile, query_tile)
     with serial_blas():
         _forward_kernel(
-            query_tiles, _row_tiles(key, key_tile), value_tiles, value_tile_finite,
-            mask, tile_kinds, index, problem.is_causal, problem.n_query,
-            problem.n_key, problem.scale, out, log_sum_exp,
+            query_tiles, _row_tiles(key, key_tile), value_tiles, mask, tile_kinds, index,
+            problem.is_causal, problem.n_query, problem.n_key, problem.scale, out, log_sum_exp,
         )  # fmt: skip
     n_query = problem.n_query
     padded_rows = n_query_tiles * query_tile
@@ -721,7 +811,7 @@ def attention_grad(problem, grad_output, saved=None):
 
     ``saved``, the forward's ``(output, log_sum_exp)``, spares a forward pass.
     """
-    query, key, value, mask, index = problem.kernel_operands()
+    query, key, value, mask, index = problem.kernel_operands(strided_rows=True)
     dtype = problem.dtype
     n_batch = index.shape[0]
     if saved is None:
@@ -730,19 +820,11 @@ def attention_grad(problem, grad_output, saved=None):
         output = saved[0].reshape(n_batch, problem.n_query, problem.value_dim)
         log_sum_exp = saved[1].reshape(n_batch, problem.n_query)
     key_tile, query_tile = tile_sizes(problem)
-    grad_output = np.ascontiguousarray(grad_output, dtype=dtype).reshape(output.shape)
-    delta = np.einsum("bie,bie->bi", grad_output, output)
+    # Read in place where BLAS can (_row_tiles), as a model's transposed gradient is.
+    grad_output = np.asarray(grad_output, dtype=dtype).reshape(output.shape)
     query_tiles = _row_tiles(query, query_tile)
     key_tiles = _row_tiles(key, key_tile)
-    grad_tiles = _row_tiles(grad_output, query_tile)
     n_query_tiles, n_key_tiles = query_tiles.shape[1], key_tiles.shape[1]
-    padded_rows = n_query_tiles * query_tile
-    # Rows with nothing to attend (and padding rows) shift by +inf: probability 0.
-    probability_shift = np.full((n_batch, padded_rows), np.inf, dtype=dtype)
-    log2_sum = log_sum_exp * dtype.type(LOG2E)
-    probability_shift[:, : problem.n_query] = np.where(log2_sum == -np.inf, np.inf, log2_sum)
-    padded_delta = np.zeros((n_batch, padded_rows), dtype=dtype)
-    padded_delta[:, : problem.n_query] = delta
     n_parts = backward_parts(n_batch, n_key_tiles)
     grad_query_parts = np.empty(
         (n_parts, n_batch, n_query_tiles, query_tile, problem.n_features), dtype=dtype
@@ -752,17 +834,155 @@ def attention_grad(problem, grad_output, saved=None):
     mask, tile_kinds = mask_operand(mask, dtype, key_tile, query_tile)
     with serial_blas():
         _backward_kernel(
-            query_tiles, key_tiles, _row_tiles(value, key_tile), grad_tiles,
-            probability_shift.reshape(n_batch, n_query_tiles, query_tile),
-            padded_delta.reshape(n_batch, n_query_tiles, query_tile),
-            mask, tile_kinds, index, problem.is_causal,
-            problem.n_query, problem.n_key, problem.scale, grad_query_parts, grad_key, grad_value,
+            query_tiles, key_tiles, _row_tiles(value, key_tile),
+            _row_tiles(grad_output, query_tile), _row_tiles(output, query_tile), log_sum_exp,
+            mask, tile_kinds, index, problem.is_causal, problem.n_query, problem.n_key,
+            problem.scale, dtype.type(LOG2E), grad_query_parts, grad_key, grad_value,
         )  # fmt: skip
     return (
         _untile(grad_query_parts[0], problem.batch_shape, problem.n_query),
         _untile(grad_key, problem.batch_shape, problem.n_key),
         _untile(grad_value, problem.batch_shape, problem.n_key),
     )
+
+
+class PlainFlash:
+    """The flash forward and backward of plain calls of one layout, without the
+    general path's per-call work.
+
+    A plain call (see :func:`tfmath._contract.attention.plain_attention_problem`)
+    whose rows fill whole tiles and whose operands the kernels can read in place (a
+    drop-in's every call: the heads of a ``(B, L, heads, E)`` projection) differs
+    from the next call of its layout (shapes, strides, dtype, causality, scale) only
+    in its numbers. Everything else, from the tiles to the batch index, is worked
+    out once, by :meth:`of`; :meth:`forward` and :meth:`backward` then reshape,
+    allocate and run the kernels. Inside a model's training step, where the step's
+    other work has evicted this Python code from the caches, each line saved is
+    worth microseconds.
+    """
+
+    __slots__ = (
+        "_dtype",
+        "_grad_rows",
+        "_gradient_shapes",
+        "_index",
+        "_interleaved",
+        "_is_causal",
+        "_key_tiles",
+        "_log2e",
+        "_n_key",
+        "_n_query",
+        "_output_shape",
+        "_output_tiles",
+        "_query_tiles",
+        "_scale",
+        "_value_tiles",
+    )  # fmt: skip
+
+    @classmethod
+    def of(cls, problem):
+        """The plan of a plain problem's layout, or None when the general path must
+        serve it: a problem small enough for the one-thread forward, rows that need
+        padding to whole tiles, or operands the kernels cannot read in place."""
+        if _is_small(problem):
+            return None
+        key_tile, query_tile = tile_sizes(problem)
+        n_query, n_key = problem.n_query, problem.n_key
+        if n_query % query_tile or n_key % key_tile:
+            return None
+        query, key, value, _, index = problem.kernel_operands(strided_rows=True)
+        if not all(map(_blas_readable_rows, (query, key, value))):
+            return None
+        plan = cls()
+        n_batch, value_dim = index.shape[0], problem.value_dim
+        plan._query_tiles = (n_batch, n_query // query_tile, query_tile, problem.n_features)
+        plan._key_tiles = (n_batch, n_key // key_tile, key_tile, problem.n_features)
+        plan._value_tiles = (n_batch, n_key // key_tile, key_tile, value_dim)
+        plan._output_tiles = (n_batch, n_query // query_tile, query_tile, value_dim)
+        plan._interleaved = _heads_interleaved(query, n_batch)
+        plan._output_shape = problem.output_shape()
+        plan._grad_rows = (n_batch, n_query, value_dim)
+        plan._gradient_shapes = tuple(a.shape for a in (problem.query, problem.key, problem.value))
+        plan._index = index
+        plan._is_causal, plan._n_query, plan._n_key = problem.is_causal, n_query, n_key
+        plan._scale, plan._dtype = problem.scale, problem.dtype
+        plan._log2e = problem.dtype.type(LOG2E)
+        return plan
+
+    def forward(self, query, key, value):
+        """``(output, saved)``: the output, ``batch + (L, Ev)`` (laid out as the
+        query's rows are, see :func:`_output_tiles`), and what :meth:`backward`
+        takes."""
+        query_tiles = query.reshape(self._query_tiles)
+        key_tiles = key.reshape(self._key_tiles)
+        value_tiles = value.reshape(self._value_tiles)
+        n_batch, n_query_tiles, query_tile, value_dim = self._output_tiles
+        if self._interleaved:
+            memory = np.empty((n_query_tiles, query_tile, n_batch, value_dim), self._dtype)
+            out = memory.transpose(2, 0, 1, 3)
+        else:
+            out = np.empty(self._output_tiles, self._dtype)
+        log_sum_exp = np.empty((n_batch, self._n_query), self._dtype)
+        with serial_blas():
+            _forward_kernel(
+                query_tiles, key_tiles, value_tiles, None, None, self._index, self._is_causal,
+                self._n_query, self._n_key, self._scale, out,
+                log_sum_exp.reshape(n_batch, n_query_tiles, query_tile),
+            )  # fmt: skip
+        saved = (query_tiles, key_tiles, value_tiles, out, log_sum_exp)
+        return out.reshape(self._output_shape), saved
+
+    def backward(self, saved, grad_output):
+        """``(dq, dk, dv)``, shaped as the operands, from :meth:`forward`'s ``saved``
+        and the output's gradient (any strides)."""
+        query_tiles, key_tiles, value_tiles, out, log_sum_exp = saved
+        grad_rows = np.asarray(grad_output, dtype=self._dtype).reshape(self._grad_rows)
+        if not _blas_readable_rows(grad_rows):
+            grad_rows = np.ascontiguousarray(grad_rows)
+        n_batch, n_key_tiles = key_tiles.shape[0], key_tiles.shape[1]
+        n_parts = backward_parts(n_batch, n_key_tiles)
+        grad_query_parts = np.empty((n_parts, *query_tiles.shape), self._dtype)
+        grad_key = np.empty(key_tiles.shape, self._dtype)
+        grad_value = np.empty(value_tiles.shape, self._dtype)
+        with serial_blas():
+            _backward_kernel(
+                query_tiles, key_tiles, value_tiles, grad_rows.reshape(self._output_tiles),
+                out, log_sum_exp, None, None, self._index, self._is_causal, self._n_query,
+                self._n_key, self._scale, self._log2e, grad_query_parts, grad_key, grad_value,
+            )  # fmt: skip
+        query_shape, key_shape, value_shape = self._gradient_shapes
+        return (
+            grad_query_parts[0].reshape(query_shape),
+            grad_key.reshape(key_shape),
+            grad_value.reshape(value_shape),
+        )
+
+
+#: Plans of the layouts plain calls have come in (see :func:`plain_flash`).
+_PLANS = {}
+_MAX_PLANS = 256
+
+
+def plain_flash(query, key, value, is_causal, scale, plain_problem):
+    """The :class:`PlainFlash` of arrays ``query``, ``key``, ``value`` with
+    ``is_causal`` (a bool) and ``scale`` (None or a float), or None when the general
+    path must serve the call; ``plain_problem(query, key, value, is_causal, scale)``
+    builds and checks the problem of a layout met for the first time (None if it is
+    not plain). Plans are kept per layout, at most ``_MAX_PLANS`` of them."""
+    layout = (
+        query.shape, key.shape, value.shape, query.strides, key.strides, value.strides,
+        query.dtype, key.dtype, value.dtype, is_causal, scale,
+    )  # fmt: skip
+    try:
+        return _PLANS[layout]
+    except KeyError:
+        pass
+    problem = plain_problem(query, key, value, is_causal, scale)
+    plan = None if problem is None else PlainFlash.of(problem)
+    if len(_PLANS) >= _MAX_PLANS:
+        _PLANS.clear()
+    _PLANS[layout] = plan
+    return plan
 
 
 def _untile(tiles, batch_shape, n_rows):
