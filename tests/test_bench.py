@@ -65,6 +65,8 @@ def test_bench_on_cuda_without_a_gpu_says_why(monkeypatch, capsys):
 def test_bench_refuses_calls_outside_dropin(capsys):
     assert cli.main(["bench", "training", "--calls"]) == 2
     assert "--calls is for dropin" in capsys.readouterr().err
+    assert cli.main(["bench", "dropin", "--anatomy"]) == 2
+    assert "--anatomy is for training" in capsys.readouterr().err
 
 
 @pytest.mark.cuda

@@ -140,6 +140,23 @@ def test_bench_training_prints_a_row_per_shape_for_the_same_model_in_torch(monke
     assert ("n/a" in row) == (torch is None)
 
 
+def test_the_step_anatomy_counts_every_product_of_the_step_once(monkeypatch):
+    from tfmath.tools import bench_training
+
+    monkeypatch.setattr(bench_training, "optional_torch", lambda: None)  # tfmath's side
+    monkeypatch.setattr(bench_training, "SETTLE_SECONDS", 0.0)
+    shape = bench_training.TrainingShape("tiny", 16, 2, 8, batch=2, vocab=11)
+    (row,) = bench_training.step_anatomy(shapes=[shape], threads=1, repeats=1)
+    # Forward, per layer: q, k, v, the output projection and the FFN's two (12 d^2 a
+    # token), and the tied head (d V); the backward's two products per forward one.
+    d, tokens = shape.d_model, shape.tokens
+    assert row.product_flops == 6 * tokens * (12 * d * d * shape.n_layers + d * shape.vocab)
+    assert row.step_seconds > 0 and row.product_seconds > 0 and row.torch_seconds is None
+    lines = []
+    bench_training.print_step_anatomy(threads=1, out=lines.append, shapes=[shape], repeats=1)
+    assert len(lines) == 5 and lines[-1].split()[:2] == ["tiny", "16"]
+
+
 _ATTENTION_BITS = """
 import sys
 import numpy as np

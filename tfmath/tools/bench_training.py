@@ -19,6 +19,7 @@ import functools
 import math
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -290,6 +291,109 @@ def print_training_report(quick=False, threads=None, out=print, shapes=None, rou
             f"{shape.batch:>3} {tokens_per_second['tfmath']:>13,.0f} {torch_text:>12} "
             f"{ratio:>6} {rate:>8.1f} {roof:>6.0f} {100 * rate / roof:>6.0f}% "
             f"{peaks['tfmath'] / 2**20:>11.1f} {torch_mib:>7}")  # fmt: skip
+
+
+class StepAnatomy(NamedTuple):
+    """One row of :func:`step_anatomy`: seconds of tfmath's step, of its matrix
+    products, and of PyTorch's step (None without PyTorch); the products' FLOPs."""
+
+    shape: TrainingShape
+    step_seconds: float
+    product_seconds: float
+    product_flops: float
+    torch_seconds: float | None
+
+    @property
+    def budget_seconds(self):
+        """The step time that would be 1.5 times as fast as PyTorch's."""
+        return None if self.torch_seconds is None else self.torch_seconds / 1.5
+
+
+def _timed_products(shape, repeats):
+    """``(step seconds, product seconds, product FLOPs)`` of tfmath's fused step on
+    ``shape``: bests over ``repeats`` rounds, as :func:`training_rows` takes, of a step
+    timed whole, and of the next with each of its products timed alone (whose timers
+    would otherwise be in the step); each round starts with an untimed step."""
+    from tfmath.training import fused
+
+    step, spent, flops = tfmath_step(shape), [0.0], [0.0]
+    step()  # compile, or load from the cache
+    product = fused.FusedDecoder._gemm
+
+    def timed_product(self, a, b, beta, c, transpose_a=False, transpose_b=False):
+        start = time.perf_counter()
+        product(self, a, b, beta, c, transpose_a, transpose_b)
+        spent[0] += time.perf_counter() - start
+        flops[0] += 2.0 * c.size * (a.shape[0] if transpose_a else a.shape[1])
+
+    steps, products = [], []
+    try:
+        for _ in range(repeats):
+            time.sleep(SETTLE_SECONDS)
+            steps.append(min(repeat_times(step, 1, warmup=1)))
+            spent[0] = flops[0] = 0.0
+            fused.FusedDecoder._gemm = timed_product
+            step()
+            fused.FusedDecoder._gemm = product
+            products.append(spent[0])
+    finally:
+        fused.FusedDecoder._gemm = product
+    return min(steps), min(products), flops[0]
+
+
+def step_anatomy(shapes=None, threads=None, repeats=7):
+    """Where tfmath's training step spends its time against the 1.5x target of
+    ``tfmath bench training``: one :class:`StepAnatomy` per shape (default: the
+    width rows), yielded as soon as it is measured.
+
+    The step's matrix products (every one goes through ``FusedDecoder._gemm``) are
+    timed one by one inside real steps; the rest of the step is everything else
+    (attention, norms, activations, loss, Adam). PyTorch's step is timed in a
+    :class:`TorchPeer`, as in :func:`training_rows`. Where the products alone take
+    longer than the budget (PyTorch's time over 1.5), no work on the rest reaches
+    1.5x without faster products.
+    """
+    import numba
+
+    from tfmath.training.loop import threads_limited
+
+    if shapes is None:
+        shapes = tuple(s for s in TRAINING_SHAPES if s.label == "width")
+    peer = (
+        None if optional_torch() is None else TorchPeer(threads or numba.config.NUMBA_NUM_THREADS)
+    )
+    try:
+        with threads_limited(threads):
+            for shape in shapes:
+                torch_seconds = None
+                if peer is not None:
+                    peer.build(shape)
+                    time.sleep(SETTLE_SECONDS)
+                    torch_seconds = peer.best_time(repeats)
+                yield StepAnatomy(shape, *_timed_products(shape, repeats), torch_seconds)
+    finally:
+        if peer is not None:
+            peer.close()
+
+
+def print_step_anatomy(threads=None, out=print, shapes=None, repeats=7):
+    """``tfmath bench training --anatomy``: :func:`step_anatomy`, a line per shape."""
+    out("tfmath's fused step: its matrix products (each timed alone, inside the step) and")
+    out("the rest, against the 1.5x target: PyTorch's step (best of its steps, own process)")
+    out("over 1.5; 'rest allowed' is what the budget leaves once the products are paid")
+    out(f"{'shape':<16} {'d':>4} {'step ms':>8} {'products':>9} {'GFLOP/s':>8} {'rest':>7} "
+        f"{'torch ms':>9} {'ratio':>6} {'budget':>7} {'rest allowed':>13}")  # fmt: skip
+    for row in step_anatomy(shapes, threads=threads, repeats=repeats):
+        rest = row.step_seconds - row.product_seconds
+        rate = row.product_flops / row.product_seconds / 1e9
+        line = (f"{row.shape.label:<16} {row.shape.d_model:>4} {row.step_seconds * 1e3:>8.2f} "
+                f"{row.product_seconds * 1e3:>9.2f} {rate:>8.1f} {rest * 1e3:>7.2f}")  # fmt: skip
+        if row.torch_seconds is not None:
+            allowed = row.budget_seconds - row.product_seconds
+            ratio = row.torch_seconds / row.step_seconds
+            line += (f" {row.torch_seconds * 1e3:>9.2f} {ratio:>6.2f}"
+                     f" {row.budget_seconds * 1e3:>7.2f} {allowed * 1e3:>13.2f}")  # fmt: skip
+        out(line)
 
 
 #: ``(batch, context, d_model, heads)`` of :func:`attention_costs`: the width rows'

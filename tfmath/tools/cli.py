@@ -97,6 +97,11 @@ def _parser():
         action="store_true",
         help="dropin: what one attention call's forward and backward cost inside the step",
     )
+    bench.add_argument(
+        "--anatomy",
+        action="store_true",
+        help="training: the step's matrix products and the rest, against the 1.5x target",
+    )
     bench.set_defaults(handler=_bench)
     return parser
 
@@ -105,6 +110,9 @@ def _bench(args):
     if args.calls and args.topic != "dropin":
         print(f"tfmath bench: --calls is for dropin, not {args.topic}", file=sys.stderr)
         return 2
+    if args.anatomy and args.topic != "training":
+        print(f"tfmath bench: --anatomy is for training, not {args.topic}", file=sys.stderr)
+        return 2
     if args.topic == "dropin":
         from tfmath.tools.bench_dropin import print_call_times_report, print_dropin_report
 
@@ -112,7 +120,7 @@ def _bench(args):
         (print_call_times_report if args.calls else print_dropin_report)(quick=args.quick)
         return 0
     if args.topic == "training":
-        from tfmath.tools.bench_training import print_training_report
+        from tfmath.tools.bench_training import print_step_anatomy, print_training_report
 
         if args.threads is not None and args.threads < 1:
             message = f"tfmath bench: --threads must be at least 1, got {args.threads}"
@@ -120,7 +128,10 @@ def _bench(args):
             return 2
 
         _print_compilation_notice()
-        print_training_report(quick=args.quick, threads=args.threads, out=_flushed)
+        if args.anatomy:
+            print_step_anatomy(threads=args.threads, out=_flushed)
+        else:
+            print_training_report(quick=args.quick, threads=args.threads, out=_flushed)
         return 0
     from tfmath.tools.bench import print_attention_report, print_matrix_report, print_small_report
 
