@@ -375,8 +375,10 @@ def _thread_controls(libraries):
 
 
 class _SerialBlas:
-    """The context :func:`serial_blas` returns: a class rather than a generator, whose
-    entry costs a tenth as much when the caches are cold, as inside a model's step."""
+    """The context :func:`serial_blas` returns, a class rather than a generator. With
+    OpenBLAS's own functions (:func:`_thread_controls`), entering and leaving it took
+    1.3 µs against 4.7 alone, and about 15 against 35 inside a drop-in's training
+    step, where the model's other work has evicted this code from the caches."""
 
     __slots__ = ("_changed",)
 
