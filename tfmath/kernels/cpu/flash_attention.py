@@ -710,18 +710,19 @@ def _heads_interleaved(query, n_batch):
     return query.shape[0] == n_batch > 1 and 0 <= query.strides[0] < query.strides[1]
 
 
-def _output_tiles(query, n_batch, n_query_tiles, query_tile, value_dim):
-    """The forward's output, ``(n_batch, n_query_tiles, query_tile, value_dim)``.
+def _output_tiles(interleaved, shape, dtype):
+    """The forward's output, ``shape = (n_batch, n_query_tiles, query_tile, value_dim)``.
 
     When the query's heads are interleaved in its rows (:func:`_heads_interleaved`),
     the output is laid out the same way, ``(rows, batch, value_dim)`` in memory: the
     block that called attention transposes it back to ``(L, heads * Ev)``, which then
     needs no copy. PyTorch's CPU flash attention returns the same layout.
     """
-    if _heads_interleaved(query, n_batch):
-        memory = np.empty((n_query_tiles, query_tile, n_batch, value_dim), dtype=query.dtype)
-        return memory.transpose(2, 0, 1, 3)
-    return np.empty((n_batch, n_query_tiles, query_tile, value_dim), dtype=query.dtype)
+    if not interleaved:
+        return np.empty(shape, dtype=dtype)
+    n_batch, n_query_tiles, query_tile, value_dim = shape
+    memory = np.empty((n_query_tiles, query_tile, n_batch, value_dim), dtype=dtype)
+    return memory.transpose(2, 0, 1, 3)
 
 
 def flash_forward(problem):
@@ -733,7 +734,11 @@ def flash_forward(problem):
     query_tiles = _row_tiles(query, query_tile)
     value_tiles = _row_tiles(value, key_tile)
     n_batch, n_query_tiles = index.shape[0], query_tiles.shape[1]
-    out = _output_tiles(query, n_batch, n_query_tiles, query_tile, problem.value_dim)
+    out = _output_tiles(
+        _heads_interleaved(query, n_batch),
+        (n_batch, n_query_tiles, query_tile, problem.value_dim),
+        dtype,
+    )
     log_sum_exp = np.empty((n_batch, n_query_tiles, query_tile), dtype=dtype)
     mask, tile_kinds = mask_operand(mask, dtype, key_tile, query_tile)
     with serial_blas():
@@ -916,12 +921,8 @@ class PlainFlash:
         query_tiles = query.reshape(self._query_tiles)
         key_tiles = key.reshape(self._key_tiles)
         value_tiles = value.reshape(self._value_tiles)
-        n_batch, n_query_tiles, query_tile, value_dim = self._output_tiles
-        if self._interleaved:
-            memory = np.empty((n_query_tiles, query_tile, n_batch, value_dim), self._dtype)
-            out = memory.transpose(2, 0, 1, 3)
-        else:
-            out = np.empty(self._output_tiles, self._dtype)
+        n_batch, n_query_tiles, query_tile, _ = self._output_tiles
+        out = _output_tiles(self._interleaved, self._output_tiles, self._dtype)
         log_sum_exp = np.empty((n_batch, self._n_query), self._dtype)
         with serial_blas():
             _forward_kernel(
