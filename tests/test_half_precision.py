@@ -198,6 +198,25 @@ def test_the_log_sum_exp_of_half_precision_attention_stays_in_float32():
     assert is_half(output.dtype) and not is_half(log_sum_exp.dtype)
 
 
+@pytest.mark.cuda
+def test_half_precision_attention_of_device_arrays_returns_both_results_on_the_device():
+    """Found on an H200: the float32 log-sum-exp of float16 device inputs was cast with
+    ``astype``, which a real device array lacks (the simulator's went to the host)."""
+    from tfmath import _cuda
+
+    rng = np.random.default_rng(5)
+    q, k, v = (_random(rng, (2, 6, 8), np.float16) for _ in range(3))
+    output, log_sum_exp = tfmath.scaled_dot_product_attention(
+        *(_cuda.to_device(a) for a in (q, k, v)), return_log_sum_exp=True
+    )
+    assert _cuda.is_device_array(output) and _cuda.is_device_array(log_sum_exp)
+    assert output.dtype == np.float16 and log_sum_exp.dtype == np.float32
+    _, expected = tfmath.scaled_dot_product_attention(
+        q, k, v, return_log_sum_exp=True, backend="reference"
+    )
+    assert_close(log_sum_exp.copy_to_host(), expected, 1e-6)
+
+
 def test_float16_with_bfloat16_computes_in_float32():
     q = np.ones((3, 4), dtype=np.float16)
     k = np.ones((3, 4), dtype=ml_dtypes.bfloat16)

@@ -503,7 +503,11 @@ def forward(problem, method="auto", *, return_log_sum_exp=False):
     # backward pass needs accurately, in the compute dtype, as PyTorch keeps it.
     if extra is None or problem.return_weights:
         return narrowed(problem, output), None if extra is None else narrowed(problem, extra)
-    return narrowed(problem, output), extra.astype(problem.compute_dtype)
+    if extra.dtype != problem.compute_dtype:
+        # Only the reference's float64 log-sum-exp, on the host: the kernels' is in the
+        # compute dtype already, and a CUDA device array has no astype.
+        extra = extra.astype(problem.compute_dtype)
+    return narrowed(problem, output), extra
 
 
 def _attention_routine(problem, method, return_log_sum_exp):

@@ -32,6 +32,7 @@ the issue's target is 0.5) into ``--out``, and prints a short table last.
 import argparse
 import csv
 import json
+import math
 import os
 import sys
 import time
@@ -228,6 +229,93 @@ def run_timings(quick):
     return rows
 
 
+def _occupancy(registers, threads, shared_bytes, device):
+    """Resident warps per multiprocessor over its maximum, from the kernel's registers,
+    threads and shared memory (registers are allotted per warp in units of 256)."""
+    warps = math.ceil(threads / 32)
+    per_warp = math.ceil(max(registers, 1) * 32 / 256) * 256
+    limits = [
+        device["registers"] // per_warp // warps,
+        device["threads"] // threads,
+        device["shared"] // max(shared_bytes + 1024, 1),  # 1 KiB reserved per block
+        32,
+    ]
+    return min(limits) * warps / (device["threads"] // 32)
+
+
+def _device_limits():
+    device = numba_cuda().get_current_device()
+    return {
+        "multiprocessors": device.MULTIPROCESSOR_COUNT,
+        "registers": device.MAX_REGISTERS_PER_MULTIPROCESSOR,
+        "threads": device.MAX_THREADS_PER_MULTIPROCESSOR,
+        "shared": device.MAX_SHARED_MEMORY_PER_MULTIPROCESSOR,
+    }
+
+
+def kernel_resources(n=4096, head=64, batch=8):
+    """Rows ``(kernel, threads, registers, local bytes, shared bytes, blocks, occupancy)``
+    of the kernels the timings compiled, at the timed shape's length ``n``: what limits
+    how many of their blocks a multiprocessor holds at once."""
+    import tfmath
+    from tfmath import _cuda
+    from tfmath.kernels.cuda import flash_attention as fa
+    from tfmath.kernels.cuda import tensor_core
+
+    # Compile them at a short length: the tiles are those of any length from 64 rows.
+    rng = np.random.default_rng(0)
+    for dtype_name in TOLERANCE:
+        q = rng.standard_normal((1, 1, 128, head)).astype(_dtype(dtype_name))
+        tfmath.scaled_dot_product_attention(q, q, q, method="flash", backend="cuda")
+        if dtype_name == "float32":
+            tfmath.attention_grad(q, q, q, q, backend="cuda")
+    device = _device_limits()
+    kernels = []
+    for build, shared in (
+        (fa._forward_kernel, fa._forward_shared),
+        (fa._query_gradient_kernel, fa._query_gradient_shared),
+        (fa._key_gradient_kernel, fa._key_gradient_shared),
+    ):
+        tiles = fa._choose_tiles(lambda t, shared=shared: shared(t, head, head), 4, n)
+        kernel = build(_cuda.numba_dtype(np.dtype(np.float32)), head, head, tiles)
+        threads = tiles.row_threads * tiles.col_threads
+        blocks = batch * math.ceil(n / tiles.block_rows)
+        kernels.append((f"float32 {build.__name__} {tuple(tiles)}", kernel, threads,
+                        shared(tiles, head, head) * 4, blocks))  # fmt: skip
+    for name in tensor_core.FORMATS:
+        blocks = batch * math.ceil(n / tensor_core.BLOCK_ROWS)
+        kernels.append((f"{name} tensor-core forward", tensor_core._forward_kernel(
+            name, head, head), tensor_core.THREADS, 0, blocks))  # fmt: skip
+    rows = []
+    for label, kernel, threads, dynamic, blocks in kernels:
+        for registers, local, static in zip(
+            kernel.get_regs_per_thread().values(),
+            kernel.get_local_mem_per_thread().values(),
+            kernel.get_shared_mem_per_block().values(),
+            strict=True,
+        ):
+            shared_bytes = dynamic + static
+            rows.append((label, threads, registers, local, shared_bytes, blocks,
+                         _occupancy(registers, threads, shared_bytes, device)))  # fmt: skip
+    return device, rows
+
+
+def print_resources(result):
+    """Print :func:`kernel_resources` and store it in ``result``; a failure is printed,
+    not raised, so that it costs the run nothing else."""
+    try:
+        device, resources = kernel_resources()
+    except Exception:
+        traceback.print_exc()
+        return
+    result["device"], result["kernel_resources"] = device, resources
+    print(f"kernels at L=4096 (B*H=8, d=64) on {device['multiprocessors']} multiprocessors:")
+    print(f"{'kernel':<58} threads regs local shared blocks occupancy")
+    for label, threads, registers, local, shared, blocks, occupancy in resources:
+        print(f"{label:<58} {threads:>7} {registers:>4} {local:>5} {shared:>6} "
+              f"{blocks:>6} {occupancy:>9.0%}")  # fmt: skip
+
+
 def ratios(timings):
     """``{(dtype, pass): [(L, torch ms / tfmath ms), ...]}``."""
     found = {}
@@ -248,7 +336,7 @@ def draw(ratio_lines, path):
     from matplotlib import ticker
     from matplotlib.figure import Figure
 
-    figure = Figure(figsize=(7, 4.5), layout="constrained")
+    figure = Figure(figsize=(8.5, 4.5), layout="constrained")
     ax = figure.add_subplot()
     for (dtype_name, what), points in sorted(ratio_lines.items()):
         lengths, values = zip(*points, strict=True)
@@ -259,12 +347,14 @@ def draw(ratio_lines, path):
     ax.set_xscale("log", base=2)
     ax.set_xticks(LENGTHS, [str(n) for n in LENGTHS])
     ax.set_yscale("log")
-    ax.yaxis.set_major_formatter(ticker.FormatStrFormatter("%.2g"))
-    ax.yaxis.set_minor_formatter(ticker.FormatStrFormatter("%.2g"))
+    # Labels at 1, 2 and 5 of each decade: every minor tick labelled overlaps over decades.
+    ax.yaxis.set_major_locator(ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
+    ax.yaxis.set_major_formatter(ticker.FormatStrFormatter("%.3g"))
+    ax.yaxis.set_minor_formatter(ticker.NullFormatter())
     ax.set_xlabel("sequence length L = S (B = 1, H = 8, d = 64)")
     ax.set_ylabel("torch time / tfmath time")
     ax.set_title("tfmath flash attention on the GPU against PyTorch's fused kernels")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
     for suffix in (".png", ".svg"):
         figure.savefig(path.with_suffix(suffix), dpi=120)
 
@@ -273,12 +363,18 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu_check")))
     parser.add_argument("--quick", action="store_true", help="two lengths, fewer repeats")
+    parser.add_argument(
+        "--resources", action="store_true", help="only the kernels' registers and occupancy"
+    )
     args = parser.parse_args(argv)
     os.environ.setdefault("TFMATH_CUDA_TENSOR_CORES", "1")
     args.out.mkdir(parents=True, exist_ok=True)
     from tfmath import _cuda
 
     print("CUDA:", _cuda.status().reason, "| target:", _cuda.device_version(), flush=True)
+    if args.resources:
+        print_resources({})
+        return 0
     start = time.perf_counter()
     checks = run_checks(np.random.default_rng(int(time.time())))
     print(f"checks: {time.perf_counter() - start:.0f} s", flush=True)
@@ -287,6 +383,7 @@ def main(argv=None):
     ratio_lines = ratios(timings)
     result = {"checks": checks, "timings": timings,
               "ratios": {f"{d} {w}": v for (d, w), v in ratio_lines.items()}}  # fmt: skip
+    print_resources(result)
     (args.out / "gpu_check.json").write_text(json.dumps(result, indent=1))
     with open(args.out / "gpu_check.csv", "w", newline="") as stream:
         writer = csv.writer(stream)

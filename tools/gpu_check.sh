@@ -6,7 +6,8 @@
 #   bash tools/gpu_check.sh --quick    # two lengths, fewer repeats
 #
 # 1. installs the wheels carried in .whl/ (tools/gpu_wheels.sh fetches them on a machine
-#    with pip and network: cffi, which that machine's image lacks), into /tmp/site;
+#    with pip and network: cffi, which that machine's image lacks, and a NumPy its
+#    numba-cuda can import), into /tmp/site, ahead of the image's own packages;
 # 2. prints the GPU, the driver and the versions that matter;
 # 3. runs the CUDA tests of the flash kernels on the GPU (not the simulator);
 # 4. runs `tfmath bench attention --backend cuda` (float32, against PyTorch);
@@ -28,7 +29,7 @@ PYTHON="${PYTHON:-python3}"
 if compgen -G ".whl/*.whl" >/dev/null; then
     "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .whl/*.whl || { echo "could not install .whl/"; exit 1; }
-    export PYTHONPATH="$PYTHONPATH:/tmp/site"
+    export PYTHONPATH="/tmp/site:$PYTHONPATH"
 fi
 
 {
