@@ -212,3 +212,37 @@ def test_half_precision_forward_multiplies_on_the_tensor_cores(ptx_files, cc):
         for product in (f"tfmath_mma_nt_{suffix}", f"tfmath_mma_nn_{suffix}"):
             assert product in kernel and product in linked
         assert ".shared" in kernel
+
+
+# --- the register cap (TFMATH_CUDA_MAX_REGISTERS) ------------------------------------------
+
+
+@pytest.mark.parametrize(("value", "expected"), [("", None), ("128", 128), (" 96 ", 96)])
+def test_the_register_cap_is_read_from_the_environment(value, expected, monkeypatch):
+    from tfmath import _config
+
+    monkeypatch.setenv("TFMATH_CUDA_MAX_REGISTERS", value)
+    assert _config.cuda_max_registers() == expected
+
+
+@pytest.mark.parametrize("value", ["0", "256", "-1", "many", "12.5"])
+def test_a_register_cap_out_of_range_names_the_variable(value, monkeypatch):
+    from tfmath import _config
+
+    monkeypatch.setenv("TFMATH_CUDA_MAX_REGISTERS", value)
+    with pytest.raises(ValueError, match=r"TFMATH_CUDA_MAX_REGISTERS .* 1 to 255"):
+        _config.cuda_max_registers()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("real_gpu", [True, False])
+def test_the_register_cap_reaches_the_kernels_on_a_gpu_only(real_gpu, monkeypatch):
+    flash = _flash_module()
+    asked = []
+    monkeypatch.setattr(flash.cuda, "jit", lambda *a, **options: asked.append(options))
+    monkeypatch.setattr(
+        _cuda, "status", lambda: _cuda.CudaStatus(real_gpu, real_gpu, "a pretend device")
+    )
+    monkeypatch.setenv("TFMATH_CUDA_MAX_REGISTERS", "128")
+    flash._kernel_jit()(lambda: None)
+    assert asked == ([{"max_registers": 128}] if real_gpu else [{}])

@@ -168,6 +168,25 @@ def cuda_tensor_cores():
     return os.environ.get("TFMATH_CUDA_TENSOR_CORES", "0") == "1"
 
 
+def cuda_max_registers():
+    """The cap on registers per thread that ``TFMATH_CUDA_MAX_REGISTERS`` sets for the
+    float32/float64 CUDA flash kernels, or None (unset or empty: the compiler's choice).
+
+    Read when a kernel is first compiled. On an H200 a cap of 128 or 96 made the
+    float32 forward 1.09 to 1.19 times as fast at d = 64 (occupancy 25 % instead of
+    12 %); 72 and 64 spilled and were slower (docs/flash_attention.rst, "On a GPU").
+    """
+    value = os.environ.get("TFMATH_CUDA_MAX_REGISTERS", "").strip()
+    if not value:
+        return None
+    registers = int(value) if value.isdigit() else 0
+    if not 1 <= registers <= 255:
+        raise ValueError(
+            f"TFMATH_CUDA_MAX_REGISTERS must be an integer from 1 to 255, got {value!r}"
+        )
+    return registers
+
+
 def requested_threading_layer():
     """The threading layer asked for through ``TFMATH_THREADING_LAYER``."""
     layer = os.environ.get("TFMATH_THREADING_LAYER", "default")

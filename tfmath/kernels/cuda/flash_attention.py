@@ -83,6 +83,15 @@ TILE_CHOICES = (
 )
 
 
+def _kernel_jit():
+    """``cuda.jit`` for the flash kernels, with ``TFMATH_CUDA_MAX_REGISTERS``'s cap on a
+    real GPU (:func:`tfmath._config.cuda_max_registers`; the simulator has no registers)."""
+    registers = _config.cuda_max_registers()
+    if registers is None or not _cuda.status().real_gpu:
+        return cuda.jit
+    return functools.partial(cuda.jit, max_registers=registers)
+
+
 def _choose_tiles(shared_elements, itemsize, n_rows):
     """The first of :data:`TILE_CHOICES` whose ``shared_elements(tiles)`` numbers fit and
     whose block rows are at most ``n_rows``; else the fitting one with the fewest rows."""
@@ -150,7 +159,7 @@ def _forward_kernel(numba_dtype, n_features, n_values, tiles):
     NT = TR * TC
     SCORES, OUTPUTS_V = RM * CM, RM * VP  # array sizes must be constants, not expressions
 
-    @cuda.jit
+    @_kernel_jit()
     def kernel(query, key, value, mask, index, is_causal, scale, out, log_sum_exp):
         shared = cuda.shared.array(0, dtype=numba_dtype)
         scores = cuda.local.array(SCORES, dtype=numba_dtype)
@@ -289,7 +298,7 @@ def _query_gradient_kernel(numba_dtype, n_features, n_values, tiles):
     NT = TR * TC
     SCORES, OUTPUTS_K = RM * CM, RM * EP  # array sizes must be constants, not expressions
 
-    @cuda.jit
+    @_kernel_jit()
     def kernel(
         query, key, value, grad_output, output, log_sum_exp, mask, index, is_causal, scale,
         grad_query, delta,
@@ -431,7 +440,7 @@ def _key_gradient_kernel(numba_dtype, n_features, n_values, tiles):
     # Array sizes must be constants, not expressions.
     SCORES, OUTPUTS_K, OUTPUTS_V = RM * CM, RM * EP, RM * VP
 
-    @cuda.jit
+    @_kernel_jit()
     def kernel(
         query, key, value, grad_output, log_sum_exp, delta, mask, index, is_causal, scale,
         grad_key, grad_value,
