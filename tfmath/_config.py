@@ -172,9 +172,9 @@ def cuda_max_registers():
     """The cap on registers per thread that ``TFMATH_CUDA_MAX_REGISTERS`` sets for the
     float32/float64 CUDA flash kernels, or None (unset or empty: the compiler's choice).
 
-    Read when a kernel is first compiled. On an H200 a cap of 128 or 96 made the
-    float32 forward 1.09 to 1.19 times as fast at d = 64 (occupancy 25 % instead of
-    12 %); 72 and 64 spilled and were slower (docs/flash_attention.rst, "On a GPU").
+    Read when a kernel is first compiled. On an H200, 128 made the float32 forward at
+    d = 64 1.12 to 1.15 times as fast (occupancy 25 % instead of 12 %, no spills); 72
+    and 64 spilled and were slower (docs/flash_attention.rst, "On a GPU").
     """
     value = os.environ.get("TFMATH_CUDA_MAX_REGISTERS", "").strip()
     if not value:

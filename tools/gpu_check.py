@@ -24,6 +24,11 @@ tests first); on its own::
    run on widened float32 copies (made on the host): float16's is timed as
    it is; bfloat16's is not timed (its inputs would start on the host).
 
+3. Resources: the registers, local and shared memory of each kernel, and the
+   share of a multiprocessor's warps its blocks can hold at once (occupancy),
+   at the timed shape; ``--resources`` prints these alone (about 20 s).
+   ``TFMATH_CUDA_MAX_REGISTERS`` caps the float32 kernels' registers.
+
 Writes ``gpu_check.json`` and ``gpu_check.csv`` (every number),
 ``gpu_check.png`` and ``gpu_check.svg`` (torch time / tfmath time against L;
 the issue's target is 0.5) into ``--out``, and prints a short table last.
