@@ -455,7 +455,8 @@ def adam_update(theta, grad, first, second, rate, beta1, beta2, eps, step):
     :math:`\theta \leftarrow \theta - \alpha\, \hat m / (\sqrt{\hat v} + \epsilon)`
     with the bias corrections :math:`\hat m = m / (1 - \beta_1^t)`,
     :math:`\hat v = v / (1 - \beta_2^t)`; the arithmetic is in float64 and rounded
-    to the parameters' dtype once.
+    to the parameters' dtype once. Chunks of :data:`ADAM_CHUNK` parameters are
+    shared out among the threads (:func:`_adam_chunk`).
     """
     # Reciprocals, so that each element multiplies: a division by a loop invariant
     # stays a division per element without the arcp flag (see FASTMATH_FLAGS).
@@ -463,11 +464,29 @@ def adam_update(theta, grad, first, second, rate, beta1, beta2, eps, step):
     inverse_second = 1 / (1 - beta2**step)
     n = theta.shape[0]
     for chunk in numba.prange((n + ADAM_CHUNK - 1) // ADAM_CHUNK):
-        prefer_wide_vectors()
-        for i in range(chunk * ADAM_CHUNK, min(n, (chunk + 1) * ADAM_CHUNK)):
-            g = np.float64(grad[i])
-            m = beta1 * first[i] + (1 - beta1) * g
-            v = beta2 * second[i] + (1 - beta2) * g * g
-            first[i] = m
-            second[i] = v
-            theta[i] -= rate * (m * inverse_first) / (math.sqrt(v * inverse_second) + eps)
+        start, stop = chunk * ADAM_CHUNK, min(n, (chunk + 1) * ADAM_CHUNK)
+        _adam_chunk(
+            theta[start:stop], grad[start:stop], first[start:stop], second[start:stop],
+            rate, beta1, beta2, eps, inverse_first, inverse_second,
+        )  # fmt: skip
+
+
+@cpu_kernel
+def _adam_chunk(theta, grad, first, second, rate, beta1, beta2, eps, inverse_first,
+                inverse_second):  # fmt: skip
+    """:func:`adam_update` on one chunk, given as slices.
+
+    The loop runs over the slices from index 0. Indexing the whole arrays from the
+    chunk's first element, as this kernel once did, left LLVM unable to prove the
+    indices non-negative: Numba's wraparound of negative indices then kept the loop
+    scalar, square root and division included, and the serial kernel (the one that
+    runs below the parallel threshold) spent 5.7 ns a parameter instead of 1.7. The
+    arithmetic is elementwise, so the bits are the same either way."""
+    prefer_wide_vectors()
+    for i in range(theta.shape[0]):
+        g = np.float64(grad[i])
+        m = beta1 * first[i] + (1 - beta1) * g
+        v = beta2 * second[i] + (1 - beta2) * g * g
+        first[i] = m
+        second[i] = v
+        theta[i] -= rate * (m * inverse_first) / (math.sqrt(v * inverse_second) + eps)
