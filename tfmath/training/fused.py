@@ -25,6 +25,8 @@ threads (see :mod:`tfmath.kernels.cpu.training_step`).
 """
 
 import contextlib
+import functools
+import itertools
 
 import numba
 import numpy as np
@@ -67,17 +69,34 @@ def fusable(config):
 #: LayerNorm of 2048 x 16), so a call must have enough work to pay for that.
 PARALLEL_MIN_WORK = 2**18
 
-#: Multiply-adds per thread from which a matrix product is split over Numba's
+#: Multiply-adds per block from which a matrix product is split over Numba's
 #: threads (:func:`~tfmath.kernels.cpu.training_step.split_gemm`: one
 #: single-threaded BLAS product per thread, over blocks of rows or columns). Every
-#: block keeps at least this many, above the :math:`10^6` under which OpenBLAS
-#: switches to small-matrix kernels that sum in another order, so a product's bits
-#: do not depend on the thread count. Not BLAS's own threads: OpenBLAS's workers
-#: spin after each threaded product, and on an idle two-core machine they took the
-#: cores from the step's next parallel kernels, so that two threads were 2 to 4
-#: times slower than one (width 64: 89 against 24 ms a step; width 256: 300
-#: against 200 ms).
-SPLIT_GEMM_MIN_WORK = 2**21
+#: block, its edges aligned, keeps at least this many (:func:`_split_blocks`),
+#: above the :math:`10^6` at and under which OpenBLAS switches to small-matrix
+#: kernels that sum in another order, so a product's bits do not depend on the
+#: thread count: a weight's gradient of 32 x 32 over 2048 rows, cut in two, gives
+#: the unsplit product's bits with blocks of 1,048,576 and other bits with blocks of
+#: 524,288. Not BLAS's own threads: OpenBLAS's workers spin after each threaded
+#: product, and on an idle two-core machine they took the cores from the step's
+#: next parallel kernels, so that two threads were 2 to 4 times slower than one
+#: (width 64: 89 against 24 ms a step; width 256: 300 against 200 ms).
+SPLIT_GEMM_MIN_WORK = 2**20
+
+
+@functools.lru_cache(maxsize=1024)
+def _split_blocks(m, n, depth, threads):
+    """How many blocks :func:`~tfmath.kernels.cpu.training_step.split_gemm` cuts an
+    ``(m, n)`` product of ``depth`` into: the most, up to ``threads``, whose every
+    block, once its edges are aligned as ``split_gemm`` aligns them, keeps
+    :data:`SPLIT_GEMM_MIN_WORK` multiply-adds; 1 when no split does."""
+    size, work_per_line = (m, n * depth) if m >= n else (n, m * depth)
+    for blocks in range(min(threads, m * n * depth // SPLIT_GEMM_MIN_WORK), 1, -1):
+        edges = [kernels.aligned_edge(chunk, size, blocks) for chunk in range(blocks + 1)]
+        smallest = min(high - low for low, high in itertools.pairwise(edges))
+        if smallest * work_per_line >= SPLIT_GEMM_MIN_WORK:
+            return blocks
+    return 1
 
 
 #: Queries per block of the causal attention kernels: a block's scores are computed
@@ -208,7 +227,7 @@ class FusedDecoder:
         """``c = op(a) @ op(b) + beta c`` (:func:`~tfmath.kernels.cpu.blas.gemm`), split
         over the threads in blocks of at least :data:`SPLIT_GEMM_MIN_WORK` multiply-adds."""
         depth = a.shape[0] if transpose_a else a.shape[1]
-        blocks = min(self._threads, c.size * depth // SPLIT_GEMM_MIN_WORK)
+        blocks = _split_blocks(c.shape[0], c.shape[1], depth, self._threads)
         if blocks > 1:
             kernels.split_gemm(1.0, a, b, beta, c, transpose_a, transpose_b, blocks)
         else:

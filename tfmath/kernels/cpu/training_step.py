@@ -41,7 +41,10 @@ SPLIT_ALIGNMENT = 16
 
 
 @cpu_kernel
-def _aligned_edge(chunk, size, n_chunks):
+def aligned_edge(chunk, size, n_chunks):
+    """Where block ``chunk`` of ``n_chunks`` starts among ``size`` rows or columns:
+    on a multiple of :data:`SPLIT_ALIGNMENT`, and at ``size`` for ``chunk == n_chunks``
+    (the end of the last block)."""
     if chunk >= n_chunks:
         return size
     return chunk * size // n_chunks // SPLIT_ALIGNMENT * SPLIT_ALIGNMENT
@@ -49,7 +52,7 @@ def _aligned_edge(chunk, size, n_chunks):
 
 @cpu_kernel
 def _aligned_bounds(chunk, size, n_chunks):
-    return _aligned_edge(chunk, size, n_chunks), _aligned_edge(chunk + 1, size, n_chunks)
+    return aligned_edge(chunk, size, n_chunks), aligned_edge(chunk + 1, size, n_chunks)
 
 
 @cpu_kernel(parallel=True)
