@@ -1,8 +1,12 @@
 """The fused training step against the blocks it replaces, and its independence of threads."""
 
+import itertools
+
 import numba
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tfmath.training import TrainingConfig, fused, language_model_config, train_language_model
 from tfmath.training.fused import FusedDecoder, fusable
@@ -249,3 +253,36 @@ def test_attention_costs_are_per_row_key_and_head():
     assert 0 < norm < 1e-6
     assert [shape for shape, _, _ in rows] == [(2, 8, 16, 2), (2, 8, 16, 1)]
     assert all(0 < cost < 1e-3 for _, forward, backward in rows for cost in (forward, backward))
+
+
+# --- how products are split over the threads ----------------------------------------------
+
+
+@given(
+    m=st.integers(1, 4096),
+    n=st.integers(1, 4096),
+    depth=st.integers(1, 4096),
+    threads=st.integers(1, 8),
+)
+@settings(max_examples=300, deadline=None)
+def test_every_block_of_a_split_product_keeps_the_minimum_work(m, n, depth, threads):
+    """Blocks at or under 10^6 multiply-adds would sum in OpenBLAS's small-matrix order,
+    so every block, as split_gemm aligns its edges, must keep SPLIT_GEMM_MIN_WORK."""
+    from tfmath.kernels.cpu import training_step as kernels
+
+    blocks = fused._split_blocks(m, n, depth, threads)
+    assert 1 <= blocks <= threads
+    if blocks > 1:
+        size, work_per_line = (m, n * depth) if m >= n else (n, m * depth)
+        edges = [kernels.aligned_edge(chunk, size, blocks) for chunk in range(blocks + 1)]
+        assert all(
+            (high - low) * work_per_line >= fused.SPLIT_GEMM_MIN_WORK > 10**6
+            for low, high in itertools.pairwise(edges)
+        )
+
+
+def test_width_32_products_are_shared_out_on_two_threads():
+    # 2048 rows of width 32: a projection and a weight's gradient, 2^21 multiply-adds each.
+    assert fused._split_blocks(2048, 32, 32, 2) == 2
+    assert fused._split_blocks(32, 32, 2048, 2) == 2
+    assert fused._split_blocks(2048, 16, 16, 2) == 1  # 2^19: under the minimum
