@@ -1,5 +1,6 @@
 """The fused training step against the blocks it replaces, and its independence of threads."""
 
+import functools
 import itertools
 
 import numba
@@ -32,13 +33,20 @@ def _blocks_loss_and_grads(params, sequences, config):
     ("d_model", "n_layers", "head_width", "batch", "length"),
     [(8, 1, 8, 3, 5), (12, 2, 4, 2, 7), (16, 3, 16, 1, 1), (16, 1, 8, 2, 21)],
 )
+@pytest.mark.parametrize("split", [False, True])
 def test_fused_step_equals_the_blocks(
-    dtype, d_model, n_layers, head_width, batch, length, monkeypatch
+    dtype, d_model, n_layers, head_width, batch, length, split, monkeypatch
 ):
     # Attention blocks of 3 queries: the 5- and 7-token sequences take two and three,
     # the last one short, and the 1-token sequence a block of its own length; rows of
     # the 21-token one hold whole groups of eight scores and a remainder.
     monkeypatch.setattr(fused, "ATTENTION_BLOCK", 3)
+    if split:  # every product split, and every weight's gradient summed over parts of rows
+        monkeypatch.setattr(fused, "SPLIT_GEMM_MIN_WORK", 1)
+        # A cache of its own, so that no other test sees these splits.
+        monkeypatch.setattr(
+            fused, "_split_blocks", functools.lru_cache(fused._split_blocks.__wrapped__)
+        )
     vocab = 7
     config = language_model_config(
         d_model, n_layers, vocab_size=vocab, context=length, head_width=head_width
@@ -61,6 +69,32 @@ def test_fused_step_equals_the_blocks(
                                    err_msg=name)  # fmt: skip
     logits, _ = decoder_only_forward(params, sequences[:, :-1], config, backend="cpu")
     np.testing.assert_allclose(model.logits(sequences[:, :-1]), logits, rtol=tolerance, atol=0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    depth=st.integers(1, 70),
+    m=st.integers(1, 40),
+    n=st.integers(1, 40),
+    parts=st.integers(1, 3),
+    blocks=st.integers(1, 3),
+    dtype=st.sampled_from([np.float32, np.float64]),
+)
+def test_a_weight_gradient_over_parts_of_the_rows_is_the_whole_product(
+    depth, m, n, parts, blocks, dtype
+):
+    rng = np.random.default_rng(depth * 10_000 + m * 100 + n)
+    a, b = (
+        rng.standard_normal((depth, m)).astype(dtype),
+        rng.standard_normal((depth, n)).astype(dtype),
+    )
+    c = np.full((m, n), np.nan, dtype=dtype)
+    partials = np.full((parts, m, n), np.nan, dtype=dtype)
+    fused.kernels.depth_split_gemm(a, b, c, partials, blocks)
+    expected = a.astype(np.float64).T @ b.astype(np.float64)
+    # Each element is a sum of `depth` products: float32 rounds each to 2^-24 relative.
+    bound = np.abs(a).T @ np.abs(b) * depth * np.finfo(dtype).eps
+    assert np.all(np.abs(c - expected) <= bound)
 
 
 def test_fused_adam_step_equals_adam():
@@ -110,17 +144,28 @@ def test_fused_training_trains_the_model_the_blocks_train():
 @pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="needs two threads")
 def test_training_does_not_depend_on_the_thread_count(monkeypatch):
     # Every kernel on its parallel path; the products large enough to be split over
-    # two threads are (counted below), in blocks of their real minimum size.
+    # two threads are (counted below), in blocks of their real minimum size, and the
+    # weights' gradients are summed over parts of the rows with one thread or two.
     monkeypatch.setattr(fused, "PARALLEL_MIN_WORK", 1)
-    split = fused.kernels.split_gemm
-    splits = []
-    monkeypatch.setattr(fused.kernels, "split_gemm", lambda *a: splits.append(a) or split(*a))
+    calls = {"split_gemm": [], "depth_split_gemm": []}
+    for name, record in calls.items():
+        kernel = getattr(fused.kernels, name)
+        monkeypatch.setattr(
+            fused.kernels,
+            name,
+            lambda *a, kernel=kernel, record=record: kernel(*a) or record.append(a),
+        )
     source, training = _small_training()
     model = language_model_config(64, 2, vocab_size=source.vocab_size, context=32)
     one = train_language_model(model, source, training, threads=1)
-    assert not splits
+    assert not calls["split_gemm"]
+    depth_splits_of_one = len(calls["depth_split_gemm"])
     two = train_language_model(model, source, training, threads=2)
-    assert len(splits) >= 3 * 2 * 10  # the feed-forward's and attention's products
+    # Every layer's four forward products and its four products of activation gradients,
+    # over (at least) the three training steps.
+    assert len(calls["split_gemm"]) >= 8 * 2 * 3
+    # Every layer's four weights' gradients, in every step.
+    assert depth_splits_of_one == len(calls["depth_split_gemm"]) - depth_splits_of_one >= 8 * 3
     assert {**one.to_dict(), "seconds": 0} == {**two.to_dict(), "seconds": 0}
 
 
@@ -149,6 +194,18 @@ def test_the_step_anatomy_counts_every_product_of_the_step_once(monkeypatch):
 
     monkeypatch.setattr(bench_training, "optional_torch", lambda: None)  # tfmath's side
     monkeypatch.setattr(bench_training, "SETTLE_SECONDS", 0.0)
+    # Some weights' gradients summed over two parts of the rows (those of q, k, v and
+    # the FFN: 8 rows a part, 6144 multiply-adds and more), the others falling back on
+    # the plain product: each counted once.
+    monkeypatch.setattr(fused, "SPLIT_GEMM_MIN_WORK", 4096)
+    monkeypatch.setattr(
+        fused, "_split_blocks", functools.lru_cache(fused._split_blocks.__wrapped__)
+    )
+    depth_splits = []
+    split = fused.kernels.depth_split_gemm
+    monkeypatch.setattr(
+        fused.kernels, "depth_split_gemm", lambda *a: depth_splits.append(a) or split(*a)
+    )
     shape = bench_training.TrainingShape("tiny", 16, 2, 8, batch=2, vocab=11)
     (row,) = bench_training.step_anatomy(shapes=[shape], threads=1, repeats=1)
     # Forward, per layer: q, k, v, the output projection and the FFN's two (12 d^2 a
@@ -156,6 +213,7 @@ def test_the_step_anatomy_counts_every_product_of_the_step_once(monkeypatch):
     d, tokens = shape.d_model, shape.tokens
     assert row.product_flops == 6 * tokens * (12 * d * d * shape.n_layers + d * shape.vocab)
     assert row.step_seconds > 0 and row.product_seconds > 0 and row.torch_seconds is None
+    assert depth_splits
     lines = []
     bench_training.print_step_anatomy(threads=1, out=lines.append, shapes=[shape], repeats=1)
     assert len(lines) == 5 and lines[-1].split()[:2] == ["tiny", "16"]

@@ -13,10 +13,11 @@ LayerNorm, ReLU feed-forward, learned positions, biases, tied head) with
   and the :class:`~tfmath.training.params.Parameters` are views into it;
 * buffers kept from step to step for every activation and gradient;
 * the matrix products in BLAS (:func:`~tfmath.kernels.cpu.blas.gemm`, split over
-  the threads on large matrices), accumulating in place where a gradient has
-  several terms;
+  the threads on large matrices), the query, key and value maps joined into one
+  product, and each weight's gradient summed over two parts of the rows;
 * everything else in kernels that fuse the element-wise work (bias and ReLU;
-  bias and residual; norm backward and residual; softmax, loss and its gradient)
+  bias and residual; norm backward, residual and the bias gradient below it;
+  ReLU backward and its bias gradient; softmax, loss and its gradient)
   and run parallel over rows or over (sequence, head) pairs.
 
 The gradients equal those of :func:`~tfmath.training.models.decoder_only_backward`
@@ -27,6 +28,7 @@ threads (see :mod:`tfmath.kernels.cpu.training_step`).
 import contextlib
 import functools
 import itertools
+import math
 
 import numba
 import numpy as np
@@ -99,9 +101,22 @@ def _split_blocks(m, n, depth, threads):
     return 1
 
 
+#: Parts of the rows over which a weight's gradient (a product of two activations'
+#: transposes, summed over every token) is computed and then summed
+#: (:func:`~tfmath.kernels.cpu.training_step.depth_split_gemm`), where each part keeps
+#: :data:`SPLIT_GEMM_MIN_WORK`: fixed, so that the bits do not depend on the threads.
+DEPTH_SPLIT_PARTS = 2
+
+
 #: Queries per block of the causal attention kernels: a block's scores are computed
 #: against the keys up to its last query only, so the masked blocks are skipped.
 ATTENTION_BLOCK = 64
+
+
+def _thirds(joined):
+    """The query, key and value columns of a ``(B T, 3 d)`` array, as three views."""
+    d = joined.shape[1] // 3
+    return joined[:, :d], joined[:, d : 2 * d], joined[:, 2 * d :]
 
 
 def _run(kernel, work):
@@ -151,7 +166,7 @@ class _Buffers:
         self.normed_1, self.normed_2 = empty(stored, rows, d), empty(stored, rows, d)
         self.mean_1, self.rstd_1 = empty(stored, rows), empty(stored, rows)
         self.mean_2, self.rstd_2 = empty(stored, rows), empty(stored, rows)
-        self.qkv = empty(stored, 3, rows, d)
+        self.qkv = empty(stored, rows, 3 * d)
         self.attended = empty(stored, rows, d)
         self.log_sum_exp = empty(stored, n_batch, n_heads, length)
         self.after_attention = empty(stored, rows, d)
@@ -162,7 +177,7 @@ class _Buffers:
         self.row_loss = np.empty(rows, dtype=dtype if training else np.float64)
         if training:
             self.grad_residual, self.grad_normed = empty(rows, d), empty(rows, d)
-            self.grad_qkv, self.grad_attended = empty(3, rows, d), empty(rows, d)
+            self.grad_qkv, self.grad_attended = empty(rows, 3 * d), empty(rows, d)
             self.grad_hidden = empty(rows, config.d_ff)
 
     def layer(self, i):
@@ -212,6 +227,15 @@ class FusedDecoder:
         self.grads = Parameters(self._views(self.grad_flat))
         self._layers = [self._layer(self.flat, i) for i in range(config.n_layers)]
         self._grad_layers = [self._layer(self.grad_flat, i) for i in range(config.n_layers)]
+        # The query, key and value maps side by side, (d, 3 d), refreshed by every
+        # forward pass: one product of three times the width, for the projections
+        # and for both their gradients, where three products of width d ran slower
+        # (their weights' gradients, d x d over every row, at half the speed).
+        d = config.d_model
+        self._joined_qkv = [np.empty((d, 3 * d), dtype=self.dtype) for _ in self._layers]
+        self._grad_joined_qkv = np.empty((d, 3 * d), dtype=self.dtype)
+        self._partial_sums = np.empty(0, dtype=self.dtype)
+        self._unused_sums = np.empty(d, dtype=self.dtype)
         self._buffers = {}
         self._threads = 1
 
@@ -233,9 +257,27 @@ class FusedDecoder:
         else:
             gemm(1.0, a, b, beta, c, transpose_a, transpose_b)
 
+    def _weight_gradient(self, a, b, c):
+        """``c = a.T @ b`` over the rows of ``a`` and ``b``, in :data:`DEPTH_SPLIT_PARTS`
+        parts of the rows where each keeps :data:`SPLIT_GEMM_MIN_WORK` multiply-adds."""
+        m, n = c.shape
+        part_depth = a.shape[0] // DEPTH_SPLIT_PARTS
+        if m * n * part_depth < SPLIT_GEMM_MIN_WORK:
+            self._gemm(a, b, 0.0, c, True, False)
+            return
+        partials = self._partials(DEPTH_SPLIT_PARTS * m * n).reshape(DEPTH_SPLIT_PARTS, m, n)
+        blocks = _split_blocks(m, n, part_depth, max(1, self._threads // DEPTH_SPLIT_PARTS))
+        kernels.depth_split_gemm(a, b, c, partials, blocks)
+
+    def _partials(self, size):
+        """Scratch of at least ``size`` elements for :meth:`_weight_gradient`, kept."""
+        if self._partial_sums.size < size:
+            self._partial_sums = np.empty(size, dtype=self.dtype)
+        return self._partial_sums[:size]
+
     def _views(self, flat):
         return {
-            name: flat[start : start + int(np.prod(shape))].reshape(shape)
+            name: flat[start : start + math.prod(shape)].reshape(shape)
             for name, (start, shape) in self._offsets.items()
         }
 
@@ -243,9 +285,9 @@ class FusedDecoder:
         """The consecutive arrays ``names`` of ``flat`` as one ``(len(names), ...)`` view."""
         start, shape = self._offsets[names[0]]
         for k, name in enumerate(names):
-            if self._offsets[name] != (start + k * int(np.prod(shape)), shape):
+            if self._offsets[name] != (start + k * math.prod(shape), shape):
                 raise ValueError(f"{names} are not consecutive in the parameter vector")
-        return flat[start : start + len(names) * int(np.prod(shape))].reshape(len(names), *shape)
+        return flat[start : start + len(names) * math.prod(shape)].reshape(len(names), *shape)
 
     def _layer(self, flat, i):
         prefix = f"decoder.layers.{i}."
@@ -258,10 +300,6 @@ class FusedDecoder:
         views["w_qkv"] = self._stacked(flat, [attention + n for n in ("w_q", "w_k", "w_v")])
         views["b_qkv"] = self._stacked(flat, [attention + n for n in ("b_q", "b_k", "b_v")])
         return views
-
-    def _named(self, flat, name):
-        start, shape = self._offsets[name]
-        return flat[start : start + int(np.prod(shape))].reshape(shape)
 
     def buffers(self, n_batch, length, training):
         key = (n_batch, length, training)
@@ -276,18 +314,19 @@ class FusedDecoder:
         config, b = self.config, buffers
         rows, d = b.rows, config.d_model
         eps = self.dtype.type(config.norm_eps)
-        table = self._named(self.flat, "embed.tokens")
-        positions = self._named(self.flat, "decoder.embed.positions")
+        table = self.params["embed.tokens"]
+        positions = self.params["decoder.embed.positions"]
         _run(kernels.embed, rows * d)(tokens, table, positions, b.x[0])
         for i, w in enumerate(self._layers):
             s, x, x_next = b.layer(i), b.x[b.residual(i)], b.x[b.residual(i + 1)]
             norm = _run(kernels.layer_norm_forward, rows * d)
             norm(x, w["norm1.weight"], w["norm1.bias"], eps, b.normed_1[s], b.mean_1[s],
                  b.rstd_1[s])  # fmt: skip
-            for j in range(3):
-                self._gemm(b.normed_1[s], w["w_qkv"][j], 0.0, b.qkv[s, j])
-                _run(kernels.add_bias, rows * d)(b.qkv[s, j], w["b_qkv"][j])
-            q, k, v = b.qkv[s]
+            joined = self._joined_qkv[i]
+            joined.reshape(d, 3, d)[:] = w["w_qkv"].transpose(1, 0, 2)
+            self._gemm(b.normed_1[s], joined, 0.0, b.qkv[s])
+            _run(kernels.add_bias, rows * 3 * d)(b.qkv[s], w["b_qkv"].reshape(-1))
+            q, k, v = _thirds(b.qkv[s])
             attend = _run(
                 kernels.causal_attention_forward, _attention_work(rows, b.length, config.n_heads)
             )
@@ -305,8 +344,8 @@ class FusedDecoder:
         last = b.x[b.residual(config.n_layers)]
         _run(kernels.layer_norm_forward, rows * d)(
             last,
-            self._named(self.flat, "decoder.final_norm.weight"),
-            self._named(self.flat, "decoder.final_norm.bias"),
+            self.params["decoder.final_norm.weight"],
+            self.params["decoder.final_norm.bias"],
             eps,
             b.final,
             b.mean_f,
@@ -350,22 +389,23 @@ class FusedDecoder:
 
     def _backward(self, tokens, b):
         config, rows, d = self.config, b.rows, self.config.d_model
-        table = self._named(self.flat, "embed.tokens")
-        grad_table = self._named(self.grad_flat, "embed.tokens")
+        table = self.params["embed.tokens"]
+        grad_table = self.grads["embed.tokens"]
         grad_logits, grad_final = b.logits, b.grad_normed
         self._gemm(grad_logits, table, 0.0, grad_final)
-        self._gemm(grad_logits, b.final, 0.0, grad_table, True, False)
+        self._weight_gradient(grad_logits, b.final, grad_table)
         norm_backward = _run(kernels.layer_norm_backward, rows * d)
         norm_backward(
             grad_final,
             b.x[config.n_layers],
-            self._named(self.flat, "decoder.final_norm.weight"),
+            self.params["decoder.final_norm.weight"],
             b.mean_f,
             b.rstd_f,
             b.grad_residual,
             False,
-            self._named(self.grad_flat, "decoder.final_norm.weight"),
-            self._named(self.grad_flat, "decoder.final_norm.bias"),
+            self.grads["decoder.final_norm.weight"],
+            self.grads["decoder.final_norm.bias"],
+            self._grad_layers[-1]["ffn.b_2"],
         )
         for i in reversed(range(config.n_layers)):
             self._layer_backward(i, b)
@@ -373,31 +413,29 @@ class FusedDecoder:
             tokens,
             b.grad_residual,
             grad_table,
-            self._named(self.grad_flat, "decoder.embed.positions"),
+            self.grads["decoder.embed.positions"],
         )
 
     def _layer_backward(self, i, b):
         w, g = self._layers[i], self._grad_layers[i]
         rows, d, d_ff = b.rows, self.config.d_model, self.config.d_ff
         grad, grad_normed = b.grad_residual, b.grad_normed
-        columns = _run(kernels.column_sums, rows * d)
         norm_backward = _run(kernels.layer_norm_backward, rows * d)
-        # Feed-forward: x_next = after_attention + relu(normed_2 W_1 + b_1) W_2 + b_2.
-        columns(grad, g["ffn.b_2"])
-        self._gemm(b.hidden[i], grad, 0.0, g["ffn.w_2"], True, False)
+        # Feed-forward: x_next = after_attention + relu(normed_2 W_1 + b_1) W_2 + b_2,
+        # b_2's gradient summed by the norm's backward pass that wrote ``grad``.
+        self._weight_gradient(b.hidden[i], grad, g["ffn.w_2"])
         self._gemm(grad, w["ffn.w_2"], 0.0, b.grad_hidden, False, True)
-        _run(kernels.relu_backward, rows * d_ff)(b.grad_hidden, b.hidden[i])
-        _run(kernels.column_sums, rows * d_ff)(b.grad_hidden, g["ffn.b_1"])
-        self._gemm(b.normed_2[i], b.grad_hidden, 0.0, g["ffn.w_1"], True, False)
+        _run(kernels.relu_backward, rows * d_ff)(b.grad_hidden, b.hidden[i], g["ffn.b_1"])
+        self._weight_gradient(b.normed_2[i], b.grad_hidden, g["ffn.w_1"])
         self._gemm(b.grad_hidden, w["ffn.w_1"], 0.0, grad_normed, False, True)
         norm_backward(grad_normed, b.after_attention[i], w["norm2.weight"], b.mean_2[i],
-                      b.rstd_2[i], grad, True, g["norm2.weight"], g["norm2.bias"])  # fmt: skip
+                      b.rstd_2[i], grad, True, g["norm2.weight"], g["norm2.bias"],
+                      g["self_attn.b_o"])  # fmt: skip
         # Attention: after_attention = x + attention(normed_1) W_o + b_o.
-        columns(grad, g["self_attn.b_o"])
-        self._gemm(b.attended[i], grad, 0.0, g["self_attn.w_o"], True, False)
+        self._weight_gradient(b.attended[i], grad, g["self_attn.w_o"])
         self._gemm(grad, w["self_attn.w_o"], 0.0, b.grad_attended, False, True)
-        q, k, v = b.qkv[i]
-        grad_q, grad_k, grad_v = b.grad_qkv
+        q, k, v = _thirds(b.qkv[i])
+        grad_q, grad_k, grad_v = _thirds(b.grad_qkv)
         n_heads = self.config.n_heads
         attend_backward = _run(
             kernels.causal_attention_backward, _attention_work(rows, b.length, n_heads)
@@ -406,12 +444,16 @@ class FusedDecoder:
             q, k, v, b.attended[i], b.grad_attended, b.log_sum_exp[i], n_heads,
             b.length, ATTENTION_BLOCK, self._threads, grad_q, grad_k, grad_v,
         )  # fmt: skip
-        for j in range(3):
-            columns(b.grad_qkv[j], g["b_qkv"][j])
-            self._gemm(b.normed_1[i], b.grad_qkv[j], 0.0, g["w_qkv"][j], True, False)
-            self._gemm(b.grad_qkv[j], w["w_qkv"][j], float(j > 0), grad_normed, False, True)
+        _run(kernels.column_sums, rows * 3 * d)(b.grad_qkv, g["b_qkv"].reshape(-1))
+        grad_joined = self._grad_joined_qkv
+        self._weight_gradient(b.normed_1[i], b.grad_qkv, grad_joined)
+        g["w_qkv"][:] = grad_joined.reshape(d, 3, d).transpose(1, 0, 2)
+        self._gemm(b.grad_qkv, self._joined_qkv[i], 0.0, grad_normed, False, True)
+        # The residual stream's gradient below layer i, whose column sums are the
+        # gradient of the layer below's b_2 (the embedding has no bias: discarded).
+        below = self._grad_layers[i - 1]["ffn.b_2"] if i else self._unused_sums
         norm_backward(grad_normed, b.x[i], w["norm1.weight"], b.mean_1[i], b.rstd_1[i], grad,
-                      True, g["norm1.weight"], g["norm1.bias"])  # fmt: skip
+                      True, g["norm1.weight"], g["norm1.bias"], below)  # fmt: skip
 
     # -- optimiser -------------------------------------------------------------------
 

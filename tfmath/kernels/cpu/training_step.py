@@ -6,9 +6,11 @@ writes into buffers its caller keeps between steps, and is parallel over rows,
 over (sequence, head) pairs, or over chunks of the flat parameter vector.
 
 Every result is independent of the number of threads: rows and heads are
-independent, and the sums over rows (the gradients of biases and norm gains)
+independent, the sums over rows (the gradients of biases and norm gains)
 add fixed chunks of rows (:data:`ROW_CHUNKS`, whatever the thread count) and
-then the chunks in order, so a run is reproducible across thread counts.
+then the chunks in order, and a weight's gradient adds the products of fixed
+parts of the rows in order (:func:`depth_split_gemm`), so a run is reproducible
+across thread counts.
 
 Each parallel loop asks LLVM for 512-bit vectors (:func:`prefer_wide_vectors`,
 as the attention kernels do; LLVM's default on these CPUs is 256).
@@ -89,6 +91,46 @@ def split_gemm(alpha, a, b, beta, c, transpose_a, transpose_b, n_chunks):
 
 
 @cpu_kernel(parallel=True)
+def depth_split_gemm(a, b, c, partials, n_blocks):
+    r"""``c = a.T @ b`` (a weight's gradient: ``a`` and ``b`` have a row per token) as
+    ``partials.shape[0]`` products over consecutive parts of the rows, each into its
+    own ``partials[part]``, summed in order of the parts into ``c``.
+
+    A weight's gradient is small and its depth, the rows, long: split over its
+    output, each thread's product is thin and OpenBLAS runs it below its speed (on
+    two threads, a 64 x 64 gradient over 2048 rows ran at 109 GFLOP/s split over its
+    output, 138 split over the rows; 128 x 128: 156 and 185; Intel Xeon development
+    machine, 2026-11-26). The parts are fixed by the caller, not by the thread
+    count; with more threads than parts, each part's product is shared out in
+    ``n_blocks`` blocks of its output, as :func:`split_gemm` shares out a product,
+    so the result does not depend on the thread count either way.
+    """
+    n_parts = partials.shape[0]
+    depth = a.shape[0]
+    m, n = c.shape
+    for task in numba.prange(n_parts * n_blocks):
+        part, block = task // n_blocks, task % n_blocks
+        start, stop = _chunk_bounds(part, depth, n_parts)
+        if m >= n:
+            low, high = _aligned_bounds(block, m, n_blocks)
+            gemm(1.0, a[start:stop, low:high], b[start:stop], 0.0, partials[part, low:high],
+                 True, False)  # fmt: skip
+        else:
+            low, high = _aligned_bounds(block, n, n_blocks)
+            gemm(1.0, a[start:stop], b[start:stop, low:high], 0.0, partials[part, :, low:high],
+                 True, False)  # fmt: skip
+    for i in numba.prange(m):
+        prefer_wide_vectors()
+        row = c[i]
+        for j in range(n):
+            row[j] = partials[0, i, j]
+        for part in range(1, n_parts):
+            partial = partials[part, i]
+            for j in range(n):
+                row[j] += partial[j]
+
+
+@cpu_kernel(parallel=True)
 def layer_norm_forward(x, weight, bias, eps, y, mean, rstd):
     """``y = (x - mean) * rstd * weight + bias`` per row, saving ``mean`` and ``rstd``."""
     n_rows, n_features = x.shape
@@ -111,17 +153,21 @@ def layer_norm_forward(x, weight, bias, eps, y, mean, rstd):
 
 
 @cpu_kernel(parallel=True)
-def layer_norm_backward(grad_y, x, weight, mean, rstd, grad_x, accumulate, grad_weight, grad_bias):
+def layer_norm_backward(grad_y, x, weight, mean, rstd, grad_x, accumulate, grad_weight, grad_bias,
+                        grad_x_sums):  # fmt: skip
     """Gradients of :func:`layer_norm_forward`; ``grad_x`` is added to when ``accumulate``
     (the residual stream's gradient), else overwritten. ``grad_weight`` and
-    ``grad_bias`` are overwritten."""
+    ``grad_bias`` are overwritten, and so is ``grad_x_sums`` with the sums of the new
+    ``grad_x``'s columns (the gradient of the bias added to the residual stream
+    before it), as :func:`column_sums` sums them, without a pass of its own."""
     n_rows, n_features = x.shape
     partial_weight = np.zeros((ROW_CHUNKS, n_features), dtype=x.dtype)
     partial_bias = np.zeros((ROW_CHUNKS, n_features), dtype=x.dtype)
+    partial_sums = np.zeros((ROW_CHUNKS, n_features), dtype=x.dtype)
     for chunk in numba.prange(ROW_CHUNKS):
         prefer_wide_vectors()
         start, stop = _chunk_bounds(chunk, n_rows, ROW_CHUNKS)
-        pw, pb = partial_weight[chunk], partial_bias[chunk]
+        pw, pb, ps = partial_weight[chunk], partial_bias[chunk], partial_sums[chunk]
         for i in range(start, stop):
             mu, r = mean[i], rstd[i]
             row, g_row, out = x[i], grad_y[i], grad_x[i]
@@ -140,8 +186,10 @@ def layer_norm_backward(grad_y, x, weight, mean, rstd, grad_x, accumulate, grad_
                 xhat = (row[j] - mu) * r
                 value = r * (g_row[j] * weight[j] - g_mean - xhat * g_xhat_mean)
                 out[j] = out[j] + value if accumulate else value
+                ps[j] += out[j]
     _sum_chunks(partial_weight, grad_weight)
     _sum_chunks(partial_bias, grad_bias)
+    _sum_chunks(partial_sums, grad_x_sums)
 
 
 @cpu_kernel
@@ -190,14 +238,24 @@ def bias_relu(h, bias):
 
 
 @cpu_kernel(parallel=True)
-def relu_backward(grad, activated):
-    """``grad *= (activated > 0)`` in place: the ReLU's gradient from its output."""
-    for i in numba.prange(grad.shape[0]):
+def relu_backward(grad, activated, grad_bias):
+    """``grad *= (activated > 0)`` in place: the ReLU's gradient from its output; and
+    ``grad_bias``, the new ``grad``'s column sums (the gradient of the bias added
+    before the ReLU), as :func:`column_sums` sums them, in the same pass."""
+    n_rows, n_features = grad.shape
+    partials = np.zeros((ROW_CHUNKS, n_features), dtype=grad.dtype)
+    zero = grad.dtype.type(0)
+    for chunk in numba.prange(ROW_CHUNKS):
         prefer_wide_vectors()
-        g, a = grad[i], activated[i]
-        for j in range(grad.shape[1]):
-            if a[j] <= 0:
-                g[j] = 0
+        start, stop = _chunk_bounds(chunk, n_rows, ROW_CHUNKS)
+        partial = partials[chunk]
+        for i in range(start, stop):
+            g, a = grad[i], activated[i]
+            for j in range(n_features):
+                value = g[j] if a[j] > 0 else zero
+                g[j] = value
+                partial[j] += value
+    _sum_chunks(partials, grad_bias)
 
 
 @cpu_kernel(parallel=True)
@@ -255,17 +313,23 @@ def causal_attention_forward(q, k, v, n_heads, length, block, n_chunks, out, log
     ``B h T^2`` of them. Each pair's queries are taken ``block`` rows at a time, and
     a block's scores and output are BLAS products of its ``(block, d_k)`` slice
     with the keys and values up to its last row: the blocks above the diagonal,
-    all masked, are never computed. BLAS must run on one thread here: the pairs
-    are shared out among ``n_chunks`` chunks, one per thread, each with its own
-    scratch.
+    all masked, are never computed. The scores are laid out a key per row and a
+    query per column, so that the softmax (:func:`_softmax_by_columns`) runs along
+    rows, across queries; the output is normalised after its product, ``d_k``
+    numbers a query instead of one a score. BLAS must run on one thread here: the
+    pairs are shared out among ``n_chunks`` chunks, one per thread, each with its
+    own scratch.
     """
     d_k = q.shape[1] // n_heads
     n_pairs = q.shape[0] // length * n_heads
     scale_2 = _LOG2_E / math.sqrt(d_k)
     n_chunks = min(n_chunks, n_pairs)
+    one = q.dtype.type(1)
     for chunk in numba.prange(n_chunks):
         prefer_wide_vectors()
-        scores = np.empty((min(block, length), length), dtype=q.dtype)
+        width = min(block, length)
+        scores = np.empty((length, width), dtype=q.dtype)
+        row_max, total = np.empty(width, dtype=q.dtype), np.empty(width, dtype=q.dtype)
         for pair in range(chunk * n_pairs // n_chunks, (chunk + 1) * n_pairs // n_chunks):
             b, h = pair // n_heads, pair % n_heads
             first, columns = b * length, slice(h * d_k, (h + 1) * d_k)
@@ -273,11 +337,46 @@ def causal_attention_forward(q, k, v, n_heads, length, block, n_chunks, out, log
                 stop = min(start + block, length)
                 queries = slice(first + start, first + stop)
                 keys = slice(first, first + stop)
-                tile = scores[: stop - start, :stop]
-                gemm(scale_2, q[queries, columns], k[keys, columns], 0.0, tile, False, True)
-                lse = log_sum_exp[b, h, start:stop]
-                _causal_softmax_2(scores, stop - start, stop, start, lse)
-                gemm(1.0, tile, v[keys, columns], 0.0, out[queries, columns])
+                tile = scores[:stop, : stop - start]
+                gemm(scale_2, k[keys, columns], q[queries, columns], 0.0, tile, False, True)
+                _softmax_by_columns(scores, stop, stop - start, start, row_max, total)
+                output = out[queries, columns]
+                gemm(1.0, tile, v[keys, columns], 0.0, output, True, False)
+                for i in range(stop - start):
+                    inverse = one / total[i]
+                    for e in range(d_k):
+                        output[i, e] *= inverse
+                    log_sum_exp[b, h, start + i] = row_max[i] + math.log2(total[i])
+
+
+@cpu_kernel
+def _softmax_by_columns(scores, n_keys, n_queries, first_query, row_max, total):
+    """``scores[j, i]``, the base-2 logit of key ``j`` for query ``first_query + i``,
+    becomes its unnormalised weight :math:`2^{s - m_i}` where the query may attend the
+    key (``j <= first_query + i``), else 0; ``row_max[i]`` and ``total[i]`` receive
+    each query's largest logit :math:`m_i` and the sum of its weights.
+
+    Every loop runs along a row of ``scores``, across queries, elementwise, so LLVM
+    vectorises it whole: a softmax along each query's own row of keys (the earlier
+    layout) spent most of the forward pass in reductions of a few dozen numbers
+    and their remainders (1.1 of 1.8 ms at width 64 on one core). The sums add the
+    keys in order whatever the vector width, so their bits do not depend on how
+    the loop was compiled."""
+    prefer_wide_vectors()
+    zero = scores.dtype.type(0)
+    row_max[:n_queries] = -np.inf
+    total[:n_queries] = zero
+    for j in range(n_keys):
+        row, first_attending = scores[j, :n_queries], j - first_query
+        for i in range(n_queries):
+            s, m = row[i], row_max[i]
+            row_max[i] = s if i >= first_attending and s > m else m
+    for j in range(n_keys):
+        row, first_attending = scores[j, :n_queries], j - first_query
+        for i in range(n_queries):
+            weight = exp2_scalar(row[i] - row_max[i]) if i >= first_attending else zero
+            row[i] = weight
+            total[i] += weight
 
 
 @cpu_kernel
@@ -327,32 +426,6 @@ def _row_sum(row):
     return ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))
 
 
-@cpu_kernel
-def _causal_softmax_2(scores, n_rows, n_columns, first_query, log_sum_exp):
-    """Row ``r < n_rows`` of ``scores[:, :n_columns]`` (base-2 logits of query
-    ``first_query + r``) becomes its softmax over the columns up to that query, zero
-    beyond; ``log_sum_exp[r]`` keeps its base-2 normaliser.
-
-    Each row is a contiguous slice of the C-contiguous ``scores`` (Numba types a
-    row of a strided tile as strided, and LLVM does not vectorise loops over
-    it: half the forward pass's time at context 256), and the loops run over
-    the whole row, the masked columns chosen by a select rather than zeroed by
-    a loop of their own."""
-    prefer_wide_vectors()
-    zero = scores.dtype.type(0)
-    one = scores.dtype.type(1)
-    for r in range(n_rows):
-        row, last = scores[r, :n_columns], first_query + r
-        row_max = _row_max(row, last + 1)
-        for j in range(n_columns):
-            row[j] = exp2_scalar(row[j] - row_max) if j <= last else zero
-        total = _row_sum(row)
-        inverse = one / total
-        for j in range(n_columns):
-            row[j] *= inverse
-        log_sum_exp[r] = row_max + math.log2(total)
-
-
 @cpu_kernel(parallel=True)
 def causal_attention_backward(
     q, k, v, out, grad_out, log_sum_exp, n_heads, length, block, n_chunks, grad_q, grad_k,
@@ -364,7 +437,10 @@ def causal_attention_backward(
     :math:`D_i = \sum_e dO_{ie} O_{ie}`:
     :math:`dS = s\, P \odot (dO V^\top - D)`, :math:`dQ = dS K`,
     :math:`dK = dS^\top Q`, :math:`dV = P^\top dO`; five BLAS products per block of
-    ``block`` queries, over the keys up to its last row.
+    ``block`` queries, over the keys up to its last row. As in the forward pass,
+    :math:`P` and :math:`dS` are laid out a key per row and a query per column, so
+    that their element-wise work (:func:`_probabilities_and_score_gradients`) runs
+    across queries, and :math:`dK` and :math:`dV` are products without a transpose.
     """
     d_k = q.shape[1] // n_heads
     n_pairs = q.shape[0] // length * n_heads
@@ -373,38 +449,54 @@ def causal_attention_backward(
     n_chunks = min(n_chunks, n_pairs)
     for chunk in numba.prange(n_chunks):
         prefer_wide_vectors()
-        p = np.empty((min(block, length), length), dtype=q.dtype)
-        dp = np.empty((min(block, length), length), dtype=q.dtype)
+        width = min(block, length)
+        p = np.empty((length, width), dtype=q.dtype)
+        dp = np.empty((length, width), dtype=q.dtype)
+        delta = np.empty(width, dtype=q.dtype)
         for pair in range(chunk * n_pairs // n_chunks, (chunk + 1) * n_pairs // n_chunks):
             b, h = pair // n_heads, pair % n_heads
             first, columns = b * length, slice(h * d_k, (h + 1) * d_k)
-            grad_k[first : first + length, columns] = 0
-            grad_v[first : first + length, columns] = 0
-            for start in range(0, length, block):
+            # The last block first: its keys are all the sequence's, so its products
+            # write dK and dV (beta 0) and the other blocks' add to them.
+            for start in range((length - 1) // block * block, -1, -block):
                 stop = min(start + block, length)
+                beta = 0.0 if stop == length else 1.0
                 queries = slice(first + start, first + stop)
                 keys = slice(first, first + stop)
                 q_block, g_block = q[queries, columns], grad_out[queries, columns]
-                p_tile, dp_tile = p[: stop - start, :stop], dp[: stop - start, :stop]
-                gemm(scale_2, q_block, k[keys, columns], 0.0, p_tile, False, True)
-                gemm(1.0, g_block, v[keys, columns], 0.0, dp_tile, False, True)
-                o_block, lse = out[queries, columns], log_sum_exp[b, h, start:stop]
-                for r in range(stop - start):
-                    last = start + r
-                    delta = q.dtype.type(0)
+                p_tile, dp_tile = p[:stop, : stop - start], dp[:stop, : stop - start]
+                gemm(scale_2, k[keys, columns], q_block, 0.0, p_tile, False, True)
+                gemm(1.0, v[keys, columns], g_block, 0.0, dp_tile, False, True)
+                o_block = out[queries, columns]
+                for i in range(stop - start):
+                    total = q.dtype.type(0)
                     for e in range(d_k):
-                        delta += g_block[r, e] * o_block[r, e]
-                    p_row, dp_row, row_lse = p_tile[r], dp_tile[r], lse[r]
-                    for j in range(last + 1):
-                        probability = exp2_scalar(p_row[j] - row_lse)
-                        p_row[j] = probability
-                        dp_row[j] = probability * (dp_row[j] - delta) * scale
-                    for j in range(last + 1, stop):
-                        p_row[j] = 0
-                        dp_row[j] = 0
-                gemm(1.0, dp_tile, k[keys, columns], 0.0, grad_q[queries, columns])
-                gemm(1.0, dp_tile, q_block, 1.0, grad_k[keys, columns], True, False)
-                gemm(1.0, p_tile, g_block, 1.0, grad_v[keys, columns], True, False)
+                        total += g_block[i, e] * o_block[i, e]
+                    delta[i] = total
+                _probabilities_and_score_gradients(
+                    p, dp, stop, stop - start, start, log_sum_exp[b, h, start:stop], delta, scale
+                )
+                gemm(1.0, dp_tile, k[keys, columns], 0.0, grad_q[queries, columns], True, False)
+                gemm(1.0, dp_tile, q_block, beta, grad_k[keys, columns])
+                gemm(1.0, p_tile, g_block, beta, grad_v[keys, columns])
+
+
+@cpu_kernel
+def _probabilities_and_score_gradients(p, dp, n_keys, n_queries, first_query, log_sum_exp,
+                                       delta, scale):  # fmt: skip
+    r"""``p[j, i]``, the base-2 logit of key ``j`` for query ``first_query + i``, becomes
+    the probability :math:`P_{ij} = 2^{s - \mathrm{lse}_i}`, and ``dp[j, i]``,
+    :math:`dP_{ij}`, the score's gradient :math:`s P_{ij} (dP_{ij} - D_i)`; both are 0
+    where the query may not attend the key. Elementwise along each row, across
+    queries (see :func:`_softmax_by_columns`)."""
+    prefer_wide_vectors()
+    zero = p.dtype.type(0)
+    for j in range(n_keys):
+        p_row, dp_row, first_attending = p[j, :n_queries], dp[j, :n_queries], j - first_query
+        for i in range(n_queries):
+            probability = exp2_scalar(p_row[i] - log_sum_exp[i]) if i >= first_attending else zero
+            p_row[i] = probability
+            dp_row[i] = probability * (dp_row[i] - delta[i]) * scale
 
 
 @cpu_kernel(parallel=True)
