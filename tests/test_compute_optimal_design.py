@@ -200,6 +200,41 @@ def test_design_centres_each_budget_and_keeps_every_minimum_inside(shakespeare, 
     assert fit.a == pytest.approx(0.5, abs=0.1)
 
 
+@pytest.mark.parametrize(
+    ("losses", "scatter", "top", "side"),
+    [
+        ((2.6, 2.5, 2.4), 0.0, 9, 1),  # the lowest on an edge: grow past it
+        ((2.4, 2.5, 2.6), 0.0, 9, -1),
+        ((2.6, 2.4, 2.6), 0.0, 9, None),  # inside, and no seed scatter to weigh a rise by
+        # The quick run's largest budget (2026-11-26): the right edge 0.015 above the
+        # lowest, the seeds 0.03 apart; the left edge 0.11 above.
+        ((2.535, 2.562, 2.466, 2.427, 2.438, 2.446, 2.4425), 0.031, 12, 1),
+        ((2.535, 2.562, 2.466, 2.427, 2.438, 2.446, 2.4425), 0.031, 9, None),  # no wider width
+        ((2.44, 2.40, 2.45), 0.03, 9, -1),  # both flat: the flatter first
+        ((2.6, 2.4, 2.6), 0.05, 9, None),  # both rise by four scatters
+    ],
+)
+def test_a_budget_grows_at_an_edge_its_valley_has_not_risen_at(losses, scatter, top, side):
+    mean = {3 + i: loss for i, loss in enumerate(losses)}  # widths 3, 4, ...
+    assert experiment._side_to_grow(mean, scatter, top) == side
+
+
+def test_the_seed_scatter_is_that_of_one_seed_from_the_pairs():
+    def trained(pairs):
+        return {
+            (i, seed): (None, SimpleNamespace(validation_loss=loss))
+            for i, pair in enumerate(pairs)
+            for seed, loss in zip((0, 1), pair, strict=True)
+        }
+
+    rng = np.random.default_rng(0)
+    pairs = 2.5 + 0.03 * rng.standard_normal((4000, 2))
+    assert experiment._seed_scatter(trained(pairs), range(4000), (0, 1)) == pytest.approx(
+        0.03, rel=0.05
+    )
+    assert experiment._seed_scatter(trained(pairs), range(4000), (0,)) == 0.0
+
+
 @pytest.mark.parametrize("observed_slope", [-0.5, 0.0, 3.0])
 def test_a_noisy_slope_is_clamped_about_the_minima_it_came_from(observed_slope):
     """Minima whose slope is noise (here negative, flat or steep) centre the next budget

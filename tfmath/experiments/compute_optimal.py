@@ -16,7 +16,10 @@ attention included). The design:
   (about 1.2 to 1.5 times apart in :math:`N`) centred on the optimum that
   the lower budgets predict (the first budget on :attr:`IsoFlopPlan.first_width`,
   from a pilot), grown by one width at a time while the lowest mean loss
-  lies on an edge, so that every minimum lies strictly inside the sizes trained;
+  lies on an edge, so that every minimum lies strictly inside the sizes trained,
+  or while an edge's mean loss rises above the lowest by no more than
+  :data:`FLAT_EDGE_SCATTERS` times the seeds' scatter, so that a flat valley is
+  sampled until it rises on both sides (:func:`_side_to_grow`);
 * one layer, heads 8 wide, context 32 bytes; a batch that grows with the
   budget (:func:`batch_size`), as the critical batch grows when the loss falls;
 * a cosine learning rate from :math:`0.05/\sqrt{d}` down to 10% of it on each
@@ -78,8 +81,16 @@ MIN_STEPS = 50
 VALIDATION_SEQUENCES = 1024
 #: Gopher's and Chinchilla's training budget (Hoffmann et al. 2022, table 3), FLOPs.
 GOPHER_COMPUTE = 5.76e23
-#: Widths added at most, one at a time, to a budget whose minimum is on an edge.
+#: Widths added at most, one at a time, to a budget whose minimum is on an edge or
+#: whose valley is flat at an edge.
 MAX_GROWTH = 3
+#: An edge whose mean loss is within this many times the scatter of one seed's loss
+#: (estimated from the two seeds' differences) of the lowest mean is flat: the
+#: difference of two means of two seeds has that scatter, so a rise under twice it
+#: is not told from none. The quick run's largest budget once ended three widths
+#: into a valley 0.02 nats deep, against seeds 0.03 apart, and the bootstrap's
+#: parabolas put its optimum anywhere from 1600 to 40000 parameters.
+FLAT_EDGE_SCATTERS = 2
 
 
 @dataclass(frozen=True)
@@ -187,16 +198,40 @@ def train_isoflop_grid(source, plan, *, seed=0, backend="cpu", sweep=None):
             mean = {i: np.mean([trained[i, s][1].validation_loss for s in budget_seeds
                                 if (i, s) in trained]) for i in sizes}  # fmt: skip
             best = min(mean, key=mean.get)
-            if best == sizes[0] and sizes[0] > 0:
-                chosen = [sizes[0] - 1, *chosen]
-            elif best == sizes[-1] and sizes[-1] < top:
-                chosen = [*chosen, sizes[-1] + 1]
-            else:
+            side = _side_to_grow(mean, _seed_scatter(trained, sizes, budget_seeds), top)
+            if side is None:
                 break
+            chosen = [sizes[0] - 1, *chosen] if side < 0 else [*chosen, sizes[-1] + 1]
         best_run = trained[best, budget_seeds[0]][1]
         minima.append((math.log(budget), math.log(best_run.non_embedding_parameters)))
         rows += [(budget, run, result) for run, result in trained.values()]
     return rows
+
+
+def _seed_scatter(trained, sizes, seeds):
+    """The scatter of one seed's loss, from the widths trained with two seeds; 0 with one."""
+    differences = [
+        trained[i, seeds[0]][1].validation_loss - trained[i, seeds[1]][1].validation_loss
+        for i in sizes
+        if len(seeds) == 2 and (i, seeds[0]) in trained and (i, seeds[1]) in trained
+    ]
+    return math.sqrt(np.mean(np.square(differences)) / 2) if differences else 0.0
+
+
+def _side_to_grow(mean, scatter, top):
+    """-1 to add the next narrower width, +1 the next wider, None to stop.
+
+    ``mean`` maps the indices in :data:`WIDTHS` trained so far to their mean loss. An
+    edge is grown while its rise above the lowest mean is at most
+    :data:`FLAT_EDGE_SCATTERS` times ``scatter`` (always when the lowest mean is on
+    it), the flatter edge first, as far as the narrowest width and ``top``.
+    """
+    sizes = sorted(mean)
+    lowest = min(mean.values())
+    rises = {-1: mean[sizes[0]] - lowest, 1: mean[sizes[-1]] - lowest}
+    room = {-1: sizes[0] > 0, 1: sizes[-1] < top}
+    flat = [side for side in (-1, 1) if room[side] and rises[side] <= FLAT_EDGE_SCATTERS * scatter]
+    return min(flat, key=rises.get) if flat else None
 
 
 def _expected_centre(plan, budget, minima):
