@@ -306,7 +306,7 @@ def _transpose_head(x, first_row, n_rows, first_column, d_k, x_t):
     """``x_t[e, i] = x[first_row + i, first_column + e]``: one head's ``(n_rows, d_k)``
     block of ``x``, transposed into the scratch ``x_t``.
 
-    Attention's products are small, and OpenBLAS (scipy-openblas 0.3.31, one
+    Attention's products are small, and OpenBLAS (SciPy's, 0.3.30, one
     thread) runs them at speeds that depend on their form. For one (sequence,
     head) at T = 64, d_k = 8, in microseconds (Intel Xeon development machine,
     2026-11-26):
