@@ -60,7 +60,7 @@ from tfmath.kernels.cpu.attention import (
     _weighted_sum,
     balanced_tile,
 )
-from tfmath.kernels.cpu.blas import gemm
+from tfmath.kernels.cpu.blas import gemm, transpose_into
 from tfmath.kernels.cpu.exp2 import exp2_scalar
 from tfmath.kernels.cpu.vector_width import prefer_wide_vectors
 
@@ -401,16 +401,6 @@ def _accumulate_skipping_zeros(weights_t, values, accumulator):
 
 
 @cpu_kernel
-def _transpose_into(rows, columns):
-    """``columns[e, i] = rows[i, e]``: the score products contract over features,
-    and BLAS's small-matrix kernels are fastest with the query tile stored by
-    feature (``rows @ columns`` rather than ``rows @ other_rows.T``)."""
-    for i in range(rows.shape[0]):
-        for e in range(rows.shape[1]):
-            columns[e, i] = rows[i, e]
-
-
-@cpu_kernel
 def _is_finite_tile(tile):
     """Whether every entry of a tile is finite: a non-finite entry makes the sum
     non-finite (a finite tile whose float64 sum overflowed only takes the slower,
@@ -468,7 +458,7 @@ def _forward_kernel(
         scores = np.empty((key_tile, query_tile), dtype=dtype)
         mask_block = np.empty((key_tile, query_tile), dtype=dtype)
         query_columns = np.empty((query_tiles.shape[3], query_tile), dtype=dtype)
-        _transpose_into(query_tiles[q, tile], query_columns)
+        transpose_into(query_tiles[q, tile], query_columns)
         # Transposed, (values, queries): see _accumulate_values.
         accumulator = np.empty((n_values, query_tile), dtype=dtype)
         running_max = np.empty(query_tile, dtype=dtype)
@@ -601,9 +591,9 @@ def _backward_kernel(
         delta = np.empty((n_query_tiles, query_tile), dtype=dtype)
         queries, grads = query_tiles[q], grad_tiles[b]
         for tile in range(n_query_tiles):
-            _transpose_into(queries[tile], query_columns[tile])
-            _transpose_into(grads[tile], grad_columns[tile])
-            _transpose_into(output_tiles[b, tile], output_columns)
+            transpose_into(queries[tile], query_columns[tile])
+            transpose_into(grads[tile], grad_columns[tile])
+            transpose_into(output_tiles[b, tile], output_columns)
             _shift_and_delta(
                 log_sum_exp, b, tile * query_tile, n_query, log2e,
                 grad_columns[tile], output_columns, shift[tile], delta[tile],

@@ -22,7 +22,7 @@ import numba
 import numpy as np
 
 from tfmath._config import cpu_kernel
-from tfmath.kernels.cpu.blas import gemm
+from tfmath.kernels.cpu.blas import gemm, transpose_into
 from tfmath.kernels.cpu.exp2 import exp2_scalar
 from tfmath.kernels.cpu.vector_width import prefer_wide_vectors
 
@@ -301,31 +301,6 @@ def embed_backward(tokens, grad_x, grad_table, grad_positions):
                 out[j] += row[j]
 
 
-@cpu_kernel
-def _transpose_head(x, first_row, n_rows, first_column, d_k, x_t):
-    """``x_t[e, i] = x[first_row + i, first_column + e]``: one head's ``(n_rows, d_k)``
-    block of ``x``, transposed into the scratch ``x_t``.
-
-    Attention's products are small, and OpenBLAS (SciPy's, 0.3.30, one
-    thread) runs them at speeds that depend on their form. For one (sequence,
-    head) at T = 64, d_k = 8, in microseconds (Intel Xeon development machine,
-    2026-11-26):
-
-    =============================  ====  ==============================  ====
-    depth ``d_k``, result (T, T)         depth ``T``, result (T, d_k)
-    =============================  ====  ==============================  ====
-    ``(T, d_k) @ (d_k, T)``        0.61  ``(T, T).T @ (T, d_k)``         0.58
-    ``(T, d_k) @ (T, d_k).T``      1.07  ``(T, T) @ (T, d_k)``           1.05
-    =============================  ====  ==============================  ====
-
-    The attention kernels use the fast forms, transposing a head's block where
-    one is needed, which takes 0.1 microseconds.
-    """
-    for e in range(d_k):
-        for i in range(n_rows):
-            x_t[e, i] = x[first_row + i, first_column + e]
-
-
 @cpu_kernel(parallel=True)
 def causal_attention_forward(q, k, v, n_heads, length, block, n_chunks, out, log_sum_exp):
     r"""Causal softmax attention of every (sequence, head), scale ``1/sqrt(d_k)``.
@@ -341,7 +316,7 @@ def causal_attention_forward(q, k, v, n_heads, length, block, n_chunks, out, log
     all masked, are never computed. The scores are laid out a key per row and a
     query per column, so that the softmax (:func:`_softmax_by_columns`) runs along
     rows, across queries; the products take the forms OpenBLAS runs fastest
-    (see :func:`_transpose_head`): the scores are the keys times the
+    (see :func:`~tfmath.kernels.cpu.blas.transpose_into`): the scores are the keys times the
     transposed queries, and the output is computed transposed, :math:`O^\top =
     V^\top P`, and normalised as it is stored, ``d_k`` numbers a query instead of
     one a score. BLAS must run on one thread here: the pairs are shared out among
@@ -368,7 +343,7 @@ def causal_attention_forward(q, k, v, n_heads, length, block, n_chunks, out, log
                 n_queries = stop - start
                 keys = slice(first, first + stop)
                 tile = scores[:stop, :n_queries]
-                _transpose_head(q, first + start, n_queries, column, d_k, query_t)
+                transpose_into(q[first + start : first + stop, columns], query_t)
                 gemm(scale_2, k[keys, columns], query_t[:, :n_queries], 0.0, tile)
                 _softmax_by_columns(scores, stop, n_queries, start, row_max, total)
                 gemm(1.0, v[keys, columns], tile, 0.0, out_t[:, :n_queries], True, False)
@@ -471,7 +446,7 @@ def causal_attention_backward(
     ``block`` queries, over the keys up to its last row. Unlike the forward pass,
     :math:`P` and :math:`dS` are laid out a query per row: nothing here sums over
     keys (the normaliser is saved), and in this layout four of the five products
-    take OpenBLAS's fast forms (see :func:`_transpose_head`), the
+    take OpenBLAS's fast forms (see :func:`~tfmath.kernels.cpu.blas.transpose_into`), the
     keys and values transposed once per pair; only :math:`dQ` does not. Each
     query's row is computed whole, its masked keys' probabilities set to 0 in the
     same loop: rows cut at the diagonal leave vector loops too short for LLVM's
@@ -494,8 +469,8 @@ def causal_attention_backward(
             b, h = pair // n_heads, pair % n_heads
             first, column = b * length, h * d_k
             columns = slice(column, column + d_k)
-            _transpose_head(k, first, length, column, d_k, key_t)
-            _transpose_head(v, first, length, column, d_k, value_t)
+            transpose_into(k[first : first + length, columns], key_t)
+            transpose_into(v[first : first + length, columns], value_t)
             # The last block first: its keys are all the sequence's, so its products
             # write dK and dV (beta 0) and the other blocks' add to them.
             for start in range((length - 1) // block * block, -1, -block):
