@@ -136,6 +136,31 @@ def test_kernels_are_cached_in_the_kernel_cache_stamped_with_all_kernel_sources(
     assert type(user_module.add_one._cache._impl.locator) is not type(locator)
 
 
+def test_kernel_cache_never_loads_one_signatures_code_for_another(tmp_path):
+    # Two processes compile two signatures of one kernel at once: each finds the index
+    # empty, so each names its data file 1; the index ends up listing float64 and the
+    # file holding float32's code. Numba's own cache file would load it.
+    from tfmath import _config
+
+    cache_file = _config._key_checked_cache_file_class()
+    first, second = (cache_file(str(tmp_path), "split_gemm-60", "stamp") for _ in range(2))
+    deferred = []
+    save_data = first._save_data
+    first._save_data = lambda name, data: deferred.append((name, data))
+    first.save("float32", "float32 code")  # its index entry written, its data not yet
+    second._load_index = lambda: {}  # read before the first process wrote the index
+    second.save("float64", "float64 code")
+    save_data(*deferred.pop())  # the first process's data file lands last
+    reader = cache_file(str(tmp_path), "split_gemm-60", "stamp")
+    assert reader.load("float64") is None  # compiled again, not float32's code called
+    reader.save("float64", "float64 code")
+    assert reader.load("float64") == "float64 code"
+    # Entries written before this check (no key in the data file) are compiled again.
+    save_data("split_gemm-60.9.nbc", "bare code")
+    reader._save_index({"float16": "split_gemm-60.9.nbc"})
+    assert reader.load("float16") is None
+
+
 def test_kernel_cache_folder_is_keyed_by_the_sources_and_follows_the_environment(monkeypatch):
     from tfmath import _config
 

@@ -238,6 +238,7 @@ def _kernel_function_cache_class(variant):
     from numba.core import caching
 
     _log_compilation_notice()
+    KeyCheckedCacheFile = _key_checked_cache_file_class()
 
     class KernelCacheLocator(caching._CacheLocator):
         def __init__(self, py_func, py_file):
@@ -267,7 +268,50 @@ def _kernel_function_cache_class(variant):
     class KernelFunctionCache(caching.FunctionCache):
         _impl_class = KernelCacheImpl
 
+        def __init__(self, py_func):
+            super().__init__(py_func)
+            self._cache_file = KeyCheckedCacheFile(
+                cache_path=self._cache_path,
+                filename_base=self._impl.filename_base,
+                source_stamp=self._impl.locator.get_source_stamp(),
+            )
+
     return KernelFunctionCache
+
+
+@functools.cache
+def _key_checked_cache_file_class():
+    from numba.core import caching
+
+    class KeyCheckedCacheFile(caching.IndexDataCacheFile):
+        """Numba's index and data files, each data file also holding the key it was
+        saved under; an entry whose data file holds another key is not loaded (the
+        kernel is compiled again).
+
+        Numba names a new entry's data file by the entries its index lists when it
+        saves, so two processes compiling two signatures of one kernel at once
+        (pytest's workers, a sweep's) can each take the same name: the index then
+        lists one signature against the other's machine code, which a later process
+        loads and calls with the wrong argument types ("can't unbox array", seen
+        with two test workers compiling a product for float32 and float64).
+        """
+
+        def save(self, key, data):
+            super().save(key, (_KEY_CHECKED_ENTRY, key, data))
+
+        def load(self, key):
+            entry = super().load(key)
+            if isinstance(entry, tuple) and len(entry) == 3 and entry[0] == _KEY_CHECKED_ENTRY:
+                _, saved_key, data = entry
+                if saved_key == key:
+                    return data
+            return None
+
+    return KeyCheckedCacheFile
+
+
+#: Marks a data file of the kernel cache as holding its key (:func:`_key_checked_cache_file_class`).
+_KEY_CHECKED_ENTRY = "tfmath kernel cache entry, keyed"
 
 
 def _attach_kernel_cache(dispatcher, variant=""):
