@@ -19,7 +19,16 @@ ROOT = PACKAGE.parent
 
 #: Bottom to top: a module may import modules of its own layer or of layers below.
 LAYERS = (
-    ("infrastructure", ("tfmath.errors", "tfmath._version", "tfmath._cuda", "tfmath._config")),
+    (
+        "infrastructure",
+        (
+            "tfmath.errors",
+            "tfmath._version",
+            "tfmath._cuda",
+            "tfmath._config",
+            "tfmath._blas_kernel",
+        ),
+    ),
     ("contract", ("tfmath._contract", "tfmath._dispatch")),
     ("implementations", ("tfmath.kernels", "tfmath.reference")),
     (

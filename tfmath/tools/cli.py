@@ -116,6 +116,7 @@ def _bench(args):
     if args.topic == "dropin":
         from tfmath.tools.bench_dropin import print_call_times_report, print_dropin_report
 
+        _print_machine()
         _print_compilation_notice()
         (print_call_times_report if args.calls else print_dropin_report)(quick=args.quick)
         return 0
@@ -127,6 +128,7 @@ def _bench(args):
             print(message, file=sys.stderr)
             return 2
 
+        _print_machine()
         _print_compilation_notice()
         if args.anatomy:
             print_step_anatomy(threads=args.threads, out=_flushed)
@@ -139,6 +141,7 @@ def _bench(args):
         if args.backend != "cpu":
             print("tfmath bench: --matrix and --small run on the CPU only", file=sys.stderr)
             return 2
+        _print_machine()
         _print_compilation_notice()
         (print_matrix_report if args.matrix else print_small_report)()
         return 0
@@ -150,9 +153,32 @@ def _bench(args):
         if not status.real_gpu:
             print(f"tfmath bench: no GPU to benchmark on ({status.reason})", file=sys.stderr)
             return 2
+    _print_machine()
     _print_compilation_notice()
     print_attention_report(quick=args.quick, backend=args.backend)
     return 0
+
+
+def _print_machine():
+    """The header of every report of ``tfmath bench``: the CPU and the BLAS kernel the
+    timings ran on (:func:`tfmath._blas_kernel.describe_blas`)."""
+    from tfmath._blas_kernel import describe_blas
+
+    _flushed(f"CPU: {_cpu_name()}")
+    for line in describe_blas():
+        _flushed(line)
+
+
+def _cpu_name():
+    """The CPU's model name (Linux's /proc/cpuinfo), else what the platform says."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def _print_compilation_notice():
@@ -208,6 +234,7 @@ def _info(args):
     import scipy
 
     from tfmath import _config, _cuda
+    from tfmath._blas_kernel import describe_blas
     from tfmath._dispatch import ROUTINES, backends
 
     print(f"tfmath {__version__}")
@@ -227,11 +254,8 @@ def _info(args):
         f"({numba.config.NUMBA_NUM_THREADS} threads, TFMATH_THREADING_LAYER="
         f"{_config.requested_threading_layer()})"
     )
-    for blas in _config._blas_controller().select(user_api="blas").info():
-        print(
-            f"BLAS: {blas['internal_api']} {blas.get('version') or ''} "
-            f"({blas['num_threads']} threads) {blas['filepath']}"
-        )
+    for line in describe_blas():
+        print(line)
     print(f"kernel cache: {_config.kernel_cache().describe()}")
     print(f"fast-math flags: {', '.join(sorted(_config.FASTMATH_FLAGS))}")
     print(f"routines: {', '.join(sorted(ROUTINES))}")

@@ -12,9 +12,10 @@ LayerNorm, ReLU feed-forward, learned positions, biases, tied head) with
   optimiser is one fused pass (:func:`~tfmath.kernels.cpu.training_step.adam_update`)
   and the :class:`~tfmath.training.params.Parameters` are views into it;
 * buffers kept from step to step for every activation and gradient;
-* the matrix products in BLAS (:func:`~tfmath.kernels.cpu.blas.gemm`, split over
-  the threads on large matrices), the query, key and value maps joined into one
-  product, and each weight's gradient summed over two parts of the rows;
+* the matrix products in BLAS (:func:`~tfmath.kernels.cpu.blas.gemm`, large ones
+  cut into blocks fixed by their shape and shared out over the threads), the
+  query, key and value maps joined into one product, and each weight's gradient
+  summed over parts of the rows;
 * everything else in kernels that fuse the element-wise work (bias and ReLU;
   bias and residual; norm backward, residual and the bias gradient below it;
   ReLU backward and its bias gradient; softmax, loss and its gradient)
@@ -71,29 +72,35 @@ def fusable(config):
 #: LayerNorm of 2048 x 16), so a call must have enough work to pay for that.
 PARALLEL_MIN_WORK = 2**18
 
-#: Multiply-adds per block from which a matrix product is split over Numba's
-#: threads (:func:`~tfmath.kernels.cpu.training_step.split_gemm`: one
-#: single-threaded BLAS product per thread, over blocks of rows or columns). Every
-#: block, its edges aligned, keeps at least this many (:func:`_split_blocks`),
-#: above the :math:`10^6` at and under which OpenBLAS switches to small-matrix
-#: kernels that sum in another order, so a product's bits do not depend on the
-#: thread count: a weight's gradient of 32 x 32 over 2048 rows, cut in two, gives
-#: the unsplit product's bits with blocks of 1,048,576 and other bits with blocks of
-#: 524,288. Not BLAS's own threads: OpenBLAS's workers spin after each threaded
-#: product, and on an idle two-core machine they took the cores from the step's
-#: next parallel kernels, so that two threads were 2 to 4 times slower than one
-#: (width 64: 89 against 24 ms a step; width 256: 300 against 200 ms).
+#: Multiply-adds per block from which a matrix product is split
+#: (:func:`~tfmath.kernels.cpu.training_step.split_gemm`: one single-threaded BLAS
+#: product per block, over blocks of rows or columns, the blocks shared out over
+#: Numba's threads). Every block, its edges aligned, keeps at least this many
+#: (:func:`_split_blocks`): a smaller one runs below BLAS's speed and does not pay
+#: for the hand-over to another thread. Not BLAS's own threads: OpenBLAS's workers
+#: spin after each threaded product and took the cores from the step's next
+#: parallel kernels (docs/benchmarks.rst, "Threads and results").
 SPLIT_GEMM_MIN_WORK = 2**20
+
+#: Blocks a product is cut into at most (and parts of the rows a weight's gradient is
+#: summed over): a constant, never the thread count, so that a run's bits do not
+#: depend on the threads under any BLAS kernel. OpenBLAS's kernels tile a product in
+#: their own widths (its AVX2 kernel twelve columns, its generic kernels four) and
+#: round an element differently when a block's edge moves it to another tile, so only
+#: blocks that are the same whatever the threads give the same bits everywhere. Four
+#: blocks keep two to four threads busy; with more threads a product still runs on
+#: four (docs/benchmarks.rst, "Threads and results", measures the cost on two).
+MAX_SPLIT_BLOCKS = 4
 
 
 @functools.lru_cache(maxsize=1024)
-def _split_blocks(m, n, depth, threads):
+def _split_blocks(m, n, depth):
     """How many blocks :func:`~tfmath.kernels.cpu.training_step.split_gemm` cuts an
-    ``(m, n)`` product of ``depth`` into: the most, up to ``threads``, whose every
-    block, once its edges are aligned as ``split_gemm`` aligns them, keeps
-    :data:`SPLIT_GEMM_MIN_WORK` multiply-adds; 1 when no split does."""
+    ``(m, n)`` product of ``depth`` into: the most, up to :data:`MAX_SPLIT_BLOCKS`,
+    whose every block, once its edges are aligned as ``split_gemm`` aligns them,
+    keeps :data:`SPLIT_GEMM_MIN_WORK` multiply-adds; 1 when no split does."""
     size, work_per_line = (m, n * depth) if m >= n else (n, m * depth)
-    for blocks in range(min(threads, m * n * depth // SPLIT_GEMM_MIN_WORK), 1, -1):
+    for blocks in range(min(MAX_SPLIT_BLOCKS, m * n * depth // SPLIT_GEMM_MIN_WORK), 1, -1):
         edges = [kernels.aligned_edge(chunk, size, blocks) for chunk in range(blocks + 1)]
         smallest = min(high - low for low, high in itertools.pairwise(edges))
         if smallest * work_per_line >= SPLIT_GEMM_MIN_WORK:
@@ -101,11 +108,17 @@ def _split_blocks(m, n, depth, threads):
     return 1
 
 
-#: Parts of the rows over which a weight's gradient (a product of two activations'
-#: transposes, summed over every token) is computed and then summed
-#: (:func:`~tfmath.kernels.cpu.training_step.depth_split_gemm`), where each part keeps
-#: :data:`SPLIT_GEMM_MIN_WORK`: fixed, so that the bits do not depend on the threads.
-DEPTH_SPLIT_PARTS = 2
+def _depth_parts(m, n, depth):
+    """Parts of the ``depth`` rows over which an ``(m, n)`` weight's gradient is summed
+    (:func:`~tfmath.kernels.cpu.training_step.depth_split_gemm`): the most, up to
+    :data:`MAX_SPLIT_BLOCKS`, whose every part keeps :data:`SPLIT_GEMM_MIN_WORK`
+    multiply-adds; 1 when no split does. A weight's gradient is small and its depth
+    long: split over its output instead, each thread's product is thin and OpenBLAS
+    runs it below its speed."""
+    for parts in range(MAX_SPLIT_BLOCKS, 1, -1):
+        if m * n * (depth // parts) >= SPLIT_GEMM_MIN_WORK:
+            return parts
+    return 1
 
 
 #: Queries per block of the causal attention kernels: a block's scores are computed
@@ -248,26 +261,25 @@ class FusedDecoder:
             yield
 
     def _gemm(self, a, b, beta, c, transpose_a=False, transpose_b=False):
-        """``c = op(a) @ op(b) + beta c`` (:func:`~tfmath.kernels.cpu.blas.gemm`), split
-        over the threads in blocks of at least :data:`SPLIT_GEMM_MIN_WORK` multiply-adds."""
+        """``c = op(a) @ op(b) + beta c`` (:func:`~tfmath.kernels.cpu.blas.gemm`), in
+        blocks shared out over the threads (:func:`_split_blocks`)."""
         depth = a.shape[0] if transpose_a else a.shape[1]
-        blocks = _split_blocks(c.shape[0], c.shape[1], depth, self._threads)
+        blocks = _split_blocks(c.shape[0], c.shape[1], depth)
         if blocks > 1:
             kernels.split_gemm(1.0, a, b, beta, c, transpose_a, transpose_b, blocks)
         else:
             gemm(1.0, a, b, beta, c, transpose_a, transpose_b)
 
     def _weight_gradient(self, a, b, c):
-        """``c = a.T @ b`` over the rows of ``a`` and ``b``, in :data:`DEPTH_SPLIT_PARTS`
-        parts of the rows where each keeps :data:`SPLIT_GEMM_MIN_WORK` multiply-adds."""
+        """``c = a.T @ b`` over the rows of ``a`` and ``b``, summed over parts of the
+        rows shared out over the threads (:func:`_depth_parts`)."""
         m, n = c.shape
-        part_depth = a.shape[0] // DEPTH_SPLIT_PARTS
-        if m * n * part_depth < SPLIT_GEMM_MIN_WORK:
+        parts = _depth_parts(m, n, a.shape[0])
+        if parts == 1:
             self._gemm(a, b, 0.0, c, True, False)
             return
-        partials = self._partials(DEPTH_SPLIT_PARTS * m * n).reshape(DEPTH_SPLIT_PARTS, m, n)
-        blocks = _split_blocks(m, n, part_depth, max(1, self._threads // DEPTH_SPLIT_PARTS))
-        kernels.depth_split_gemm(a, b, c, partials, blocks)
+        partials = self._partials(parts * m * n).reshape(parts, m, n)
+        kernels.depth_split_gemm(a, b, c, partials)
 
     def _partials(self, size):
         """Scratch of at least ``size`` elements for :meth:`_weight_gradient`, kept."""

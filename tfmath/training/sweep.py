@@ -43,13 +43,15 @@ __all__ = ["TrainingRun", "cache_dir", "run_sweep", "run_training"]
 
 #: Part of every run's key: raise it when a change to the training code changes
 #: results, so that results saved by older code are not reused.
-RESULTS_FORMAT = 5  # 2: the fused training step (float32 rounding differs from the blocks');
+RESULTS_FORMAT = 6  # 2: the fused training step (float32 rounding differs from the blocks');
 # 3: its kernels round the same compiled or cached (no arcp; the loss's sum in order),
 # Adam multiplies by its bias corrections' reciprocals, loops vectorise 512 bits wide;
 # 4: attention's scores a key per row (softmax normalised after PV), q/k/v in one
 # product, weights' gradients summed over two parts of the rows, dK and dV from the
 # last block first; 5: attention's products in OpenBLAS's fast forms (the output
-# computed transposed, the backward's probabilities a query per row)
+# computed transposed, the backward's probabilities a query per row); 6: products cut
+# into blocks fixed by their shape, never by the thread count, and weights' gradients
+# summed over up to four parts of the rows
 
 
 @dataclass(frozen=True)
@@ -116,7 +118,8 @@ def run_sweep(runs, *, results_dir=None, scheduler=None, progress=None, workers=
     models trained at once, each on one thread in a process of its own, finish a
     sweep sooner than the same models one after another
     (``docs/benchmarks.rst`` gives the measurement). Results do not depend on the
-    thread count, so they are the same either way.
+    thread count, so they are the same either way (under a given BLAS kernel:
+    ``docs/reproducibility.rst``).
 
     Parameters
     ----------

@@ -8,9 +8,10 @@ over (sequence, head) pairs, or over chunks of the flat parameter vector.
 Every result is independent of the number of threads: rows and heads are
 independent, the sums over rows (the gradients of biases and norm gains)
 add fixed chunks of rows (:data:`ROW_CHUNKS`, whatever the thread count) and
-then the chunks in order, and a weight's gradient adds the products of fixed
-parts of the rows in order (:func:`depth_split_gemm`), so a run is reproducible
-across thread counts.
+then the chunks in order, a matrix product is cut into blocks fixed by its shape
+(:func:`split_gemm`), and a weight's gradient adds the products of fixed parts of
+the rows in order (:func:`depth_split_gemm`), so a run is reproducible across
+thread counts under any BLAS kernel.
 
 Each parallel loop asks LLVM for 512-bit vectors (:func:`prefer_wide_vectors`,
 as the attention kernels do; LLVM's default on these CPUs is 256).
@@ -60,18 +61,15 @@ def _aligned_bounds(chunk, size, n_chunks):
 @cpu_kernel(parallel=True)
 def split_gemm(alpha, a, b, beta, c, transpose_a, transpose_b, n_chunks):
     r"""``c = alpha op(a) op(b) + beta c`` (:func:`~tfmath.kernels.cpu.blas.gemm`) as
-    ``n_chunks`` products, one per thread, over blocks of ``c``'s rows or, when it is
-    wider than tall, of its columns. BLAS must run on one thread here.
+    ``n_chunks`` products, shared out over the threads, over blocks of ``c``'s rows
+    or, when it is wider than tall, of its columns. BLAS must run on one thread here.
 
-    Each element of a block is the dot product the whole product computes, summed
-    in the same order, as long as no block is small enough for OpenBLAS's
-    small-matrix kernels (at most :math:`10^6` multiply-adds), which sum in
-    another order; the caller keeps blocks above that
-    (:data:`tfmath.training.fused.SPLIT_GEMM_MIN_WORK`), so the result does not
-    depend on ``n_chunks`` (``tests/test_training_fused.py`` checks it bit for bit).
-    One pool of threads (Numba's) does all the step's parallel work: BLAS's own
-    threads spin after each product and took the cores from the kernels that
-    followed.
+    An element's bits may depend on ``n_chunks`` (a BLAS kernel rounds an element by
+    the tile of its own that holds it, and a block's edge moves elements between
+    tiles), never on the thread count: the caller fixes ``n_chunks`` by the shape
+    (:func:`tfmath.training.fused._split_blocks`). One pool of threads (Numba's) does
+    all the step's parallel work: BLAS's own threads spin after each product and took
+    the cores from the kernels that followed.
     """
     m, n = c.shape
     if m >= n:
@@ -91,34 +89,19 @@ def split_gemm(alpha, a, b, beta, c, transpose_a, transpose_b, n_chunks):
 
 
 @cpu_kernel(parallel=True)
-def depth_split_gemm(a, b, c, partials, n_blocks):
+def depth_split_gemm(a, b, c, partials):
     r"""``c = a.T @ b`` (a weight's gradient: ``a`` and ``b`` have a row per token) as
-    ``partials.shape[0]`` products over consecutive parts of the rows, each into its
-    own ``partials[part]``, summed in order of the parts into ``c``.
-
-    A weight's gradient is small and its depth, the rows, long: split over its
-    output, each thread's product is thin and OpenBLAS runs it below its speed (on
-    two threads, a 64 x 64 gradient over 2048 rows ran at 109 GFLOP/s split over its
-    output, 138 split over the rows; 128 x 128: 156 and 185; Intel Xeon development
-    machine, 2026-11-26). The parts are fixed by the caller, not by the thread
-    count; with more threads than parts, each part's product is shared out in
-    ``n_blocks`` blocks of its output, as :func:`split_gemm` shares out a product,
-    so the result does not depend on the thread count either way.
+    ``partials.shape[0]`` products over consecutive parts of the rows, one per
+    thread, each into its own ``partials[part]``, summed in order of the parts into
+    ``c``. BLAS must run on one thread here. The parts are fixed by the caller, not
+    by the thread count, so the result does not depend on the thread count.
     """
     n_parts = partials.shape[0]
     depth = a.shape[0]
     m, n = c.shape
-    for task in numba.prange(n_parts * n_blocks):
-        part, block = task // n_blocks, task % n_blocks
+    for part in numba.prange(n_parts):
         start, stop = _chunk_bounds(part, depth, n_parts)
-        if m >= n:
-            low, high = _aligned_bounds(block, m, n_blocks)
-            gemm(1.0, a[start:stop, low:high], b[start:stop], 0.0, partials[part, low:high],
-                 True, False)  # fmt: skip
-        else:
-            low, high = _aligned_bounds(block, n, n_blocks)
-            gemm(1.0, a[start:stop], b[start:stop, low:high], 0.0, partials[part, :, low:high],
-                 True, False)  # fmt: skip
+        gemm(1.0, a[start:stop], b[start:stop], 0.0, partials[part], True, False)
     for i in numba.prange(m):
         prefer_wide_vectors()
         row = c[i]
