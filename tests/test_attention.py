@@ -861,3 +861,58 @@ def test_kernel_gemm_refuses_mismatched_or_strided_operands():
         gemm(1.0, np.ones((2, 3)), np.ones((2, 2)), 0.0, np.ones((2, 2)))
     with pytest.raises(ValueError, match="contiguous rows"):
         gemm(1.0, np.ones((2, 6))[:, ::2], np.ones((3, 2)), 0.0, np.ones((2, 2)))
+
+
+def _one_key_gradients(query, key, value, grad_output, mask, is_causal, backend):
+    """attention_grad running the forward itself, and from the saved forward."""
+    output, log_sum_exp = sdpa(
+        query, key, value, mask, is_causal, return_log_sum_exp=True, backend=backend
+    )
+    yield tfmath.attention_grad(query, key, value, grad_output, mask, is_causal, backend=backend)
+    yield tfmath.attention_grad(
+        query, key, value, grad_output, mask, is_causal,
+        output=output, log_sum_exp=log_sum_exp, backend=backend,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_row_that_attends_one_key_has_exactly_zero_score_gradients(backend, dtype):
+    # Issue 39: the softmax over one key is 1 whatever the score, so dq and dk are
+    # exactly 0 (PyTorch's float32 gives 0); the backward's D_i, taken from the output
+    # rather than from that key's dP, left up to 3.3e-5. Rows with one key: every row
+    # when S = 1; the first row of a causal problem; rows a mask leaves one key.
+    rng = np.random.default_rng(41)
+
+    def normal(*shape):
+        return (3 * rng.standard_normal(shape)).astype(dtype)
+
+    query, grad_output = normal(2, 3, 100, 16), normal(2, 3, 100, 8)
+    key, value = normal(2, 3, 1, 16), normal(2, 3, 1, 8)
+    for is_causal in (False, True):
+        for dq, dk, dv in _one_key_gradients(
+            query, key, value, grad_output, None, is_causal, backend
+        ):
+            assert not np.any(dq) and not np.any(dk)
+            # dV = sum_i P_i1 dO_i with P = 1: the output gradients' sum.
+            tolerance = attention_tolerance(dtype, 0, 100)
+            assert_close(dv, grad_output.sum(axis=-2, keepdims=True), tolerance)
+    key, value = normal(2, 3, 120, 16), normal(2, 3, 120, 8)
+    # Causal: row 0 attends key 0 alone; with the diagonal as the mask's, each row
+    # attends itself alone, and no key gets a gradient from a score.
+    for mask, rows in ((None, [0]), (np.eye(100, 120, dtype=bool), slice(None))):
+        for dq, dk, _ in _one_key_gradients(query, key, value, grad_output, mask, True, backend):
+            assert not np.any(dq[..., rows, :])
+            assert np.any(dq) if mask is None else not np.any(dk)
+    # A key-padding mask that leaves one key to the second batch entry, and a boolean
+    # mask row with one key: additive masks say it with -inf.
+    padding = np.ones((2, 1, 1, 120), dtype=bool)
+    padding[1, ..., 1:] = False
+    row = np.ones((100, 120), dtype=bool)
+    row[7] = np.arange(120) == 50
+    for mask in (padding, row, np.where(row, 0.0, -np.inf).astype(dtype)):
+        for dq, dk, _ in _one_key_gradients(query, key, value, grad_output, mask, False, backend):
+            if mask.ndim == 4:
+                assert not np.any(dq[1]) and not np.any(dk[1])
+            else:
+                assert not np.any(dq[..., 7, :]) and np.all(dq[..., 8, :] != 0)

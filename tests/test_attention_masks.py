@@ -273,3 +273,97 @@ def test_key_padding_mask_is_not_broadcast_to_every_query():
     problem = attention_problem(query, key, key, padding, backend="cpu")
     mask = problem.kernel_operands()[3]
     assert mask.shape == (3, 1, 300)
+
+
+def _gradients(query, key, value, grad_output, mask, is_causal, backend):
+    """attention_grad twice: running the forward itself, and from a saved forward."""
+    output, log_sum_exp = tfmath.scaled_dot_product_attention(
+        query, key, value, mask, is_causal, return_log_sum_exp=True, backend=backend
+    )
+    saved = {"output": output, "log_sum_exp": log_sum_exp}
+    for forward in ({}, saved):
+        yield tfmath.attention_grad(
+            query, key, value, grad_output, mask, is_causal, **forward, backend=backend
+        )
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_garbage_no_query_attends_never_reaches_the_gradients(backend, dtype):
+    # Issue 39: causal, L = 100 queries over S = 116 keys, top-left, so that no query
+    # attends keys 100 to 115. NaN and inf stored there turned a third of dq into NaN
+    # (dP = dO V^T over every key, then 0 * NaN), though the forward stayed clean.
+    rng = np.random.default_rng(39)
+    query = rng.standard_normal((2, 100, 33)).astype(dtype)
+    key = rng.standard_normal((2, 116, 33)).astype(dtype)
+    value = rng.standard_normal((2, 116, 33)).astype(dtype)
+    grad_output = rng.standard_normal((2, 100, 33)).astype(dtype)
+    expected = tfmath.attention_grad(query, key, value, grad_output, None, True, backend=backend)
+    key[0, 101], key[1, 110, 3], value[0, 113], value[1, 105, 7] = np.nan, -np.inf, np.nan, np.inf
+    # Garbage that is never read changes nothing but the order of a few sums.
+    tolerance = 4 * attention_tolerance(dtype, 33, 116)
+    for grads in _gradients(query, key, value, grad_output, None, True, backend):
+        for grad, want in zip(grads, expected, strict=True):
+            assert np.all(np.isfinite(grad))
+            assert_close(grad, want, tolerance)
+        # No query attends them: their keys and values get no gradient at all.
+        assert not np.any(grads[1][:, 100:]) and not np.any(grads[2][:, 100:])
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_the_gradients_leak_what_the_forward_leaks_and_nothing_else(backend, dtype, is_causal):
+    # Issue 39: a NaN query on a row the mask forbids whole made dk NaN (its dS row of
+    # zeros times the query). The forward reads nothing at weight 0; neither may the
+    # backward. NaN and inf sit in queries of forbidden rows, in keys and values every
+    # row forbids, and in the output gradient of a forbidden row: the gradients equal
+    # those of the clean problem. A NaN query on a row that attends makes, as in
+    # PyTorch, its output row NaN, its dq row and the dk and dv of the keys it
+    # attends, and nothing else.
+    rng = np.random.default_rng(40)
+    n_query, n_key, features = 45, 70, 6
+    query = rng.standard_normal((2, 3, n_query, features)).astype(dtype)
+    key = rng.standard_normal((2, 3, n_key, features)).astype(dtype)
+    value = rng.standard_normal((2, 3, n_key, 5)).astype(dtype)
+    grad_output = rng.standard_normal((2, 3, n_query, 5)).astype(dtype)
+    mask = rng.random((2, 1, n_query, n_key)) < 0.6
+    mask[..., 0] = True
+    mask[:, :, [4, 17, 40]] = False  # rows with nothing to attend
+    mask[..., [9, 33, 64]] = False  # keys no row attends
+    expected = tfmath.attention_grad(
+        query, key, value, grad_output, mask, is_causal, backend="reference"
+    )
+    query[:, :, 4], query[0, 1, 17, 2], query[1, 2, 40, 0] = np.nan, np.inf, -np.inf
+    key[:, :, 9], key[1, 0, 33, 1], value[:, :, 64], value[0, 0, 33] = (
+        np.nan,
+        np.inf,
+        np.nan,
+        -np.inf,
+    )
+    grad_output[0, 2, 17] = np.nan
+    tolerance = 4 * attention_tolerance(dtype, features, n_key)
+    for grads in _gradients(query, key, value, grad_output, mask, is_causal, backend):
+        for grad, want in zip(grads, expected, strict=True):
+            assert np.all(np.isfinite(grad))
+            assert_close(grad, want, tolerance)
+    # A NaN query on row 11 of entry (1, 2), which attends keys `attended`.
+    query[1, 2, 11, 0] = np.nan
+    attended = mask[1, 0, 11] & (np.arange(n_key) <= 11 if is_causal else True)
+    nan_rows = np.zeros((2, 3, n_query), bool)
+    nan_rows[1, 2, 11] = True
+    nan_keys = np.zeros((2, 3, n_key), bool)
+    nan_keys[1, 2] = attended
+    output = tfmath.scaled_dot_product_attention(
+        query, key, value, mask, is_causal, backend=backend
+    )
+    np.testing.assert_array_equal(np.isnan(output).any(-1), nan_rows)
+    for grads in _gradients(query, key, value, grad_output, mask, is_causal, backend):
+        for grad, nan in zip(grads, (nan_rows, nan_keys, nan_keys), strict=True):
+            np.testing.assert_array_equal(np.isnan(grad).all(-1), nan)
+            np.testing.assert_array_equal(np.isnan(grad).any(-1), nan)
+        # Everything else is the clean problem's: dq of the other rows, dk and dv of
+        # the keys the NaN row does not attend.
+        assert_close(grads[0][~nan_rows], expected[0][~nan_rows], tolerance)
+        assert_close(grads[1][~nan_keys], expected[1][~nan_keys], tolerance)
+        assert_close(grads[2][~nan_keys], expected[2][~nan_keys], tolerance)

@@ -466,6 +466,61 @@ def test_an_in_place_change_of_a_head_before_the_backward_is_caught():
         out.sum().backward()
 
 
+def test_garbage_no_query_attends_reaches_no_gradient_of_tensors():
+    # Issue 39's sweep: causal (top-left, as PyTorch's), L = 100 queries over S = 116
+    # keys, float64. A NaN value at key 113, which no query attends, turned 1188 of
+    # 3300 entries of dq and 33 of dk into NaN; a NaN query on a row the mask forbids
+    # whole, 348 entries of dk. The gradients are PyTorch's for the clean problem.
+    rng = np.random.default_rng(39)
+    q, k, v = leaves(rng, [(100, 33), (116, 33), (116, 33)])
+    grad = torch.from_numpy(rng.standard_normal((100, 33)))
+    keep = torch.ones(100, 116, dtype=torch.bool).tril()
+    keep[7] = False  # a row with nothing to attend
+    for mask, is_causal, garbage in ((None, True, "v"), (keep, False, "q")):
+        expected = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        pytorch_attention(*expected, mask, is_causal).backward(grad)
+        dirty = {"q": q.detach().clone(), "k": k.detach().clone(), "v": v.detach().clone()}
+        if garbage == "v":
+            dirty["v"][113] = torch.nan
+        else:
+            dirty["q"][7, :3] = torch.nan
+        tensors = [dirty[name].requires_grad_() for name in "qkv"]
+        out = tfmath.nn.scaled_dot_product_attention(*tensors, mask, is_causal=is_causal)
+        out.backward(grad)
+        assert torch.isfinite(out).all()
+        for mine, peer in zip(tensors, expected, strict=True):
+            assert torch.isfinite(mine.grad).all()
+            np.testing.assert_allclose(mine.grad.numpy(), peer.grad.numpy(), atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize("length", [100, 128])  # the general kernels' path and the layout plan's
+def test_one_key_gives_exactly_zero_query_and_key_gradients(length):
+    # Issue 39: with one key (S = 1), the softmax is 1 whatever the score, and dq and
+    # dk are exactly 0; tfmath gave up to 3.3e-5 in float32 (PyTorch 2.13's CPU SDPA
+    # gives up to 3e-5 on these inputs too). So is row 0 of a causal problem, the one
+    # row with one key.
+    rng = np.random.default_rng(40)
+    for n_key, is_causal in ((1, False), (1, True), (length, True)):
+        q, k, v = (
+            torch.from_numpy(3 * rng.standard_normal(shape)).float().requires_grad_()
+            for shape in ((1, 4, length, 32), (1, 4, n_key, 32), (1, 4, n_key, 32))
+        )
+        grad = torch.randn(1, 4, length, 32)
+        out = tfmath.nn.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
+        out.backward(grad)
+        if n_key == 1:
+            assert not q.grad.any() and not k.grad.any()
+            # dV = sum_i P_i1 dO_i with P = 1, summed in another order.
+            tolerance = attention_tolerance(np.float32, 0, length)
+            expected = grad.sum(dim=2, keepdim=True).numpy()
+            np.testing.assert_allclose(v.grad.numpy(), expected, rtol=tolerance, atol=tolerance)
+        else:
+            assert not q.grad[:, :, 0].any() and q.grad[:, :, 1].all()
+
+
+SECOND_DERIVATIVE = "differentiable once: a second derivative"
+
+
 @pytest.mark.parametrize("length", [3, 128])  # the plain kernels' path and the layout plan's
 def test_a_second_derivative_is_refused_not_silently_zero(length):
     q = torch.randn(1, 4, length, 16, dtype=torch.float64, requires_grad=True)
@@ -474,8 +529,108 @@ def test_a_second_derivative_is_refused_not_silently_zero(length):
     # A gradient that itself requires grad, as in a Hessian-vector product.
     weights = torch.ones_like(out, requires_grad=True)
     (grad,) = torch.autograd.grad(out, q, weights, create_graph=True)
-    with pytest.raises(RuntimeError, match="once_differentiable"):
+    with pytest.raises(RuntimeError, match=f"tfmath's attention is {SECOND_DERIVATIVE}"):
         grad.sum().backward()
+
+
+def differentiable_calls():
+    """Every kind of autograd node tfmath makes: ``(name, call, input)``."""
+    rng = np.random.default_rng(12)
+    (x,) = leaves(rng, [(2, 3, 8)])
+    weight = torch.ones(8, dtype=torch.float64)
+    key = torch.from_numpy(rng.standard_normal((2, 5, 8)))
+    open_mask = torch.ones(3, 5, dtype=torch.bool)
+    return [
+        ("attention", lambda q: tfmath.nn.scaled_dot_product_attention(q, key, key), x),
+        ("attention", lambda q: tfmath.nn.scaled_dot_product_attention(q, q, q), x),
+        (  # the layout plan of a model's heads
+            "attention",
+            lambda q: tfmath.nn.scaled_dot_product_attention(q, q, q, is_causal=True),
+            leaves(rng, [(1, 2, 128, 16)])[0],
+        ),
+        (  # the general path
+            "attention",
+            lambda q: tfmath.nn.scaled_dot_product_attention(q, key, key, attn_mask=open_mask),
+            x,
+        ),
+        ("softmax", lambda x: tfmath.nn.softmax(x, dim=-1), x),
+        ("layer_norm", lambda x: tfmath.layer_norm(x, weight, weight), x),
+        ("log_softmax", tfmath.log_softmax, x),
+    ]
+
+
+@pytest.mark.parametrize(("name", "call", "x"), differentiable_calls())
+def test_a_second_derivative_raises_whatever_the_incoming_gradient(name, call, x):
+    # Issue 39: with an incoming gradient that does not require grad (out.sum()'s),
+    # the gradient came back detached, and a penalty on it silently added nothing
+    # (PyTorch raises); differentiated alone, it failed with "element 0 of tensors
+    # does not require grad". Either is now the error that says what is missing.
+    out = call(x)
+    (grad,) = torch.autograd.grad(out.sum(), (x,), create_graph=True)
+    assert grad.requires_grad
+    with pytest.raises(RuntimeError, match=f"tfmath's {name} is {SECOND_DERIVATIVE}"):
+        ((grad * grad).sum() + out.sum()).backward()
+    out = call(x)
+    (grad,) = torch.autograd.grad(out.sum(), (x,), create_graph=True)
+    with pytest.raises(RuntimeError, match=f"tfmath's {name} is {SECOND_DERIVATIVE}"):
+        torch.autograd.grad((grad * grad).sum(), (x,))
+    # An ordinary backward is as it was: gradients outside any graph.
+    x.grad = None
+    call(x).sum().backward()
+    assert not x.grad.requires_grad and x.grad.grad_fn is None
+
+
+@pytest.mark.parametrize("layout_plan", [False, True])
+def test_create_graph_for_other_gradients_still_works(layout_plan):
+    # A penalty on the gradient of a weight the attention feeds: create_graph=True
+    # runs tfmath's backward, whose gradients nothing differentiates again. The
+    # result is PyTorch's, whose CPU attention has no second derivative either.
+    rng = np.random.default_rng(13)
+    length = 128 if layout_plan else 6
+    q, k, v = leaves(rng, [(1, 2, length, 16)] * 3)
+    (weight,) = leaves(rng, [(16, 16)])
+    grads = []
+    for attention in (tfmath.nn.scaled_dot_product_attention, F.scaled_dot_product_attention):
+        tensors = [t.detach().clone().requires_grad_() for t in (q, k, v, weight)]
+        out = attention(*tensors[:3], is_causal=True) @ tensors[3]
+        loss = out.square().sum()
+        (grad_weight,) = torch.autograd.grad(loss, (tensors[3],), create_graph=True)
+        (loss + grad_weight.square().sum()).backward()
+        grads.append([t.grad for t in tensors])
+    for mine, peer in zip(*grads, strict=True):
+        np.testing.assert_allclose(mine.numpy(), peer.numpy(), rtol=1e-10, atol=1e-10)
+
+
+def other_layouts():
+    dense = torch.ones(2, 3, 4)
+    return {
+        "sparse_coo": dense.to_sparse(),
+        "sparse_csr": dense[0].to_sparse_csr(),
+        "mkldnn": dense.to_mkldnn(),
+    }
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+@pytest.mark.parametrize("layout", ["sparse_coo", "sparse_csr", "mkldnn"])
+@pytest.mark.parametrize("operand", ["query", "value", "attn_mask"])
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_a_tensor_of_another_layout_is_refused_for_its_layout(layout, operand, requires_grad):
+    # Issue 39: a sparse or MKL-DNN tensor was refused for its dtype ("has dtype
+    # torch.float32, which tfmath cannot read"), which is not what is wrong with it.
+    arguments = {name: torch.ones(2, 3, 4, requires_grad=requires_grad) for name in "qkv"}
+    arguments["attn_mask"] = None
+    other = other_layouts()[layout]
+    arguments[{"query": "q", "value": "v"}.get(operand, operand)] = other
+    words = (f"{operand} has layout {other.layout}", "strided", f"{operand}.to_dense()")
+    for path in (contextlib.nullcontext(), general_path_only()):
+        with path, pytest.raises(DTypeError) as caught:
+            tfmath.scaled_dot_product_attention(
+                arguments["q"], arguments["k"], arguments["v"], arguments["attn_mask"]
+            )
+        assert all(word in str(caught.value) for word in words), caught.value
+        assert "dtype" not in str(caught.value)
+    with pytest.raises(DTypeError, match=f"x has layout {other.layout}"):
+        tfmath.softmax(other)
 
 
 class Tensor(torch.Tensor):

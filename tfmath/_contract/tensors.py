@@ -47,9 +47,15 @@ def to_array(name, tensor):
     """The tensor's data as a NumPy array (CPU) or Numba device array (CUDA), without a copy.
 
     Strides carry over as they are; the kernels' own layout rules decide later
-    whether a contiguous copy is needed, exactly as for a NumPy view.
+    whether a contiguous copy is needed, exactly as for a NumPy view. A tensor of
+    another layout (sparse, MKL-DNN) is refused as such, naming its layout.
     """
     torch = sys.modules["torch"]
+    if tensor.layout is not torch.strided:
+        raise DTypeError(
+            f"{name} has layout {tensor.layout}; tfmath reads strided (dense) tensors only: "
+            f"pass {name}.to_dense()"
+        )
     tensor = tensor.detach()
     if tensor.is_conj() or tensor.is_neg():
         tensor = tensor.resolve_conj().resolve_neg()
@@ -219,7 +225,8 @@ def _block_through_autograd(forward, backward, args, kwargs, reads_outputs):
         return (*grads, *(None,) * (len(args) - len(grads)))
 
     names = _parameter_names(forward, len(args))
-    rule = Rule(block_forward, block_backward, reads_outputs=reads_outputs)
+    name = forward.__name__.removesuffix("_forward")
+    rule = Rule(block_forward, block_backward, reads_outputs=reads_outputs, name=name)
     (result,) = differentiable(rule, names, args)
     return result
 
@@ -240,12 +247,78 @@ class Rule:
     before the backward is caught by torch's version counters instead of giving
     wrong gradients. Without it, outputs may be changed in place, as the outputs of
     torch's own layer norm may.
+
+    ``name`` names the computation in the error a second derivative raises (see
+    :meth:`name_of`).
     """
 
-    def __init__(self, forward, backward, *, reads_outputs=False):
+    def __init__(self, forward, backward, *, reads_outputs=False, name=None):
         self.forward = forward
         self.backward = backward
         self.reads_outputs = reads_outputs
+        self.name = name
+
+    def name_of(self, default="function"):
+        """``name``, or ``forward``'s name without its ``_forward`` suffix, or
+        ``default`` (worked out only when an error needs it)."""
+        if self.name is not None:
+            return self.name
+        name = getattr(self.forward, "__name__", "")
+        return name.removesuffix("_forward") if name.endswith("_forward") else default
+
+
+def second_derivative_message(name):
+    """What differentiating one of tfmath's gradients again raises."""
+    return (
+        f"tfmath's {name} is differentiable once: a second derivative (create_graph=True / "
+        "double backward, as in a Hessian-vector product or a penalty on this gradient) "
+        "is not supported, because tfmath computes the gradient with its own backward "
+        "kernels, which autograd cannot differentiate; compute the second derivative "
+        "through PyTorch's own functions instead"
+    )
+
+
+@functools.cache
+def _nondifferentiable_class():
+    """The ``torch.autograd.Function`` that the gradients of a tfmath backward run
+    under ``create_graph=True`` hang from: its forward passes them through, its
+    backward, which only a second derivative reaches, raises."""
+    torch = sys.modules["torch"]
+
+    class Nondifferentiable(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, name, count, *tensors):
+            ctx.name = name
+            return tensors[:count]
+
+        @staticmethod
+        def backward(ctx, *grad_outputs):
+            raise RuntimeError(second_derivative_message(ctx.name))
+
+    return Nondifferentiable
+
+
+def _differentiable_once(name, grads, sources):
+    """``grads`` (tensors or None) as a backward under grad mode (``create_graph=True``)
+    returns them: attached, through a node whose backward raises
+    :func:`second_derivative_message`, to ``sources``, the inputs that required grad,
+    so that a second derivative with respect to them reaches that node.
+
+    What torch's ``once_differentiable`` does, but whatever the incoming gradients
+    (``once_differentiable`` returns the gradients detached, so silently without a
+    second derivative, when the incoming gradients do not require grad), with an
+    error that names what is missing, and reachable from the inputs
+    (``once_differentiable``'s node hangs from fresh leaves, so that
+    ``autograd.grad(gradient, inputs)`` finds no path). The error comes only when the
+    second derivative is taken: a ``create_graph=True`` backward whose other
+    gradients alone are differentiated again works."""
+    tensors = [g for g in grads if g is not None]
+    if not tensors:
+        return grads
+    if not sources:  # unreachable through autograd, which calls a backward for inputs
+        tensors = [g.detach().requires_grad_() for g in tensors]
+    attached = iter(_nondifferentiable_class().apply(name, len(tensors), *tensors, *sources))
+    return tuple(None if g is None else next(attached) for g in grads)
 
 
 @functools.cache
@@ -253,7 +326,6 @@ def _function_class():
     """The ``torch.autograd.Function`` that runs a :class:`Rule` (defined at first use,
     so that torch is imported only by a caller that already has tensors)."""
     torch = sys.modules["torch"]
-    from torch.autograd.function import once_differentiable
 
     class TfmathFunction(torch.autograd.Function):
         @staticmethod
@@ -271,9 +343,8 @@ def _function_class():
             return results
 
         @staticmethod
-        @once_differentiable
         def backward(ctx, *grad_outputs):
-            ctx.saved_tensors  # noqa: B018 (raises if an input was changed in place)
+            saved = ctx.saved_tensors  # raises if an input was changed in place
             grads = ctx.rule.backward(
                 ctx.saved,
                 *(None if g is None else _unwrap("grad_output", g) for g in grad_outputs),
@@ -285,6 +356,12 @@ def _function_class():
                 to_tensor(g, ctx.device) if g is not None and want else None
                 for g, want in zip(grads, wanted, strict=True)
             )
+            if torch.is_grad_enabled():
+                # backward(create_graph=True): tfmath's gradients are not differentiable
+                # again, which a second derivative must be told.
+                inputs = zip(saved[: len(wanted)], wanted, strict=True)
+                sources = [t for t, want in inputs if t is not None and want]
+                wrapped = _differentiable_once(ctx.rule.name_of(), tuple(wrapped), sources)
             return (None, None, *wrapped)
 
     return TfmathFunction
@@ -300,7 +377,6 @@ def differentiable(rule, names, inputs):
 def _plain_function_class():
     """The lean ``torch.autograd.Function`` of :func:`differentiable_plain`."""
     torch = sys.modules["torch"]
-    from torch.autograd.function import once_differentiable
 
     class PlainTfmathFunction(torch.autograd.Function):
         @staticmethod
@@ -316,32 +392,31 @@ def _plain_function_class():
 
         @staticmethod
         def backward(ctx, grad_output):
+            saved = ctx.saved_tensors  # raises if an input or the output changed in place
+            (grad,) = plain_cpu_arrays(grad_output) or (to_array("grad_output", grad_output),)
+            grads = ctx.rule.backward(ctx.saved, grad)
+            wanted = ctx.needs_input_grad[1:]
+            wrapped = (
+                torch.from_numpy(g) if want else None for g, want in zip(grads, wanted, strict=True)
+            )
             if torch.is_grad_enabled():
-                # backward(create_graph=True): the gradients tfmath computes are not
-                # differentiable again, which once_differentiable makes an error. In an
-                # ordinary backward, grad mode is off, and its wrapping would only cost
-                # a training step's every attention call a no_grad context.
-                return _backward_once(ctx, grad_output)
-            return _backward(ctx, grad_output)
+                # backward(create_graph=True): the gradients are not differentiable again
+                # (see _differentiable_once). In an ordinary backward grad mode is off,
+                # and a training step's every attention call pays this one test.
+                inputs = zip(saved[: len(wanted)], wanted, strict=True)
+                sources = [t for t, want in inputs if want]
+                name = ctx.rule.name_of("attention")
+                wrapped = _differentiable_once(name, tuple(wrapped), sources)
+            return (None, *wrapped)
 
-    def _backward(ctx, grad_output):
-        ctx.saved_tensors  # noqa: B018 (raises if an input or the output changed in place)
-        (grad,) = plain_cpu_arrays(grad_output) or (to_array("grad_output", grad_output),)
-        grads = ctx.rule.backward(ctx.saved, grad)
-        wanted = ctx.needs_input_grad[1:]
-        wrapped = (
-            torch.from_numpy(g) if want else None for g, want in zip(grads, wanted, strict=True)
-        )
-        return (None, *wrapped)
-
-    _backward_once = once_differentiable(_backward)
     return PlainTfmathFunction
 
 
 def differentiable_plain(rule, inputs):
     """:func:`differentiable` for one output of plain CPU tensors ``inputs``, whose data
     ``rule`` already holds (read by :func:`plain_cpu_arrays`, or copied from it): the
-    short path of a training step's calls, which neither reads the tensors again nor
+    short path of a training step's attention calls (a rule without a name is named
+    "attention" in errors), which neither reads the tensors again nor
     walks the results. ``rule.forward()`` returns ``(output, saved)`` and
     ``rule.backward(saved, grad_output)`` one gradient per input, each an array the
     kernels have just written (float32 or float64, writeable, positive strides), which

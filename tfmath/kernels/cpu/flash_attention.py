@@ -37,6 +37,10 @@ log-sum-exp, each key tile recomputes :math:`P`, and with
     dV = P^\top dO, \quad dP = dO\, V^\top, \quad dS = P \circ (dP - D), \quad
     dQ = s\, dS\, K, \quad dK = s\, dS^\top Q
 
+As in the forward, pairs of weight 0 are never read (a block with a non-finite
+operand is taken without BLAS's products, which multiply zeros too), and a row
+with one attended key gets :math:`dS = 0` exactly (see :func:`_backward_kernel`).
+
 The tile products go to BLAS through :func:`tfmath.kernels.cpu.blas.gemm`,
 whose :math:`\alpha` applies the scale and whose :math:`\beta = 1` adds
 products straight into the output and the gradients, with BLAS held to the
@@ -548,10 +552,151 @@ def _shift_and_delta(
             delta[i] += grad_columns[e, i] * output_columns[e, i]
 
 
+@cpu_kernel
+def _careful_probabilities_and_score_gradients(scores, grad_probabilities, shift, delta, one_key):
+    r""":func:`_probabilities_and_score_gradients` for a block that may hold non-finite
+    values or rows with one attended key.
+
+    A pair of weight 0 (a score of -inf: masked, above the causal diagonal, a padding
+    key; or a row with nothing to attend, ``shift`` +inf, padding rows included) gets
+    P = 0 and dS = 0 exactly, whatever NaN or inf its score, :math:`dP` or
+    :math:`D_i` holds: 0 * NaN would otherwise carry a NaN stored where nothing
+    attends into the gradients. A row with one attended key (``one_key``) has P = 1
+    there, and :math:`D_i = \sum_j P_{ij} dP_{ij} = dP_{ij}` taken from that very
+    :math:`dP_{ij}`, so that its dS is exactly 0, as the softmax of one score is 1
+    whatever the score (:math:`D_i` from the output, :math:`\sum_e dO_{ie} O_{ie}`,
+    equals it only up to rounding)."""
+    prefer_wide_vectors()
+    zero, one = scores.dtype.type(0), scores.dtype.type(1)
+    for j in range(scores.shape[0]):
+        for i in range(scores.shape[1]):
+            score, dp = scores[j, i], grad_probabilities[j, i]
+            p = exp2_scalar(score - shift[i])
+            p = zero if score == -np.inf or shift[i] == np.inf else p
+            p = one if one_key[i] and p > 0 else p
+            d = dp if one_key[i] else delta[i]
+            scores[j, i] = p
+            grad_probabilities[j, i] = zero if p == 0 else p * (dp - d)
+
+
+@cpu_kernel
+def _add_product_skipping_zeros(alpha, weights, rows, out):
+    """``out += alpha * weights @ rows`` for ``weights`` ``(n, m)`` and ``rows``
+    ``(m, features)``, without reading a row at a zero weight: the BLAS product of a
+    block whose ``rows`` hold NaN or inf (0 * NaN is NaN)."""
+    for j in range(weights.shape[0]):
+        for i in range(weights.shape[1]):
+            w = weights[j, i]
+            if w != 0:
+                w = alpha * w
+                for e in range(rows.shape[1]):
+                    out[j, e] += w * rows[i, e]
+
+
+@cpu_kernel
+def _add_transposed_product_skipping_zeros(alpha, weights, rows, out):
+    """``out += alpha * weights.T @ rows`` for ``weights`` ``(n, m)`` and ``rows``
+    ``(n, features)``, without reading a row at a zero weight (as above)."""
+    for j in range(weights.shape[0]):
+        for i in range(weights.shape[1]):
+            w = weights[j, i]
+            if w != 0:
+                w = alpha * w
+                for e in range(rows.shape[1]):
+                    out[i, e] += w * rows[j, e]
+
+
+@cpu_kernel
+def _rows_are_clean(shift, delta):
+    """Whether no row of a query tile has a NaN probability shift or a non-finite
+    :math:`D_i` (a row that attended NaN or inf, or a NaN output gradient)."""
+    clean = True
+    for i in range(shift.shape[0]):
+        clean &= shift[i] > -np.inf and np.isfinite(delta[i])
+    return clean
+
+
+@cpu_kernel
+def _one_key_flags(one_key_rows, m, first_row, n_query, n_key, is_causal, flags):
+    """``flags[i]``: whether row ``first_row + i`` attends exactly one key, as the mask's
+    :func:`one_key_rows` says, or, without a mask, as ``n_key`` and the causal
+    diagonal do (one key, or the first row of a causal problem). Returns whether any
+    row does."""
+    any_row = False
+    for i in range(flags.shape[0]):
+        row = first_row + i
+        if row >= n_query:
+            flags[i] = False
+        elif one_key_rows is None:
+            flags[i] = n_key == 1 or (is_causal and row == 0)
+        else:
+            flags[i] = one_key_rows[m, row]
+        any_row |= flags[i]
+    return any_row
+
+
+@cpu_kernel
+def _count_open_keys(mask_row, stop):
+    """How many of the first ``stop`` keys an additive mask row leaves open (not
+    -inf), counted 16 at a time (a loop that vectorises) until there are two."""
+    prefer_wide_vectors()
+    forbidden = mask_row.dtype.type(-np.inf)
+    count = 0
+    for start in range(0, stop, 16):
+        segment = mask_row[start : min(start + 16, stop)]
+        for j in range(segment.shape[0]):
+            count += segment[j] != forbidden
+        if count >= 2:
+            break
+    return count
+
+
+@cpu_kernel
+def _one_key_rows_kernel(mask, is_causal, n_query, n_key, out):
+    """``out[m, i]``: whether row i of mask ``m`` (additive, ``(n_masks, L or 1, S or
+    1)``) leaves exactly one key open, before the causal diagonal when ``is_causal``.
+    Each row is read up to its second open key, which most rows have among their
+    first few: on the calling thread (waking the thread pool would cost more)."""
+    n_masks, mask_rows, mask_keys = mask.shape
+    forbidden = mask.dtype.type(-np.inf)
+    for task in range(n_masks * mask_rows):
+        m, r = task // mask_rows, task % mask_rows
+        # The rows this mask row serves: all of them when it is broadcast.
+        lo, hi = (0, n_query) if mask_rows == 1 else (r, r + 1)
+        if mask_keys == 1 or mask_rows == 1:
+            # The first two open keys, once for every row served.
+            first, second = -1, -1
+            for j in range(n_key if mask_keys > 1 else min(n_key, 2)):
+                if mask[m, r, j if mask_keys > 1 else 0] != forbidden:
+                    if first < 0:
+                        first = j
+                    else:
+                        second = j
+                        break
+            for i in range(lo, hi):
+                visible = min(i + 1, n_key) if is_causal else n_key
+                out[m, i] = 0 <= first < visible and not 0 <= second < visible
+        else:
+            visible = min(r + 1, n_key) if is_causal else n_key
+            out[m, r] = _count_open_keys(mask[m, r], visible) == 1
+
+
+def one_key_rows(mask, is_causal, n_query, n_key):
+    """For an additive mask ``(n_masks, L or 1, S or 1)`` as :func:`mask_operand`
+    gives it: ``(n_masks, L)`` booleans, whether each row attends exactly one key
+    (whose softmax is 1 whatever its score, and whose score gradients are 0); None
+    without a mask."""
+    if mask is None:
+        return None
+    out = np.empty((mask.shape[0], n_query), dtype=np.bool_)
+    _one_key_rows_kernel(mask, is_causal, n_query, n_key, out)
+    return out
+
+
 @cpu_kernel(parallel=True)
 def _backward_kernel(
     query_tiles, key_tiles, value_tiles, grad_tiles, output_tiles, log_sum_exp,
-    mask, tile_kinds, index, is_causal, n_query, n_key, scale, log2e,
+    mask, tile_kinds, one_key_rows, index, is_causal, n_query, n_key, scale, log2e,
     grad_query_parts, grad_key, grad_value,
 ):  # fmt: skip
     """One task per (batch entry, part of its key sweeps); part ``c`` of
@@ -565,6 +710,17 @@ def _backward_kernel(
     :math:`D_i` of the score gradients from the forward's output and log-sum-exp
     (``log2e`` is log2(e) in the operands' dtype), rather than the caller in passes
     of its own.
+
+    Pairs of weight 0 are never read, as in the forward. The tile products run by
+    BLAS, which multiplies zeros too (0 * NaN is NaN), as long as a block's operand
+    tiles, :math:`D_i` and shifts are finite, which each task checks once per tile
+    (a pass over its operands, against the products' passes over their blocks). A
+    block with a non-finite one takes
+    :func:`_careful_probabilities_and_score_gradients`, which sets P and dS to exactly
+    0 at weight 0, and multiplies each non-finite operand tile without reading it at
+    zero weights (:func:`_add_product_skipping_zeros`). So do the blocks of rows with
+    one attended key (``one_key_rows``, from the mask, or None: one key, or the first
+    row of a causal problem), whose dS is exactly 0.
     """
     n_batch, n_query_tiles, query_tile = (
         grad_tiles.shape[0],
@@ -589,6 +745,15 @@ def _backward_kernel(
         output_columns = np.empty((n_values, query_tile), dtype=dtype)
         shift = np.empty((n_query_tiles, query_tile), dtype=dtype)
         delta = np.empty((n_query_tiles, query_tile), dtype=dtype)
+        one_key = np.empty((n_query_tiles, query_tile), dtype=np.bool_)
+        # Per query tile: whether its query rows, its output gradient rows, and its rows'
+        # D_i and shifts are finite, and whether a row attends one key.
+        query_finite = np.empty(n_query_tiles, dtype=np.bool_)
+        grad_finite = np.empty(n_query_tiles, dtype=np.bool_)
+        rows_clean = np.empty(n_query_tiles, dtype=np.bool_)
+        has_one_key = np.empty(n_query_tiles, dtype=np.bool_)
+        key_finite = np.empty(KEY_TILES_PER_SWEEP, dtype=np.bool_)
+        value_finite = np.empty(KEY_TILES_PER_SWEEP, dtype=np.bool_)
         queries, grads = query_tiles[q], grad_tiles[b]
         for tile in range(n_query_tiles):
             transpose_into(queries[tile], query_columns[tile])
@@ -598,6 +763,16 @@ def _backward_kernel(
                 log_sum_exp, b, tile * query_tile, n_query, log2e,
                 grad_columns[tile], output_columns, shift[tile], delta[tile],
             )  # fmt: skip
+            query_finite[tile] = _is_finite_tile(query_columns[tile])
+            grad_finite[tile] = _is_finite_tile(grad_columns[tile])
+            rows_clean[tile] = (
+                query_finite[tile]
+                and grad_finite[tile]
+                and _rows_are_clean(shift[tile], delta[tile])
+            )
+            has_one_key[tile] = _one_key_flags(
+                one_key_rows, m, tile * query_tile, n_query, n_key, is_causal, one_key[tile]
+            )
         grad_query[b] = 0
         for sweep in range(part, n_sweeps, n_parts):
             sweep_start = sweep * KEY_TILES_PER_SWEEP
@@ -609,6 +784,8 @@ def _backward_kernel(
             for t in range(sweep_start, sweep_end):
                 grad_key[b, t] = 0
                 grad_value[b, t] = 0
+                key_finite[t - sweep_start] = _is_finite_tile(keys[t - sweep_start])
+                value_finite[t - sweep_start] = _is_finite_tile(values[t - sweep_start])
             for tile in range(n_query_tiles):
                 last_row = (tile + 1) * query_tile - 1
                 for t in range(sweep_start, sweep_end):
@@ -626,13 +803,34 @@ def _backward_kernel(
                         grad_scores,
                     )  # fmt: skip
                     gemm(1.0, values[in_sweep], grad_columns[tile], 0.0, grad_scores)
-                    _probabilities_and_score_gradients(
-                        probabilities, grad_scores, shift[tile], delta[tile]
-                    )
+                    clean = rows_clean[tile] and key_finite[in_sweep] and value_finite[in_sweep]
+                    if clean and not has_one_key[tile]:
+                        _probabilities_and_score_gradients(
+                            probabilities, grad_scores, shift[tile], delta[tile]
+                        )
+                    else:
+                        _careful_probabilities_and_score_gradients(
+                            probabilities, grad_scores, shift[tile], delta[tile], one_key[tile]
+                        )
                     # beta = 1: the products add straight into the gradients.
-                    gemm(1.0, probabilities, grads[tile], 1.0, grad_value[b, t])
-                    gemm(scale, grad_scores, queries[tile], 1.0, grad_key[b, t])
-                    gemm(scale, grad_scores, keys[in_sweep], 1.0, grad_query[b, tile], True)
+                    if grad_finite[tile]:
+                        gemm(1.0, probabilities, grads[tile], 1.0, grad_value[b, t])
+                    else:
+                        _add_product_skipping_zeros(
+                            1.0, probabilities, grads[tile], grad_value[b, t]
+                        )
+                    if query_finite[tile]:
+                        gemm(scale, grad_scores, queries[tile], 1.0, grad_key[b, t])
+                    else:
+                        _add_product_skipping_zeros(
+                            scale, grad_scores, queries[tile], grad_key[b, t]
+                        )
+                    if key_finite[in_sweep]:
+                        gemm(scale, grad_scores, keys[in_sweep], 1.0, grad_query[b, tile], True)
+                    else:
+                        _add_transposed_product_skipping_zeros(
+                            scale, grad_scores, keys[in_sweep], grad_query[b, tile]
+                        )
     for task in numba.prange(n_batch * n_query_tiles):
         b, tile = task // n_query_tiles, task % n_query_tiles
         total = grad_query_parts[0, b, tile]
@@ -831,7 +1029,8 @@ def attention_grad(problem, grad_output, saved=None):
         _backward_kernel(
             query_tiles, key_tiles, _row_tiles(value, key_tile),
             _row_tiles(grad_output, query_tile), _row_tiles(output, query_tile), log_sum_exp,
-            mask, tile_kinds, index, problem.is_causal, problem.n_query, problem.n_key,
+            mask, tile_kinds, one_key_rows(mask, problem.is_causal, problem.n_query, problem.n_key),
+            index, problem.is_causal, problem.n_query, problem.n_key,
             problem.scale, dtype.type(LOG2E), grad_query_parts, grad_key, grad_value,
         )  # fmt: skip
     return (
@@ -938,7 +1137,7 @@ class PlainFlash:
         with serial_blas():
             _backward_kernel(
                 query_tiles, key_tiles, value_tiles, grad_rows.reshape(self._output_tiles),
-                out, log_sum_exp, None, None, self._index, self._is_causal, self._n_query,
+                out, log_sum_exp, None, None, None, self._index, self._is_causal, self._n_query,
                 self._n_key, self._scale, self._log2e, grad_query_parts, grad_key, grad_value,
             )  # fmt: skip
         query_shape, key_shape, value_shape = self._gradient_shapes
