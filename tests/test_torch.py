@@ -623,12 +623,13 @@ def test_a_tensor_of_another_layout_is_refused_for_its_layout(layout, operand, r
     arguments[{"query": "q", "value": "v"}.get(operand, operand)] = other
     words = (f"{operand} has layout {other.layout}", "strided", f"{operand}.to_dense()")
     for path in (contextlib.nullcontext(), general_path_only()):
-        with path, pytest.raises(DTypeError) as caught:
+        with path, pytest.raises(tfmath.LayoutError) as caught:
             tfmath.scaled_dot_product_attention(
                 arguments["q"], arguments["k"], arguments["v"], arguments["attn_mask"]
             )
         assert all(word in str(caught.value) for word in words), caught.value
         assert "dtype" not in str(caught.value)
+    # A LayoutError is a DTypeError (a TypeError), as before.
     with pytest.raises(DTypeError, match=f"x has layout {other.layout}"):
         tfmath.softmax(other)
 

@@ -36,6 +36,7 @@ from tfmath.errors import (
     ArgumentError,
     BackendUnavailableError,
     DTypeError,
+    LayoutError,
     ShapeError,
     TfmathError,
 )
@@ -78,6 +79,7 @@ __all__ = [
     "BackendInfo",
     "BackendUnavailableError",
     "DTypeError",
+    "LayoutError",
     "ModelConfig",
     "ShapeError",
     "TfmathError",

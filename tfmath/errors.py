@@ -18,6 +18,10 @@ class DTypeError(TfmathError, TypeError):
     """An argument has a dtype (or type) the routine cannot honour."""
 
 
+class LayoutError(DTypeError):
+    """An argument is stored in a layout tfmath cannot read (a sparse or MKL-DNN tensor)."""
+
+
 class ArgumentError(TfmathError, ValueError):
     """An argument has a value the routine cannot accept: out of range, or an unknown option."""
 

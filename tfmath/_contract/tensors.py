@@ -22,7 +22,7 @@ import sys
 import numpy as np
 
 from tfmath import _cuda
-from tfmath.errors import DTypeError
+from tfmath.errors import DTypeError, LayoutError
 
 
 def any_tensor(*values):
@@ -52,7 +52,7 @@ def to_array(name, tensor):
     """
     torch = sys.modules["torch"]
     if tensor.layout is not torch.strided:
-        raise DTypeError(
+        raise LayoutError(
             f"{name} has layout {tensor.layout}; tfmath reads strided (dense) tensors only: "
             f"pass {name}.to_dense()"
         )
