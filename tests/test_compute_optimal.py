@@ -117,6 +117,7 @@ def test_parametric_fit_recovers_the_planted_law():
         assert getattr(fit.law, name) == pytest.approx(getattr(LAW, name), rel=2e-2)
     assert fit.irreducible_fitted
     assert fit.law.optimal(1e20).n == pytest.approx(LAW.optimal(1e20).n, rel=2e-2)
+    assert fit.unidentified == () and fit.at_bound == ()
 
 
 def test_parametric_fit_with_known_irreducible_keeps_it():
@@ -133,6 +134,7 @@ def test_parametric_intervals_hold_the_truth_with_noise():
     rng = np.random.default_rng(5)
     loss = LAW.loss(n, d) * np.exp(0.002 * rng.standard_normal(n.size))
     fit = fit_parametric_loss(n, d, loss, irreducible=1.5, n_bootstrap=100)
+    assert fit.unidentified == ()
     for name, true in (("alpha", 0.35), ("beta", 0.3), ("n_exponent", LAW.n_exponent)):
         low, high = fit.intervals[name]
         assert low < true < high

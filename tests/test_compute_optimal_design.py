@@ -321,15 +321,72 @@ def test_approach3_interval_coverage_and_width_are_calibrated():
     assert 0.5 * spread <= np.median(widths) <= 1.5 * spread
 
 
-def test_approach3_names_a_parameter_at_its_bound_instead_of_an_interval():
+def _without_effect(which, noise, seed):
+    """Runs on a 4 x 4 (N, D) grid whose loss does not depend on ``which`` of N and D:
+    E = 2, the other term 300 / x^0.3; multiplicative noise of ``noise``."""
     n, d = (g.ravel() for g in np.meshgrid(np.geomspace(1e3, 1e5, 4), np.geomspace(1e5, 1e7, 4)))
-    loss = 2.0 + 300.0 / d**0.3  # no N dependence: alpha runs to its lower bound
-    fit = fit_parametric_loss(n, d, loss, n_bootstrap=10)
-    assert "alpha" in fit.at_bound and "n_exponent" in fit.at_bound
-    assert all(math.isnan(v) for v in fit.intervals["alpha"])
-    assert "beta" not in fit.at_bound and fit.intervals["beta"] == pytest.approx(
-        (0.3, 0.3), abs=1e-6
+    kept = d if which == "n" else n
+    loss = (2.0 + 300.0 / kept**0.3) * np.exp(
+        noise * np.random.default_rng(seed).standard_normal(n.size)
     )
+    return n, d, loss
+
+
+#: The names a term without effect takes with it: its scale and exponent, both derived
+#: exponents (each depends on alpha and beta), and a fitted E (the term, its exponent
+#: near 0, can carry any part of E's level).
+_LOST = {"n": {"a", "alpha"}, "d": {"b", "beta"}}
+_DERIVED = {"n_exponent", "d_exponent", "e"}
+
+
+@pytest.mark.parametrize("which", ["n", "d"])
+def test_approach3_names_the_parameters_of_a_term_without_effect_instead_of_intervals(which):
+    """Loss with no N (or no D) dependence: the term's exponent is not determined, and
+    the fit says so whichever road the solver took. (This test used to ask for alpha
+    "at its lower bound"; under OpenBLAS's Haswell kernel the solver reaches the same
+    optimum with alpha = 3.998 and A = 0.22, no bound touched, and under Katmai's it
+    ends at alpha's upper bound: which one is the arithmetic's choice.)"""
+    n, d, loss = _without_effect(which, 0.0, 0)
+    fit = fit_parametric_loss(n, d, loss, n_bootstrap=10)
+    lost = _LOST[which] | _DERIVED
+    assert set(fit.unidentified) == lost
+    assert set(fit.at_bound) <= set(fit.unidentified)
+    assert all(math.isnan(v) for name in lost for v in fit.intervals[name])
+    # Every road ends at the data: the solver stops once a step gains under
+    # ftol = 1e-15 of the objective, so a residual of log L up to sqrt(2e-15) = 4.5e-8
+    # may remain (measured: about 1e-11).
+    np.testing.assert_allclose(fit.law.loss(n, d), loss, rtol=1e-7, atol=0)
+    # The other term is determined, to the same resolution (measured: 1e-11).
+    exponent, scale = ("beta", "b") if which == "n" else ("alpha", "a")
+    assert exponent not in fit.unidentified and scale not in fit.unidentified
+    assert fit.intervals[exponent] == pytest.approx((0.3, 0.3), abs=1e-6)
+    assert fit.intervals[scale] == pytest.approx((300.0, 300.0), rel=1e-6)
+
+
+@pytest.mark.parametrize(("which", "seed"), [("n", 2), ("d", 2), ("d", 7)])
+def test_approach3_names_a_term_lost_in_the_noise(which, seed):
+    """With 0.3% noise, a term the loss does not have fits the noise, with its
+    exponent anywhere (these seeds: inside the bounds under one OpenBLAS kernel, on
+    one under another); the F test of the term against the runs' scatter names it."""
+    n, d, loss = _without_effect(which, 0.003, seed)
+    fit = fit_parametric_loss(n, d, loss, n_bootstrap=20, seed=seed)
+    assert set(fit.unidentified) == _LOST[which] | _DERIVED
+    exponent = "beta" if which == "n" else "alpha"
+    low, high = fit.intervals[exponent]
+    assert low < 0.3 < high
+
+
+def test_approach3_names_nothing_on_a_healthy_law():
+    """Both terms present, E fitted, 0.3% noise: every parameter has an interval, and
+    it holds the truth."""
+    truth = ChinchillaLaw(e=1.5, a=300.0, b=500.0, alpha=0.35, beta=0.3)
+    n, d = (g.ravel() for g in np.meshgrid(np.geomspace(1e6, 1e9, 6), np.geomspace(1e8, 1e11, 6)))
+    loss = truth.loss(n, d) * np.exp(0.003 * np.random.default_rng(3).standard_normal(n.size))
+    fit = fit_parametric_loss(n, d, loss, n_bootstrap=60)
+    assert fit.unidentified == () and fit.at_bound == ()
+    for name, (low, high) in fit.intervals.items():
+        true = truth.e if name == "e" else getattr(truth, name)
+        assert low < true < high, name
 
 
 def test_kaplan_fit_recovers_the_published_exponents_with_noise():
@@ -373,8 +430,10 @@ def test_loss_law_fits_return_on_very_noisy_runs():
     bound), never a solver's exception; slow fits, so one data set rather than many."""
     _, n, d, loss = _planted(np.random.default_rng(5), 0.3)
     fit = fit_parametric_loss(n[:12], d[:12], loss[:12], n_bootstrap=2)
+    assert set(fit.at_bound) <= set(fit.unidentified)
     for name, (low, high) in fit.intervals.items():
-        assert name in fit.at_bound or low <= high
+        assert (name in fit.unidentified) == math.isnan(low) == math.isnan(high)
+        assert name in fit.unidentified or low <= high
     kaplan = fit_kaplan_loss(n, d, loss, n_bootstrap=5)
     assert kaplan.alpha_n > 0 and kaplan.alpha_d > 0
 

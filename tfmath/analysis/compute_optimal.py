@@ -24,9 +24,10 @@ so every resample keeps every size, and the whole fit is repeated. Resampling
 the runs themselves within a budget leaves half the resamples of a 5-point
 curve with 3 distinct sizes, and intervals about 2.4 times wider than the
 estimator's spread; the residual bootstrap's are calibrated by simulation in
-the tests. Approach 3 resamples the runs, and names the parameters its solver
-leaves on a bound (:attr:`ParametricLossFit.at_bound`) instead of giving them
-an interval. :func:`fit_kaplan_loss` fits Kaplan et al.'s (2020) pure power
+the tests. Approach 3 resamples the runs, and names the parameters the runs do
+not determine (:attr:`ParametricLossFit.unidentified`: on a solver bound, or
+belonging to a term that contributes nothing over the runs) instead of giving
+them an interval. :func:`fit_kaplan_loss` fits Kaplan et al.'s (2020) pure power
 law :math:`L(N, D)` (their equation 1.5) the same way.
 """
 
@@ -366,13 +367,29 @@ class ParametricLossFit:
         Bootstrap percentile intervals of ``"e"``, ``"a"``, ``"b"``,
         ``"alpha"``, ``"beta"``, ``"n_exponent"`` (:math:`\beta/(\alpha+\beta)`)
         and ``"d_exponent"``; for a known :math:`E`, ``"e"`` is that value twice.
-        A parameter in :attr:`at_bound` has ``(nan, nan)``: no interval.
+        A parameter in :attr:`unidentified` has ``(nan, nan)``: no interval.
     at_bound : tuple of str
         The parameters (``"alpha"``, ``"beta"``, ``"e"``, ``"a"``, ``"b"``, and
         ``"n_exponent"``, ``"d_exponent"`` when alpha or beta is one) that the
         solver left on one of its bounds, in the fit or in more than
         :math:`(1 - \text{confidence})/2` of the refits: the data do not
         determine them, and the bound is not an interval end.
+    unidentified : tuple of str
+        Every parameter the runs do not determine, each with no interval: those
+        :attr:`at_bound`, and ``"a"`` and ``"alpha"`` (``"b"`` and ``"beta"``)
+        when the term :math:`A/N^\alpha` (:math:`B/D^\beta`) contributes
+        nothing over the runs, in the fit or in more than
+        :math:`(1 - \text{confidence})/2` of the refits, with ``"n_exponent"``
+        and ``"d_exponent"`` (both depend on both exponents). A term contributes
+        nothing when replacing it by its mean over the runs (a constant, which
+        :math:`E` takes up) raises the objective by no more than the solver
+        resolves (its stopping tolerance) or than the runs' scatter explains (an
+        :math:`F` test at ``confidence``). Such a term's exponent is wherever
+        the solver's road left it (at a bound, or anywhere its scale makes the
+        term vanish), just as if it sat on a bound; and a fitted ``"e"`` is
+        listed too, since such a term can carry any part of :math:`E`'s level
+        (its exponent near 0, its scale a second :math:`E`). A superset of
+        :attr:`at_bound`, in the order of :attr:`intervals`.
     irreducible_fitted : bool
     objective : float
         The summed Huber loss at the fit.
@@ -383,6 +400,7 @@ class ParametricLossFit:
     law: ChinchillaLaw
     intervals: dict
     at_bound: tuple
+    unidentified: tuple
     irreducible_fitted: bool
     objective: float
     confidence: float
@@ -419,7 +437,9 @@ def fit_parametric_loss(
     :math:`(a, b, e, \alpha, \beta)` with :math:`A = e^a`, :math:`B = e^b`,
     :math:`E = e^e` (LSE the log-sum-exp), by L-BFGS-B from the 16 best points
     of the paper's grid, with the exact gradient; each bootstrap refit starts
-    from the fit to all runs.
+    from the fit to all runs. Parameters the runs do not determine (on a
+    solver bound, or belonging to a term that contributes nothing over the
+    runs: see :attr:`ParametricLossFit.unidentified`) get no interval.
 
     Parameters
     ----------
@@ -472,11 +492,14 @@ def fit_parametric_loss(
     data = (np.log(n), np.log(d), np.log(loss))
     theta, objective = _minimise(data, log_e, delta)
     rng = np.random.default_rng(seed)
-    draws = []
+    draws, flat = [], []
     for _ in range(n_bootstrap):
         rows = rng.integers(0, n.size, size=n.size)
+        sample = tuple(x[rows] for x in data)
         # Each refit starts from the full fit: a resample moves the optimum a little.
-        draws.append(_minimise(tuple(x[rows] for x in data), log_e, delta, [theta])[0])
+        draw, value = _minimise(sample, log_e, delta, [theta])
+        draws.append(draw)
+        flat.append(_flat_terms(draw, sample, value, log_e, delta, confidence))
     law = _law(theta)
     tails = 100 * np.array([(1 - confidence) / 2, (1 + confidence) / 2])
     laws = [_law(t) for t in draws]
@@ -489,10 +512,24 @@ def fit_parametric_loss(
         "n_exponent": [x.n_exponent for x in laws],
         "d_exponent": [x.d_exponent for x in laws],
     }
-    at_bound = _at_bound(theta, np.array(draws), log_e, (1 - confidence) / 2)
+    share = (1 - confidence) / 2
+    at_bound = _at_bound(theta, np.array(draws), log_e, share)
+    flat = _flat_terms(theta, data, objective, log_e, delta, confidence) | (
+        np.mean(flat, axis=0) > share
+    )
+    lost = set(at_bound)
+    for vanished, names in zip(flat, (("a", "alpha"), ("b", "beta")), strict=True):
+        if vanished:
+            lost.update((*names, "n_exponent", "d_exponent"))
+            # A term no different from a constant can carry any part of E's level (as
+            # its exponent goes to 0 its scale is a second E): only E plus that level
+            # is determined, and where E lands is the road's choice, not the runs'.
+            if log_e is None:
+                lost.add("e")
+    unidentified = tuple(name for name in columns if name in lost)
     intervals = {
         name: (math.nan, math.nan)
-        if name in at_bound
+        if name in lost
         else tuple(float(v) for v in np.percentile(values, tails))
         for name, values in columns.items()
     }
@@ -500,6 +537,7 @@ def fit_parametric_loss(
         law=law,
         intervals=intervals,
         at_bound=at_bound,
+        unidentified=unidentified,
         irreducible_fitted=log_e is None,
         objective=objective,
         confidence=confidence,
@@ -522,6 +560,63 @@ def _at_bound(theta, draws, log_e, share):
     if hit[0] or hit[1]:
         names += ["n_exponent", "d_exponent"]
     return tuple(names)
+
+
+def _flat_terms(theta, data, objective, log_e, delta, confidence):
+    r"""Whether the fitted :math:`A/N^\alpha` and :math:`B/D^\beta` contribute nothing
+    over the runs ``data``: a boolean array of two.
+
+    The rule: replace the term by its mean over the runs (a constant, which :math:`E`
+    takes up) and measure the rise :math:`\Delta` of the objective. The term
+    contributes nothing when :math:`\Delta` is no more than either of
+
+    * what the solver resolves: L-BFGS-B stops once a step gains less than
+      ``ftol`` times :math:`\max(f, 1)`, so a term worth less than that is one it
+      neither needs nor places; on exact data this is the floor;
+    * what the runs' scatter explains: the :math:`F` test of the model without the
+      term's shape (2 parameters fewer with :math:`E` fitted, :math:`A` and
+      :math:`\alpha` merging into it; 1 with :math:`E` known, a constant replacing
+      them) at ``confidence``, :math:`\Delta \le q f F_{q, n-p} / (n - p)`,
+      exact for normal residuals within the Huber threshold.
+
+    The reason: a term that cannot be told from a constant leaves its exponent
+    undetermined, as a bound does; the solver's road decides whether the exponent
+    lands on a bound, or anywhere while the scale makes the term vanish (exponent
+    3.998, scale 0.2, the same optimum), but every road to the optimum leaves the
+    same residuals, and so the same :math:`\Delta`. The other parameters stay where
+    they are and the constant is the plain mean, not the best one, so
+    :math:`\Delta` is at least the rise of a refit without the term: the rule errs
+    towards keeping a term.
+    """
+    alpha, beta, log_e_fit, log_a, log_b = theta
+    log_n, log_d, log_loss = data
+    # In logs, as in _objective: log of each run's A/N^alpha, B/D^beta and E.
+    logs = np.stack([log_a - alpha * log_n, log_b - beta * log_d, np.full_like(log_n, log_e_fit)])
+    base = huber(_log_sum(logs) - log_loss, delta).sum()
+    rise = np.array([
+        huber(
+            np.logaddexp(_log_sum(np.delete(logs, k, axis=0)),
+                         _log_sum(logs[k]) - math.log(log_n.size)) - log_loss,
+            delta,
+        ).sum() - base
+        for k in (0, 1)
+    ])  # fmt: skip
+    floor = _SOLVER_OPTIONS["ftol"] * max(objective, 1.0)
+    fitted = 4 if log_e is not None else 5
+    spare = log_loss.size - fitted
+    if spare > 0:
+        from scipy.stats import f as f_distribution
+
+        dropped = 1 if log_e is not None else 2
+        quantile = f_distribution.ppf(confidence, dropped, spare)
+        floor = max(floor, dropped * objective * quantile / spare)
+    return rise <= floor
+
+
+def _log_sum(logs):
+    """log(sum(exp(logs))) over the first axis, without overflow."""
+    top = logs.max(axis=0)
+    return top + np.log(np.exp(logs - top).sum(axis=0))
 
 
 def _law(theta):

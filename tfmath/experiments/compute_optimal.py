@@ -481,7 +481,7 @@ def _law_data(fit):
         "e": law.e, "a": law.a, "b": law.b, "alpha": law.alpha, "beta": law.beta,
         "n_exponent": law.n_exponent, "d_exponent": law.d_exponent,
         "intervals": {k: _finite(v) for k, v in fit.intervals.items()},
-        "at_bound": list(fit.at_bound),
+        "at_bound": list(fit.at_bound), "unidentified": list(fit.unidentified),
     }  # fmt: skip
 
 
@@ -556,7 +556,7 @@ def _published_table():
 def _interval(values, digits=2):
     low, high = values
     if not (np.isfinite(low) and np.isfinite(high)):
-        return "[at a solver bound]"
+        return "[not determined by the runs]"
     return f"[{low:.{digits}f}, {high:.{digits}f}]"
 
 
@@ -570,14 +570,17 @@ def _caption(isoflop, hoffmann, parametric, kaplan, frontier_c, prediction, sour
         verdict.append(f"{name} is {'inside' if low <= published <= high else 'outside'} it")
     a3 = parametric.law.n_exponent
     a3_low, a3_high = parametric.intervals["n_exponent"]
-    if "n_exponent" in parametric.at_bound:
+    if "n_exponent" in parametric.unidentified:
         agree = "it cannot be compared"
     elif max(a3_low, isoflop.a_interval[0]) <= min(a3_high, isoflop.a_interval[1]):
         agree = "the two agree within their intervals"
     else:
         agree = "the two intervals do not overlap"
     bounded = (
-        f" (at a solver bound: {', '.join(parametric.at_bound)})" if parametric.at_bound else ""
+        f" (the runs leave {', '.join(parametric.unidentified)} undetermined: on a solver "
+        f"bound, or in a term without effect)"
+        if parametric.unidentified
+        else ""
     )
     text = (
         f"IsoFLOP profiles of one-layer models on {_describe(source)}, "
