@@ -581,9 +581,9 @@ def _careful_probabilities_and_score_gradients(scores, grad_probabilities, shift
 
 @cpu_kernel
 def _add_product_skipping_zeros(alpha, weights, rows, out):
-    """``out += alpha * weights @ rows`` for ``weights`` ``(n, m)`` and ``rows``
-    ``(m, features)``, without reading a row at a zero weight: the BLAS product of a
-    block whose ``rows`` hold NaN or inf (0 * NaN is NaN)."""
+    """``out += alpha * weights @ rows`` for ``weights`` ``(n, m)`` (or a transposed
+    view) and ``rows`` ``(m, features)``, without reading a row at a zero weight: the
+    BLAS product of a block whose ``rows`` hold NaN or inf (0 * NaN is NaN)."""
     for j in range(weights.shape[0]):
         for i in range(weights.shape[1]):
             w = weights[j, i]
@@ -591,19 +591,6 @@ def _add_product_skipping_zeros(alpha, weights, rows, out):
                 w = alpha * w
                 for e in range(rows.shape[1]):
                     out[j, e] += w * rows[i, e]
-
-
-@cpu_kernel
-def _add_transposed_product_skipping_zeros(alpha, weights, rows, out):
-    """``out += alpha * weights.T @ rows`` for ``weights`` ``(n, m)`` and ``rows``
-    ``(n, features)``, without reading a row at a zero weight (as above)."""
-    for j in range(weights.shape[0]):
-        for i in range(weights.shape[1]):
-            w = weights[j, i]
-            if w != 0:
-                w = alpha * w
-                for e in range(rows.shape[1]):
-                    out[i, e] += w * rows[j, e]
 
 
 @cpu_kernel
@@ -828,8 +815,8 @@ def _backward_kernel(
                     if key_finite[in_sweep]:
                         gemm(scale, grad_scores, keys[in_sweep], 1.0, grad_query[b, tile], True)
                     else:
-                        _add_transposed_product_skipping_zeros(
-                            scale, grad_scores, keys[in_sweep], grad_query[b, tile]
+                        _add_product_skipping_zeros(
+                            scale, grad_scores.T, keys[in_sweep], grad_query[b, tile]
                         )
     for task in numba.prange(n_batch * n_query_tiles):
         b, tile = task // n_query_tiles, task % n_query_tiles
