@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import tfmath
-from tfmath._config import cpu_kernel
+from tfmath._jit import cpu_kernel
 from tfmath.analysis import complexity as cx
 from tfmath.efficient import linear_attention, sparse_attention_mask
 

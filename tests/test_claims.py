@@ -18,10 +18,11 @@ from tfmath.analysis.claims import (
     parse_printed,
 )
 from tfmath.errors import ArgumentError, DTypeError
+from tfmath.plotting import new_figure
+from tfmath.plotting._figure import legible_text
 from tfmath.report import RunSettings, Table, build_report, registered_experiments
 from tfmath.report._ledger import PREVIEW_ROWS, UNCOMPUTED_CLAIMS
 from tfmath.report._writer import SHOWN_WIDTH_PX, _table_html
-from tfmath.report.plotting import legible_text, new_figure
 
 #: Cheap experiments whose claims the report tests gather (the costly ones are left out).
 CHEAP = ["worked_examples", "model_accounting", "seed_formulas", "positional_permutation"]

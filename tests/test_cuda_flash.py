@@ -219,19 +219,19 @@ def test_half_precision_forward_multiplies_on_the_tensor_cores(ptx_files, cc):
 
 @pytest.mark.parametrize(("value", "expected"), [("", None), ("128", 128), (" 96 ", 96)])
 def test_the_register_cap_is_read_from_the_environment(value, expected, monkeypatch):
-    from tfmath import _config
+    from tfmath import _cuda_switches
 
     monkeypatch.setenv("TFMATH_CUDA_MAX_REGISTERS", value)
-    assert _config.cuda_max_registers() == expected
+    assert _cuda_switches.cuda_max_registers() == expected
 
 
 @pytest.mark.parametrize("value", ["0", "256", "-1", "many", "12.5"])
 def test_a_register_cap_out_of_range_names_the_variable(value, monkeypatch):
-    from tfmath import _config
+    from tfmath import _cuda_switches
 
     monkeypatch.setenv("TFMATH_CUDA_MAX_REGISTERS", value)
     with pytest.raises(ValueError, match=r"TFMATH_CUDA_MAX_REGISTERS .* 1 to 255"):
-        _config.cuda_max_registers()
+        _cuda_switches.cuda_max_registers()
 
 
 @pytest.mark.cuda

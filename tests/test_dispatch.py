@@ -101,30 +101,32 @@ def test_kernel_cache_stamp_covers_every_kernel_file(tmp_path):
     # invalidate every cached kernel, not just the functions in that file.
     import shutil
 
-    from tfmath import _config
+    from tfmath import _kernel_cache
 
     folder = tmp_path / "kernels"
-    shutil.copytree(_config.KERNELS_FOLDER, folder, ignore=shutil.ignore_patterns("__pycache__"))
-    before = _config.kernel_sources_digest(folder)
-    assert _config.kernel_sources_digest(folder) == before
+    shutil.copytree(
+        _kernel_cache.KERNELS_FOLDER, folder, ignore=shutil.ignore_patterns("__pycache__")
+    )
+    before = _kernel_cache.kernel_sources_digest(folder)
+    assert _kernel_cache.kernel_sources_digest(folder) == before
     helper = folder / "cpu" / "exp2.py"
     helper.write_text(helper.read_text() + "\n# edited\n")
-    assert _config.kernel_sources_digest(folder) != before
+    assert _kernel_cache.kernel_sources_digest(folder) != before
 
 
 def test_kernels_are_cached_in_the_kernel_cache_stamped_with_all_kernel_sources(
     tmp_path, monkeypatch
 ):
-    from tfmath import _config
+    from tfmath import _kernel_cache
     from tfmath.kernels.cpu import exp2
 
     implementation = getattr(exp2.exp2_array._cache, "_impl", None)
     if implementation is None:
-        pytest.skip(f"the kernel cache is {_config.kernel_cache().describe()}")
+        pytest.skip(f"the kernel cache is {_kernel_cache.kernel_cache().describe()}")
     locator = implementation.locator
-    assert locator.get_source_stamp() == _config.kernel_sources_digest()
-    assert Path(locator.get_cache_path()) == _config.kernel_cache().folder / "cpu"
-    assert not Path(locator.get_cache_path()).is_relative_to(_config.KERNELS_FOLDER.parent)
+    assert locator.get_source_stamp() == _kernel_cache.kernel_sources_digest()
+    assert Path(locator.get_cache_path()) == _kernel_cache.kernel_cache().folder / "cpu"
+    assert not Path(locator.get_cache_path()).is_relative_to(_kernel_cache.KERNELS_FOLDER.parent)
     # A user's own cached function keeps Numba's locators.
     module = tmp_path / "user_module.py"
     module.write_text(
@@ -140,9 +142,9 @@ def test_kernel_cache_never_loads_one_signatures_code_for_another(tmp_path):
     # Two processes compile two signatures of one kernel at once: each finds the index
     # empty, so each names its data file 1; the index ends up listing float64 and the
     # file holding float32's code. Numba's own cache file would load it.
-    from tfmath import _config
+    from tfmath import _kernel_cache
 
-    cache_file = _config._key_checked_cache_file_class()
+    cache_file = _kernel_cache._key_checked_cache_file_class()
     first, second = (cache_file(str(tmp_path), "split_gemm-60", "stamp") for _ in range(2))
     deferred = []
     save_data = first._save_data
@@ -162,21 +164,21 @@ def test_kernel_cache_never_loads_one_signatures_code_for_another(tmp_path):
 
 
 def test_kernel_cache_folder_is_keyed_by_the_sources_and_follows_the_environment(monkeypatch):
-    from tfmath import _config
+    from tfmath import _kernel_cache
 
     for variable in ("TFMATH_CACHE_DIR", "NUMBA_CACHE_DIR", "XDG_CACHE_HOME"):
         monkeypatch.delenv(variable, raising=False)
     monkeypatch.setenv("HOME", "/home/reader")
-    assert _config.kernel_cache_folder("ab" * 32) == Path(
+    assert _kernel_cache.kernel_cache_folder("ab" * 32) == Path(
         "/home/reader/.cache/tfmath/kernels/abababababababab"
     )
-    assert _config.kernel_cache_folder("cd" * 32).name == "cdcdcdcdcdcdcdcd"
+    assert _kernel_cache.kernel_cache_folder("cd" * 32).name == "cdcdcdcdcdcdcdcd"
     monkeypatch.setenv("XDG_CACHE_HOME", "/xdg")
-    assert _config.kernel_cache_folder("ab" * 32).parent == Path("/xdg/tfmath/kernels")
+    assert _kernel_cache.kernel_cache_folder("ab" * 32).parent == Path("/xdg/tfmath/kernels")
     monkeypatch.setenv("NUMBA_CACHE_DIR", "/numba")
-    assert _config.kernel_cache_folder("ab" * 32).parent == Path("/numba/tfmath")
+    assert _kernel_cache.kernel_cache_folder("ab" * 32).parent == Path("/numba/tfmath")
     monkeypatch.setenv("TFMATH_CACHE_DIR", "/tfmath-cache")
-    assert _config.kernel_cache_folder("ab" * 32).parent == Path("/tfmath-cache/kernels")
+    assert _kernel_cache.kernel_cache_folder("ab" * 32).parent == Path("/tfmath-cache/kernels")
 
 
 def test_unwritable_kernel_cache_is_off_and_kernels_still_run(tmp_path):
@@ -186,9 +188,9 @@ def test_unwritable_kernel_cache_is_off_and_kernels_still_run(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("TFMATH_")}
     env["TFMATH_CACHE_DIR"] = str(blocker)
     script = (
-        "import numpy as np, tfmath; from tfmath import _config; "
+        "import numpy as np, tfmath; from tfmath import _kernel_cache; "
         "q = np.eye(3); print(tfmath.scaled_dot_product_attention(q, q, q, backend='cpu').sum()); "
-        "print(_config.kernel_cache().describe())"
+        "print(_kernel_cache.kernel_cache().describe())"
     )
     completed = subprocess.run(
         [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True
@@ -215,11 +217,11 @@ class _FakeBlas:
 
 @pytest.mark.parametrize("threads", [(4, 1), (2, 2), (1, 1)])
 def test_serial_blas_holds_blas_to_one_thread_and_restores_it(threads, monkeypatch):
-    from tfmath import _config
+    from tfmath import _blas_threads
 
     libraries = tuple(_FakeBlas(n) for n in threads)
-    monkeypatch.setattr(_config, "_blas_libraries", lambda: libraries)
-    with _config.serial_blas():
+    monkeypatch.setattr(_blas_threads, "_blas_libraries", lambda: libraries)
+    with _blas_threads.serial_blas():
         assert [library.threads for library in libraries] == [1, 1]
     assert tuple(library.threads for library in libraries) == threads
     if threads == (1, 1):  # already serial: left alone, as a training step calls it often

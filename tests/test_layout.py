@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 
 import tfmath
-from tfmath._moved import MOVED_MODULES
 
 PACKAGE = Path(tfmath.__file__).parent
 ROOT = PACKAGE.parent
@@ -25,7 +24,10 @@ LAYERS = (
             "tfmath.errors",
             "tfmath._version",
             "tfmath._cuda",
-            "tfmath._config",
+            "tfmath._jit",
+            "tfmath._kernel_cache",
+            "tfmath._blas_threads",
+            "tfmath._cuda_switches",
             "tfmath._blas_kernel",
         ),
     ),
@@ -47,13 +49,15 @@ LAYERS = (
     ("analysis", ("tfmath.analysis",)),
     ("plotting", ("tfmath.plotting",)),
     ("tools", ("tfmath.tools", "tfmath.report", "tfmath.experiments", "tfmath.view")),
-    ("package", ("tfmath._moved", "tfmath.__main__", "tfmath")),
+    ("package", ("tfmath.__main__", "tfmath")),
 )
 
 #: What kernels and oracles may import besides their own package.
 IMPLEMENTATION_DEPENDENCIES = (
     "tfmath._contract",
-    "tfmath._config",
+    "tfmath._jit",
+    "tfmath._blas_threads",
+    "tfmath._cuda_switches",
     "tfmath._cuda",
     "tfmath.errors",
 )
@@ -224,9 +228,3 @@ def _documented_paths():
 @pytest.mark.parametrize("dotted", _documented_paths())
 def test_every_dotted_path_in_the_docs_is_importable(dotted):
     _resolve(dotted)
-
-
-@pytest.mark.parametrize(("old", "new"), sorted(MOVED_MODULES.items()))
-def test_the_flat_layouts_module_paths_import_as_the_moved_modules(old, new):
-    assert importlib.import_module(old) is importlib.import_module(new)
-    assert getattr(tfmath, old.removeprefix("tfmath.")) is importlib.import_module(new)

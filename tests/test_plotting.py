@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from tfmath import _config
+from tfmath import _kernel_cache
 from tfmath.analysis.complexity import WORKLOADS, Measurement
 from tfmath.formulas.scaling import KAPLAN_LAWS, fit_scaling_law
 from tfmath.plotting import (
@@ -183,19 +183,19 @@ def test_plotting_imports_matplotlib_only_to_draw_and_never_pyplot():
 
 
 def test_the_compilation_notice_tells_a_cold_cache_from_a_warm_one(tmp_path):
-    cold = _config.KernelCache(tmp_path)
-    assert str(tmp_path) in _config.compilation_notice(cold)
+    cold = _kernel_cache.KernelCache(tmp_path)
+    assert str(tmp_path) in _kernel_cache.compilation_notice(cold)
     (tmp_path / "attention").mkdir()
     (tmp_path / "attention" / "kernel.nbi").write_bytes(b"")
-    assert _config.compilation_notice(cold) is None
-    off = _config.KernelCache(None, "TFMATH_CACHE=0")
-    assert "TFMATH_CACHE=0" in _config.compilation_notice(off)
+    assert _kernel_cache.compilation_notice(cold) is None
+    off = _kernel_cache.KernelCache(None, "TFMATH_CACHE=0")
+    assert "TFMATH_CACHE=0" in _kernel_cache.compilation_notice(off)
 
 
 def test_the_cli_prints_the_notice_on_stderr_when_the_cache_is_cold(tmp_path, monkeypatch, capsys):
     from tfmath.tools import cli
 
-    monkeypatch.setattr(_config, "kernel_cache", lambda: _config.KernelCache(tmp_path))
+    monkeypatch.setattr(_kernel_cache, "kernel_cache", lambda: _kernel_cache.KernelCache(tmp_path))
     cli._print_compilation_notice()
     captured = capsys.readouterr()
     assert captured.out == "" and captured.err.startswith("tfmath: compiling kernels (first call")

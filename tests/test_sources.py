@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from tfmath._config import cache_dir
+from tfmath._kernel_cache import cache_dir
 from tfmath.errors import ArgumentError, TfmathError
 from tfmath.training import TrainingConfig, language_model_config, train_language_model
 from tfmath.training.hierarchical import HierarchicalLanguage

@@ -279,7 +279,7 @@ sys.stdout.write(model.flat.tobytes().hex())
 
 def test_a_training_step_gives_the_same_bits_compiled_or_cached(tmp_path):
     # Every kernel of the step. With reassociation and arcp allowed, the cross-entropy
-    # once rounded differently in the two processes (tfmath._config.FASTMATH_FLAGS).
+    # once rounded differently in the two processes (tfmath._jit.FASTMATH_FLAGS).
     compiled, cached = _compiled_then_cached(_STEP_BITS, tmp_path)
     assert compiled == cached
 

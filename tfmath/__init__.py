@@ -18,16 +18,16 @@ The package, from the top down (each layer imports only the layers below it):
   layouts, argument checks): ``tfmath._contract``; the registry of
   implementations: ``tfmath._dispatch``;
 - the implementations: ``tfmath.kernels.cpu``, ``tfmath.kernels.cuda`` and the
-  NumPy oracles ``tfmath.reference``, beside the compilation settings
-  (``tfmath._config``) and the one module that imports ``numba.cuda``
-  (``tfmath._cuda``).
+  NumPy oracles ``tfmath.reference``, beside the infrastructure they build on:
+  the JIT options (``tfmath._jit``), the disk cache of compiled kernels
+  (``tfmath._kernel_cache``), BLAS's thread count (``tfmath._blas_threads``),
+  the CUDA switches (``tfmath._cuda_switches``) and the one module that imports
+  ``numba.cuda`` (``tfmath._cuda``).
 
-This file only re-exports. The dotted paths of the earlier flat layout
-(``tfmath.layers``, ``tfmath.scaling``, ...) still import, as the same modules.
+This file only re-exports.
 """
 
 from tfmath._dispatch import BackendInfo, backends
-from tfmath._moved import module_getattr as __getattr__  # noqa: F401 (old module names)
 from tfmath._version import __version__
 from tfmath.attention import attention_grad, scaled_dot_product_attention, softmax
 from tfmath.efficient import linear_attention, sparse_attention, sparse_attention_mask

@@ -89,9 +89,9 @@ def blas_kernels(info=None):
     """Every BLAS library loaded (the one Numba's kernels call, SciPy's, loaded first),
     from threadpoolctl's ``info()`` records (``info``: those records, for tests)."""
     if info is None:
-        from tfmath import _config
+        from tfmath._blas_threads import blas_controller
 
-        info = _config._blas_controller().select(user_api="blas").info()
+        info = blas_controller().select(user_api="blas").info()
     return [
         BlasKernel(
             library=record["internal_api"],

@@ -5,7 +5,8 @@ Public topic modules (:mod:`tfmath.attention`, ...) turn user arguments into a
 the backend that will run it. Kernels (``tfmath.kernels.cpu``,
 ``tfmath.kernels.cuda``) and the NumPy oracles (``tfmath.reference``) receive
 problems and read them through the layout helpers here; they import only this
-package, ``tfmath._config``, ``tfmath._cuda`` and ``tfmath.errors``, never a
+package, the infrastructure (``tfmath._jit``, ``tfmath._blas_threads``,
+``tfmath._cuda_switches``, ``tfmath._cuda``) and ``tfmath.errors``, never a
 topic module, so the drawing of the imports has them at the bottom.
 
 :mod:`~tfmath._contract.checks`

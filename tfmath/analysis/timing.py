@@ -59,11 +59,12 @@ def interleaved_best_times(calls, repeats, rounds=ROUNDS):
     ``rounds`` rounds that time every contender in turn, ``repeats`` calls each.
 
     Other work on a shared machine comes and goes over seconds. Timed one after
-    the other, one contender can catch a busy spell the other misses: on the
-    development machine, PyTorch's forward + backward ranged from 105 to 122 ms
-    across runs of the benchmark. Rounds in turn give each contender samples
-    from the same stretch of time. Each contender gets one untimed warm-up call
-    in the first round, and every timing follows the pause of :func:`best_time`.
+    the other, one contender can catch a busy spell the other misses, and a
+    contender's time moves between runs by more than the differences compared
+    (see docs/benchmarks.rst, "Measurements behind constants"). Rounds in turn
+    give each contender samples from the same stretch of time. Each contender
+    gets one untimed warm-up call in the first round, and every timing follows
+    the pause of :func:`best_time`.
     """
     best = dict.fromkeys(calls, math.inf)
     for round_index in range(rounds):

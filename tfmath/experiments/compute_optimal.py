@@ -53,6 +53,7 @@ from tfmath.errors import ArgumentError
 from tfmath.experiments._sweeps import results_folder, scheduler
 from tfmath.formulas.accounting import flops_per_token
 from tfmath.formulas.scaling import BESIROGLU, CHINCHILLA, fit_scaling_law
+from tfmath.plotting import new_figure
 from tfmath.plotting.compute_optimal import (
     frontier_prediction,
     isoflop_curves,
@@ -60,7 +61,6 @@ from tfmath.plotting.compute_optimal import (
     tokens_per_parameter,
 )
 from tfmath.report import ExperimentResult, Table, experiment
-from tfmath.report.plotting import new_figure
 from tfmath.training import TrainingConfig, language_model_config
 from tfmath.training.sources import ByteCorpus, ShakespeareCorpus
 from tfmath.training.sweep import TrainingRun, run_sweep

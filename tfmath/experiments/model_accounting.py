@@ -14,8 +14,8 @@ from tfmath.formulas.accounting import (
     measure_flop_rate,
     parameter_breakdown,
 )
+from tfmath.plotting import new_figure
 from tfmath.report import ExperimentResult, Table, experiment
-from tfmath.report.plotting import new_figure
 
 #: Seed 000's table (model, heads, d_model, d_k, parameters), as printed, plus the two
 #: models of Vaswani et al. (2017, table 3) as an extension.

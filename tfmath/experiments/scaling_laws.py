@@ -45,8 +45,8 @@ from tfmath.formulas.scaling import (
     kaplan_compute_efficient,
     kaplan_loss,
 )
+from tfmath.plotting import new_figure
 from tfmath.report import ExperimentResult, Table, experiment
-from tfmath.report.plotting import new_figure
 from tfmath.training import TrainingConfig, language_model_config
 from tfmath.training.sweep import TrainingRun, run_sweep
 from tfmath.training.synthetic import ZipfLexicon

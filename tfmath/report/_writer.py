@@ -18,10 +18,10 @@ import time
 from pathlib import Path
 
 from tfmath._version import __version__
+from tfmath.plotting._figure import legible_text
 from tfmath.report._ledger import folded_table, gather_claims, ledger_html, write_claims
 from tfmath.report._registry import RunSettings, registered_experiments
 from tfmath.report._staging import remove_abandoned, staging_folder
-from tfmath.report.plotting import legible_text
 
 #: Present in every report folder; only folders holding it are ever replaced.
 MARKER = ".tfmath-report"

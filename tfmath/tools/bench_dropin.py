@@ -96,9 +96,9 @@ def _values_only(query, key, value, is_causal):
     return value
 
 
-#: Each timing of a model's step lasts at least this long: at context 256 one step
-#: (17 ms) varies by 5-10 % from step to step on the 2-core development machine, more
-#: than the difference measured, so a timing there is the mean of several steps.
+#: Each timing of a model's step lasts at least this long: one step varies from step
+#: to step by more than the difference measured, so a timing is the mean of several
+#: steps (see docs/benchmarks.rst, "Measurements behind constants").
 MIN_TIMING_SECONDS = 0.1
 #: Interleaved rounds per context.
 ROUNDS = 15

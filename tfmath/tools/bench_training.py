@@ -153,13 +153,12 @@ ROOF_SIZE = 1024
 class TorchPeer:
     """PyTorch's side of the rows, in a process of its own on ``threads`` threads.
 
-    In the process where tfmath's steps ran, PyTorch's two-thread steps ran 1.2
-    to 3 times slower than alone, and in one harness about 30 times at context 512
-    (on the 2-core Intel development machine, 2026-11-25; docs/benchmarks.rst,
-    "Training steps", says what is known of the causes). In a process of its own,
-    PyTorch's step is what a PyTorch user gets. The peer builds each model
-    and times its steps itself, so the pipe's latency is not in its times; the
-    rounds still take the two in turn.
+    In the process where tfmath's steps ran, PyTorch's two-thread steps ran
+    several times slower than alone (docs/benchmarks.rst: "Training steps" says
+    what is known of the causes, "Measurements behind constants" what was
+    measured). In a process of its own, PyTorch's step is what a PyTorch user
+    gets. The peer builds each model and times its steps itself, so the pipe's
+    latency is not in its times; the rounds still take the two in turn.
     """
 
     def __init__(self, threads):
@@ -426,7 +425,7 @@ def attention_costs(shapes=ATTENTION_COST_SHAPES, repeats=20):
     Returns the layer norm's seconds per element and, per shape, the forward's and
     backward's seconds per (row, key, head), each the best of ``repeats`` calls.
     """
-    from tfmath import _config
+    from tfmath._blas_threads import serial_blas
     from tfmath.kernels.cpu import training_step as kernels
     from tfmath.training.fused import ATTENTION_BLOCK
 
@@ -439,7 +438,7 @@ def attention_costs(shapes=ATTENTION_COST_SHAPES, repeats=20):
     saved = np.empty_like(x), np.empty(4096, np.float32), np.empty(4096, np.float32)
     norm = best(kernels.layer_norm_forward, x, gain, shift, np.float32(1e-5), *saved)
     rows = []
-    with _config.serial_blas():
+    with serial_blas():
         for batch, context, width, heads in shapes:
             q, k, v, grad_out = (
                 rng.standard_normal((batch * context, width)).astype(np.float32) for _ in range(4)

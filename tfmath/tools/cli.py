@@ -183,9 +183,9 @@ def _cpu_name():
 
 def _print_compilation_notice():
     """Tell, on stderr, that the kernels compile first when the kernel cache is cold."""
-    from tfmath import _config
+    from tfmath import _kernel_cache
 
-    notice = _config.compilation_notice()
+    notice = _kernel_cache.compilation_notice()
     if notice is not None:
         print(f"tfmath: {notice}", file=sys.stderr, flush=True)
 
@@ -233,7 +233,7 @@ def _info(args):
     import numpy
     import scipy
 
-    from tfmath import _config, _cuda
+    from tfmath import _cuda, _jit, _kernel_cache
     from tfmath._blas_kernel import describe_blas
     from tfmath._dispatch import ROUTINES, backends
 
@@ -250,13 +250,13 @@ def _info(args):
     if _cuda.status().usable:
         print(f"  CUDA target: {_cuda.device_version()}")
     print(
-        f"threading layer: {_config.threading_layer()} "
+        f"threading layer: {_jit.threading_layer()} "
         f"({numba.config.NUMBA_NUM_THREADS} threads, TFMATH_THREADING_LAYER="
-        f"{_config.requested_threading_layer()})"
+        f"{_jit.requested_threading_layer()})"
     )
     for line in describe_blas():
         print(line)
-    print(f"kernel cache: {_config.kernel_cache().describe()}")
-    print(f"fast-math flags: {', '.join(sorted(_config.FASTMATH_FLAGS))}")
+    print(f"kernel cache: {_kernel_cache.kernel_cache().describe()}")
+    print(f"fast-math flags: {', '.join(sorted(_jit.FASTMATH_FLAGS))}")
     print(f"routines: {', '.join(sorted(ROUTINES))}")
     return 0

@@ -34,7 +34,7 @@ import math
 import numba
 import numpy as np
 
-from tfmath import _config
+from tfmath import _blas_threads
 from tfmath.kernels.cpu import training_step as kernels
 from tfmath.kernels.cpu.blas import gemm
 from tfmath.training.params import Parameters
@@ -65,11 +65,10 @@ def fusable(config):
 
 #: Work (elements, or score-feature products for attention) below which a kernel of
 #: the step runs on the calling thread: eight times tfmath's usual threshold
-#: (:data:`tfmath._config.PARALLEL_MIN_WORK`). A step makes dozens of kernel calls,
-#: and on a shared machine one call in ten that shares out its loop waits a whole
-#: time slice (milliseconds) for a descheduled thread (measured with two threads
-#: and a load of 2.7 on two cores: median 14 us, 90th percentile 6.6 ms, for a
-#: LayerNorm of 2048 x 16), so a call must have enough work to pay for that.
+#: (:data:`tfmath._jit.PARALLEL_MIN_WORK`). A step makes dozens of kernel calls,
+#: and on a shared machine a call that shares out its loop can wait a whole time
+#: slice (milliseconds) for a descheduled thread, so a call must have enough work
+#: to pay for that (see docs/benchmarks.rst, "Measurements behind constants").
 PARALLEL_MIN_WORK = 2**18
 
 #: Multiply-adds per block from which a matrix product is split
@@ -138,17 +137,16 @@ def _run(kernel, work):
 
 #: Elements of :data:`PARALLEL_MIN_WORK` that one (query row, key, head) of the causal
 #: attention kernels costs, forward or backward: its score, exponential and share of
-#: the products took 1.6 to 2.7 ns on one core, 3.3 to 5.6 times a layer norm's 0.48 ns
-#: an element, at the bench's and the sweeps' shapes (Intel Xeon development machine,
-#: 2026-11-25; :func:`tfmath.tools.bench_training.print_attention_costs`). Counted as
-#: products alone, 16 to an element, a width-16 model's attention (0.4 ms a call) ran
-#: on one thread, and its two-thread step was 1.25 times slower.
+#: the products cost several times a layer norm's element. Counted as products alone,
+#: 16 to an element, small models' attention stayed on one thread where sharing it
+#: out made their steps faster (see docs/benchmarks.rst, "Measurements behind
+#: constants"; :func:`tfmath.tools.bench_training.print_attention_costs` measures it).
 ATTENTION_ELEMENTS_PER_SCORE = 4
 
 
 #: Elements of :data:`PARALLEL_MIN_WORK` that one parameter's Adam update costs: its
-#: float64 moments, square root and division took 1.7 ns on one core, 3.5 times a
-#: layer norm's 0.48 ns an element (Intel Xeon development machine, 2026-11-26).
+#: float64 moments, square root and division cost about four of a layer norm's
+#: elements (see docs/benchmarks.rst, "Measurements behind constants").
 ADAM_ELEMENTS_PER_PARAMETER = 4
 
 
@@ -257,7 +255,7 @@ class FusedDecoder:
         """BLAS on one thread for the call (the step shares out its products itself,
         see :data:`SPLIT_GEMM_MIN_WORK`), Numba's thread count read once."""
         self._threads = numba.get_num_threads()
-        with _config.serial_blas():
+        with _blas_threads.serial_blas():
             yield
 
     def _gemm(self, a, b, beta, c, transpose_a=False, transpose_b=False):

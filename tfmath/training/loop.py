@@ -18,10 +18,10 @@ For the models of :func:`language_model_config` the step is
 :class:`~tfmath.training.fused.FusedDecoder`: the same function and gradients,
 computed with fused kernels into buffers kept between steps, on ``threads=``
 threads where a matrix or a batch of heads is large enough to share out. The
-default is one: on the shared 2-core development machine a second thread made
-steps slower, not faster, at every width measured (16 to 256; see
-``docs/benchmarks.rst``), since every shared-out call waits for the slowest
-thread and a busy machine often deschedules one for a time slice.
+default is one: on a machine shared with other jobs a second thread can make
+steps slower, not faster, since every shared-out call waits for the slowest
+thread and a busy machine often deschedules one for a time slice (see
+docs/benchmarks.rst, "Measurements behind constants").
 Other models, and ``backend="reference"`` or ``"cuda"``, go through the blocks.
 A run's results do not depend on the number of threads (``tests/test_training_fused.py``
 checks it), so sweeps can train several models at once on one thread each.
@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from tfmath import _config
+from tfmath import _blas_threads
 from tfmath._contract.checks import integer
 from tfmath.errors import ArgumentError, DTypeError
 from tfmath.formulas.accounting import ModelConfig, count_parameters
@@ -253,14 +253,14 @@ def single_threaded():
     """Run Numba's parallel kernels and BLAS on one thread inside the block.
 
     Numba's thread count is restored on exit, and BLAS's by
-    :func:`tfmath._config.serial_blas` (threadpoolctl).
+    :func:`tfmath._blas_threads.serial_blas` (threadpoolctl).
     """
     import numba
 
     previous = numba.get_num_threads()
     numba.set_num_threads(1)
     try:
-        with _config.serial_blas():
+        with _blas_threads.serial_blas():
             yield
     finally:
         numba.set_num_threads(previous)
@@ -281,7 +281,7 @@ def threads_limited(count=None):
     previous = numba.get_num_threads()
     numba.set_num_threads(count)
     try:
-        with _config.blas_threads(count):
+        with _blas_threads.blas_threads(count):
             yield
     finally:
         numba.set_num_threads(previous)

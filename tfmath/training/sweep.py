@@ -32,8 +32,8 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from tfmath._config import cache_dir
 from tfmath._contract.checks import integer
+from tfmath._kernel_cache import cache_dir
 from tfmath.errors import DTypeError
 from tfmath.formulas.accounting import ModelConfig
 from tfmath.training.loop import TrainingConfig, TrainingResult, train_language_model

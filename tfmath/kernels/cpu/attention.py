@@ -9,8 +9,8 @@ task's score buffer stays in cache.
 import numba
 import numpy as np
 
-from tfmath._config import PARALLEL_MIN_WORK, cpu_kernel
 from tfmath._contract.attention import dense_additive_mask
+from tfmath._jit import PARALLEL_MIN_WORK, cpu_kernel
 from tfmath.kernels.cpu.exp2 import exp2_in_place
 
 #: Query rows per parallel task: enough to amortise the task's scratch

@@ -22,7 +22,7 @@ from numba.core import cgutils, types
 from numba.extending import intrinsic
 from numba.np.linalg import ensure_blas
 
-from tfmath._config import cpu_kernel
+from tfmath._jit import cpu_kernel
 
 ensure_blas()
 
@@ -136,19 +136,12 @@ def transpose_into(rows, columns):
     """``columns[e, i] = rows[i, e]``, for the small products of attention.
 
     OpenBLAS's small-matrix kernels run those products at speeds that depend on
-    their form: for one (sequence, head) at 64 tokens and 8 features, one thread,
-    in microseconds (Intel Xeon development machine, SciPy's OpenBLAS 0.3.30,
-    2026-11-26):
-
-    =============================  ====  ==============================  ====
-    depth 8, result (64, 64)             depth 64, result (64, 8)
-    =============================  ====  ==============================  ====
-    ``(64, 8) @ (8, 64)``          0.61  ``(64, 64).T @ (64, 8)``         0.58
-    ``(64, 8) @ (64, 8).T``        1.07  ``(64, 64) @ (64, 8)``           1.05
-    =============================  ====  ==============================  ====
-
-    The attention kernels take the fast forms, storing a tile by feature with this
-    copy where one is needed (about 0.1 microseconds for 64 x 8).
+    their form, not only on their size: ``(64, 8) @ (8, 64)`` runs faster than
+    ``(64, 8) @ (64, 8).T``, and ``(64, 64).T @ (64, 8)`` faster than
+    ``(64, 64) @ (64, 8)``. The attention kernels take the fast forms, storing a
+    tile by feature with this copy where one is needed, which costs a fraction of
+    what the fast form saves (see docs/benchmarks.rst, "Measurements behind
+    constants").
     """
     for i in range(rows.shape[0]):
         for e in range(rows.shape[1]):

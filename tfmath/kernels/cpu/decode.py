@@ -38,7 +38,8 @@ import numpy as np
 from numba.core import types
 from numba.extending import overload
 
-from tfmath._config import cpu_kernel, serial_blas
+from tfmath._blas_threads import serial_blas
+from tfmath._jit import cpu_kernel
 from tfmath.kernels.cpu.attention import LOG2E
 from tfmath.kernels.cpu.blas import gemm
 from tfmath.kernels.cpu.flash_attention import (

@@ -2,7 +2,7 @@ r"""CPU kernels for linear attention and sparse attention.
 
 Linear attention (Katharopoulos et al. 2020) runs in chunks of :math:`C \le 64`
 rows (:func:`chunk_size`) so that every product is a small GEMM handed to BLAS
-through ``np.dot``, on the calling thread (:func:`tfmath._config.serial_blas`);
+through ``np.dot``, on the calling thread (:func:`tfmath._blas_threads.serial_blas`);
 batch entries (heads) run in parallel:
 
 - non-causal: :math:`S = \sum_j \phi(k_j) v_j^\top` and
@@ -39,13 +39,14 @@ import math
 import numba
 import numpy as np
 
-from tfmath._config import cpu_kernel, serial_blas
+from tfmath._blas_threads import serial_blas
 from tfmath._contract.efficient import (
     ELU_PLUS_ONE,
     run_bounds,
     run_count,
     sparse_kernel_arguments,
 )
+from tfmath._jit import cpu_kernel
 from tfmath.kernels.cpu.exp2 import exp2_in_place
 
 #: Bounds on the rows per linear-attention chunk (:func:`chunk_size`).

@@ -36,7 +36,7 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic, overload
 
-from tfmath._config import cpu_kernel
+from tfmath._jit import cpu_kernel
 
 
 def _taylor_coefficients(degree, dtype):

@@ -44,7 +44,7 @@ with one attended key gets :math:`dS = 0` exactly (see :func:`_backward_kernel`)
 The tile products go to BLAS through :func:`tfmath.kernels.cpu.blas.gemm`,
 whose :math:`\alpha` applies the scale and whose :math:`\beta = 1` adds
 products straight into the output and the gradients, with BLAS held to the
-calling thread (:func:`tfmath._config.serial_blas`): the parallel loop already
+calling thread (:func:`tfmath._blas_threads.serial_blas`): the parallel loop already
 occupies every core, and BLAS threads started inside it would oversubscribe
 them (and, under Numba's OpenMP layer, make OpenBLAS print a warning per
 call). Tiles of 64 rows keep each product in cache and near BLAS's best
@@ -56,7 +56,8 @@ import math
 import numba
 import numpy as np
 
-from tfmath._config import cpu_kernel, serial_blas
+from tfmath._blas_threads import serial_blas
+from tfmath._jit import cpu_kernel
 from tfmath.kernels.cpu.attention import (
     LOG2E,
     _scores_row,
@@ -422,10 +423,10 @@ def _accumulate_values(value_tile, check_values, weights, accumulator):
     with ``check_values`` and a non-finite value in the tile, reading values only at
     nonzero weights.
 
-    BLAS reads the value tile transposed in place: on the Intel Xeon development
-    machine this forward was 10 % faster at L = 256 (causal, 4 heads of 64, float32,
-    one thread) and 1-2 % at L = 1024-2048 than with a transposed copy of the values
-    made first, which an earlier AMD machine had preferred by a few percent.
+    BLAS reads the value tile transposed in place, rather than a transposed copy
+    of the values made first: the copy costs more than a product without a
+    transposed operand saves, most at short sequences (see docs/benchmarks.rst,
+    "Measurements behind constants").
     """
     if not check_values or _is_finite_tile(value_tile):
         gemm(1.0, value_tile, weights, 1.0, accumulator, True)

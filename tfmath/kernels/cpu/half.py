@@ -21,7 +21,7 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from tfmath._config import cpu_kernel, sized
+from tfmath._jit import cpu_kernel, sized
 from tfmath.kernels.cpu.vector_width import prefer_wide_vectors
 
 #: The half-precision formats, by dtype name, and the code the kernels know them by.

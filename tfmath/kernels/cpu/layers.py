@@ -13,7 +13,7 @@ import math
 import numba
 import numpy as np
 
-from tfmath._config import cpu_kernel, sized
+from tfmath._jit import cpu_kernel, sized
 
 RELU, GELU, GELU_TANH, SWIGLU = 0, 1, 2, 3
 _SQRT_2_OVER_PI = math.sqrt(2 / math.pi)

@@ -11,7 +11,7 @@ import math
 import numba
 import numpy as np
 
-from tfmath._config import cpu_kernel
+from tfmath._jit import cpu_kernel
 
 _TWO_TO_MINUS_32 = 2.0**-32
 _TWO_TO_MINUS_64 = 2.0**-64

@@ -2,7 +2,7 @@ r"""CPU kernel of the Elman RNN, :math:`h_t = \tanh(W_{hh} h_{t-1} + W_{xh} x_t 
 
 The input projections :math:`W_{xh} x_t + b` do not depend on the state, so
 each task computes them for a chunk of steps at once with one small GEMM
-(``np.dot``, with BLAS on the calling thread: :func:`tfmath._config.serial_blas`),
+(``np.dot``, with BLAS on the calling thread: :func:`tfmath._blas_threads.serial_blas`),
 then runs those steps of the recurrence one after another. Batch entries run
 in parallel, one per task: the steps of one sequence cannot.
 """
@@ -10,7 +10,8 @@ in parallel, one per task: the steps of one sequence cannot.
 import numba
 import numpy as np
 
-from tfmath._config import cpu_kernel, serial_blas
+from tfmath._blas_threads import serial_blas
+from tfmath._jit import cpu_kernel
 
 #: Most steps whose input projections are computed together.
 MAX_CHUNK = 256

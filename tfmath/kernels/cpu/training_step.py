@@ -22,7 +22,7 @@ import math
 import numba
 import numpy as np
 
-from tfmath._config import cpu_kernel
+from tfmath._jit import cpu_kernel
 from tfmath.kernels.cpu.blas import gemm, transpose_into
 from tfmath.kernels.cpu.exp2 import exp2_scalar
 from tfmath.kernels.cpu.vector_width import prefer_wide_vectors

@@ -14,7 +14,6 @@ import math
 import numba
 import numpy as np
 
-from tfmath._config import cpu_kernel
 from tfmath._contract.variance import (
     GOLDEN_GAMMA,
     NORMAL,
@@ -22,6 +21,7 @@ from tfmath._contract.variance import (
     SIGN_BITS_PER_WORD,
     SPLITMIX_MULTIPLIERS,
 )
+from tfmath._jit import cpu_kernel
 
 #: Rows per parallel task; each task reuses one query and one key buffer.
 ROWS_PER_TASK = 64

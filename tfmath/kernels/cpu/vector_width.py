@@ -8,11 +8,9 @@ preference for one function without touching the rest of the process, and
 Numba has no option for it; :func:`prefer_wide_vectors`, called anywhere in
 a kernel, sets it on the function being compiled. Inside a ``prange`` loop it
 must be called in the loop body, which Numba compiles as a function of its
-own. On machines without 512-bit vectors the attribute has no effect.
-
-Measured on the AVX-512 development machine, flash attention at L = 2048,
-H = 8, float32, median of five alternating runs: forward 39.9 ms instead of
-43.5, backward 88.0 ms instead of 91.4.
+own. On machines without 512-bit vectors the attribute has no effect; on an
+AVX-512 machine it made the flash attention kernels a few percent faster (see
+docs/benchmarks.rst, "Measurements behind constants").
 """
 
 from numba.core import types

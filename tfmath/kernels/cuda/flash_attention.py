@@ -36,7 +36,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from tfmath import _config, _cuda
+from tfmath import _cuda, _cuda_switches
 from tfmath._contract.attention import dense_additive_mask
 from tfmath.kernels.cuda import half
 from tfmath.kernels.cuda.attention import SHARED_MEMORY_BYTES
@@ -85,8 +85,8 @@ TILE_CHOICES = (
 
 def _kernel_jit():
     """``cuda.jit`` for the flash kernels, with ``TFMATH_CUDA_MAX_REGISTERS``'s cap on a
-    real GPU (:func:`tfmath._config.cuda_max_registers`; the simulator has no registers)."""
-    registers = _config.cuda_max_registers()
+    real GPU (:func:`tfmath._cuda_switches.cuda_max_registers`; the simulator has no registers)."""
+    registers = _cuda_switches.cuda_max_registers()
     if registers is None or not _cuda.status().real_gpu:
         return cuda.jit
     return functools.partial(cuda.jit, max_registers=registers)
@@ -632,7 +632,7 @@ def flash_attention(problem):
 def _tensor_cores_serve(problem):
     """Whether the tensor-core forward takes this half-precision problem: asked for,
     on a real GPU (the simulator cannot run its CUDA C++), with heads it supports."""
-    if not (_config.cuda_tensor_cores() and _cuda.status().real_gpu):
+    if not (_cuda_switches.cuda_tensor_cores() and _cuda.status().real_gpu):
         return False
     from tfmath.kernels.cuda import tensor_core
 

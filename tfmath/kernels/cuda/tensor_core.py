@@ -20,7 +20,7 @@ operands.
 
 The Numba simulator cannot run CUDA C++, so only a GPU runs this kernel: until
 one has checked and timed it (tools/gpu_check.sh), it runs only when
-``TFMATH_CUDA_TENSOR_CORES=1`` (see :func:`tfmath._config.cuda_tensor_cores`).
+``TFMATH_CUDA_TENSOR_CORES=1`` (see :func:`tfmath._cuda_switches.cuda_tensor_cores`).
 """
 
 import functools

@@ -1,0 +1,38 @@
+"""The environment switches of the CUDA flash kernels, read when a kernel is compiled
+or called:
+
+``TFMATH_CUDA_TENSOR_CORES``
+    ``1`` runs half-precision flash attention forwards on the GPU's tensor
+    cores (read at each call; default ``0``: widened to float32). Opt-in until
+    a GPU has measured it; see :func:`cuda_tensor_cores`.
+``TFMATH_CUDA_MAX_REGISTERS``
+    A cap on the registers per thread of the float32 and float64 CUDA flash
+    kernels; see :func:`cuda_max_registers`.
+"""
+
+import os
+
+
+def cuda_tensor_cores():
+    """Whether ``TFMATH_CUDA_TENSOR_CORES=1`` asks for the tensor-core flash forward
+    (:mod:`tfmath.kernels.cuda.tensor_core`) for float16 and bfloat16 on a real GPU."""
+    return os.environ.get("TFMATH_CUDA_TENSOR_CORES", "0") == "1"
+
+
+def cuda_max_registers():
+    """The cap on registers per thread that ``TFMATH_CUDA_MAX_REGISTERS`` sets for the
+    float32/float64 CUDA flash kernels, or None (unset or empty: the compiler's choice).
+
+    Read when a kernel is first compiled. On an H200, 128 made the float32 forward at
+    d = 64 1.12 to 1.15 times as fast (occupancy 25 % instead of 12 %, no spills); 72
+    and 64 spilled and were slower (docs/flash_attention.rst, "On a GPU").
+    """
+    value = os.environ.get("TFMATH_CUDA_MAX_REGISTERS", "").strip()
+    if not value:
+        return None
+    registers = int(value) if value.isdigit() else 0
+    if not 1 <= registers <= 255:
+        raise ValueError(
+            f"TFMATH_CUDA_MAX_REGISTERS must be an integer from 1 to 255, got {value!r}"
+        )
+    return registers

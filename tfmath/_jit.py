@@ -1,0 +1,117 @@
+"""Just-in-time compilation settings shared by every tfmath CPU kernel.
+
+This is the only place that chooses how kernels are compiled, so that a change
+of policy (a fast-math flag, the threading layer, when a kernel runs serially)
+is one edit. Where compiled code is cached is :mod:`tfmath._kernel_cache`'s
+concern.
+
+Environment variable, read once, at the first kernel compilation:
+
+``TFMATH_THREADING_LAYER``
+    Numba threading layer for the parallel CPU kernels: ``default`` (Numba's own
+    choice among tbb, omp and workqueue), ``tbb``, ``omp`` or ``workqueue``.
+"""
+
+import functools
+import os
+
+from tfmath._kernel_cache import attach_kernel_cache
+
+#: LLVM fast-math flags for CPU kernels. ``nnan`` and ``ninf`` are left out on
+#: purpose: masks are written as ``-inf`` and NaN inputs must propagate, and
+#: both flags would let LLVM assume neither ever occurs. ``arcp`` (a division
+#: may become a multiplication by a reciprocal) is left out too: with
+#: ``reassoc`` it let a kernel compiled in the process and the same kernel loaded
+#: from the kernel cache round differently (the fused step's cross-entropy
+#: gradient, in its last bits), so that a training run's result depended on
+#: whether it was the first on the machine. The kernels divide once and multiply
+#: by the reciprocal where that is the intent.
+FASTMATH_FLAGS = frozenset({"nsz", "contract", "afn", "reassoc"})
+
+_THREADING_LAYERS = ("default", "tbb", "omp", "workqueue")
+
+
+#: Work (elements, or score-feature products, as each kernel counts it) below which
+#: :func:`sized` picks a parallel kernel's serial twin: waking Numba's thread pool
+#: and sharing out the loop costs about what one core needs for this much work
+#: (see docs/benchmarks.rst, "Measurements behind constants"; ``tfmath bench
+#: attention --small`` times the small calls).
+PARALLEL_MIN_WORK = 2**15
+
+
+def requested_threading_layer():
+    """The threading layer asked for through ``TFMATH_THREADING_LAYER``."""
+    layer = os.environ.get("TFMATH_THREADING_LAYER", "default")
+    if layer not in _THREADING_LAYERS:
+        raise ValueError(
+            f"TFMATH_THREADING_LAYER must be one of {_THREADING_LAYERS}, got {layer!r}"
+        )
+    return layer
+
+
+@functools.cache
+def _configure_numba():
+    import numba
+
+    layer = requested_threading_layer()
+    if layer != "default":
+        numba.config.THREADING_LAYER = layer
+    return numba
+
+
+def cpu_kernel(function=None, *, parallel=False):
+    """Compile ``function`` as a tfmath CPU kernel (``numba.njit`` with tfmath's options).
+
+    Used bare (``@cpu_kernel``) for serial kernels and helpers, or as
+    ``@cpu_kernel(parallel=True)`` for kernels with a ``prange`` loop; such a
+    kernel also carries ``.serial``, the same function compiled without
+    threads (``prange`` runs as ``range``), for problems too small to share out
+    (see :func:`sized`). Compilation is lazy: it happens on the first call for
+    each signature.
+    """
+    numba = _configure_numba()
+
+    def compile_(func, parallel, variant):
+        dispatcher = numba.njit(
+            fastmath=set(FASTMATH_FLAGS), parallel=parallel, nogil=True, error_model="numpy"
+        )(func)
+        attach_kernel_cache(dispatcher, variant)
+        return dispatcher
+
+    def decorate(func):
+        dispatcher = compile_(func, parallel, "")
+        if parallel:
+            dispatcher.serial = compile_(func, False, "serial")
+        return dispatcher
+
+    return decorate if function is None else decorate(function)
+
+
+def sized(kernel, work):
+    """``kernel``, or its serial twin when ``work`` is below :data:`PARALLEL_MIN_WORK`."""
+    return kernel if work >= PARALLEL_MIN_WORK else kernel.serial
+
+
+def threading_layer():
+    """The threading layer the parallel CPU kernels run on.
+
+    Numba only settles on a layer when a parallel kernel first runs, so this
+    runs a tiny one if none has run yet.
+    """
+    numba = _configure_numba()
+    try:
+        return numba.threading_layer()
+    except ValueError:
+        _run_a_parallel_loop(numba)
+        return numba.threading_layer()
+
+
+def _run_a_parallel_loop(numba):
+    import numpy as np
+
+    @numba.njit(parallel=True)
+    def fill_with_index(out):
+        for i in numba.prange(out.shape[0]):
+            out[i] = i
+
+    fill_with_index(np.empty(2, dtype=np.int64))
