@@ -10,6 +10,7 @@ and the half-precision forward multiplies on the tensor cores.
 """
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -72,18 +73,19 @@ def test_tensor_core_kernel_takes_the_heads_its_tiles_hold():
         return attention_problem(q, q, v, None, False, None, False, backend="reference")
 
     assert tensor_core.supports(problem(np.float16, 64, 64))
-    assert tensor_core.supports(problem(ml_dtypes.bfloat16, 16, 8))
-    assert not tensor_core.supports(problem(np.float16, 8, 64))  # E not a multiple of 16
-    assert not tensor_core.supports(problem(np.float16, 128, 64))  # tiles too large
-    assert not tensor_core.supports(problem(np.float16, 64, 12))  # Ev not a multiple of 8
+    assert tensor_core.supports(problem(ml_dtypes.bfloat16, 128, 128))
+    assert not tensor_core.supports(problem(np.float16, 32, 32))  # 4 chunks a row: no swizzle
+    assert not tensor_core.supports(problem(np.float16, 96, 96))  # 12 chunks a row
+    assert not tensor_core.supports(problem(np.float16, 256, 256))  # tiles too large
+    assert not tensor_core.supports(problem(np.float16, 64, 32))  # Ev unlike E
     assert not tensor_core.supports(problem(np.float32, 64, 64))
 
 
-def _half_inputs(dtype, n_features=16, n_query=5, n_key=6, seed=3):
+def _half_inputs(dtype, n_features=16, n_query=5, n_key=6, seed=3, n_values=8):
     rng = np.random.default_rng(seed)
     q = rng.standard_normal((2, n_query, n_features)).astype(dtype)
     k = rng.standard_normal((2, n_key, n_features)).astype(dtype)
-    v = rng.standard_normal((2, n_key, 8)).astype(dtype)
+    v = rng.standard_normal((2, n_key, n_values)).astype(dtype)
     return q, k, v
 
 
@@ -115,10 +117,12 @@ class _TensorCoreSpy:
 @pytest.mark.parametrize(
     ("opt_in", "n_features", "dtype", "served"),
     [
-        ("1", 16, np.float16, True),
-        ("1", 16, ml_dtypes.bfloat16, True),
-        ("0", 16, np.float16, False),  # not asked for
-        ("1", 8, np.float16, False),  # a head the tensor-core tiles do not take
+        (None, 64, np.float16, True),  # the default on a GPU
+        ("1", 64, np.float16, True),
+        ("1", 128, ml_dtypes.bfloat16, True),
+        ("0", 64, np.float16, False),  # not asked for
+        ("1", 32, np.float16, False),  # a head the tensor-core tiles do not take
+        ("1", 96, np.float16, False),
     ],
 )
 def test_half_flash_goes_to_the_tensor_cores_only_when_asked_on_a_gpu(
@@ -128,9 +132,15 @@ def test_half_flash_goes_to_the_tensor_cores_only_when_asked_on_a_gpu(
 
     spy = _TensorCoreSpy()
     monkeypatch.setattr(tensor_core, "flash_attention", spy)
+    monkeypatch.setattr(tensor_core, "runs_here", lambda: True)
     monkeypatch.setattr(_cuda, "status", lambda: _cuda.CudaStatus(True, True, "a pretend GPU"))
-    monkeypatch.setenv("TFMATH_CUDA_TENSOR_CORES", opt_in)
-    q, k, v = _half_inputs(np.dtype(dtype), n_features=n_features, n_query=2, n_key=2)
+    if opt_in is None:
+        monkeypatch.delenv("TFMATH_CUDA_TENSOR_CORES", raising=False)
+    else:
+        monkeypatch.setenv("TFMATH_CUDA_TENSOR_CORES", opt_in)
+    q, k, v = _half_inputs(
+        np.dtype(dtype), n_features=n_features, n_query=2, n_key=2, n_values=n_features
+    )
     output = tfmath.scaled_dot_product_attention(q, k, v, method="flash", backend="cuda")
     assert output.dtype == np.dtype(dtype)
     assert len(spy.problems) == int(served)
@@ -138,6 +148,23 @@ def test_half_flash_goes_to_the_tensor_cores_only_when_asked_on_a_gpu(
         # The kernel gets the operands as stored, 16 bits a number, not widened copies.
         assert spy.problems[0].dtype == np.dtype(dtype)
         assert np.all(output == 0)
+
+
+@pytest.mark.cuda
+def test_half_flash_is_widened_on_a_gpu_older_than_the_kernel(monkeypatch):
+    from tfmath.kernels.cuda import tensor_core
+
+    spy = _TensorCoreSpy()
+    monkeypatch.setattr(tensor_core, "flash_attention", spy)
+    monkeypatch.setattr(tensor_core, "runs_here", lambda: False)
+    monkeypatch.setattr(_cuda, "status", lambda: _cuda.CudaStatus(True, True, "a pretend GPU"))
+    monkeypatch.delenv("TFMATH_CUDA_TENSOR_CORES", raising=False)
+    q, k, v = _half_inputs(np.dtype(np.float16), n_features=64, n_values=64)
+    output = tfmath.scaled_dot_product_attention(q, k, v, method="flash", backend="cuda")
+    expected = tfmath.scaled_dot_product_attention(q, k, v, backend="cpu")
+    assert spy.problems == []
+    assert_close(output.astype(np.float64), expected.astype(np.float64),
+                 half_tolerance(np.dtype(np.float16), 64))  # fmt: skip
 
 
 # -- PTX, compiled without a GPU ------------------------------------------------------------
@@ -202,16 +229,66 @@ def test_float32_kernels_tile_through_shared_memory_and_registers(ptx_files, cc)
 
 @pytest.mark.parametrize("cc", ["80", "90"])
 def test_half_precision_forward_multiplies_on_the_tensor_cores(ptx_files, cc):
+    from tfmath.kernels.cuda import tensor_core
+    from tfmath.tools.ptx import instruction_counts
+
     linked = _ptx(ptx_files, "tensor_core_cu", cc)
+    counts = instruction_counts(linked)
     assert f".target sm_{cc}" in linked
     for operands in ("f16.f16", "bf16.bf16"):
         assert f"mma.sync.aligned.m16n8k16.row.col.f32.{operands}.f32" in linked
-    for format_name, suffix in (("float16", "f16"), ("bfloat16", "bf16")):
-        kernel = _ptx(ptx_files, f"flash_forward_{format_name}", cc)
-        assert f".target sm_{cc}" in kernel
-        for product in (f"tfmath_mma_nt_{suffix}", f"tfmath_mma_nn_{suffix}"):
-            assert product in kernel and product in linked
-        assert ".shared" in kernel
+    # Fragments come through ldmatrix (the values transposed), tiles by asynchronous copies.
+    assert "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in linked
+    assert counts["ldmatrix"] > 0 and counts["cp.async"] > 0
+    assert counts["local"] == 0
+    for format_name in tensor_core.FORMATS:
+        for head_dim in tensor_core.HEAD_DIMS:
+            warps = tensor_core.BLOCK_SHAPES[head_dim].warps
+            kernel = _ptx(ptx_files, f"flash_forward_{format_name}_{head_dim}_w{warps}", cc)
+            entry = tensor_core.entry_name(format_name, head_dim, warps)
+            assert f".target sm_{cc}" in kernel
+            assert entry in kernel and entry in linked
+
+
+#: Registers per thread the design needs, by head size: the output (D/2 floats), the
+#: query fragments (D/4 words) and the 16 x 64 scores (32 floats) held across the key
+#: loop, with room for addresses. Within these, a multiprocessor holds 16 warps at
+#: d = 64 and 8 at d = 128, FlashAttention-2's occupancy on these heads.
+REGISTER_BUDGET = {64: 128, 128: 184}
+#: Warps resident per multiprocessor that the budget allows, by head size.
+RESIDENT_WARPS = {64: 16, 128: 8}
+
+
+@pytest.mark.parametrize("cc", ["80", "90"])
+def test_tensor_core_forward_fits_its_register_budget_without_spills(ptx_files, cc):
+    from tfmath.kernels.cuda import tensor_core
+
+    resources = json.loads((ptx_files / f"resources.sm_{cc}.json").read_text())
+    expected = {
+        tensor_core.entry_name(f, d, w)
+        for f in tensor_core.FORMATS
+        for d in tensor_core.HEAD_DIMS
+        for w in tensor_core.WARP_CHOICES
+    }
+    assert set(resources) == expected
+    for name, entry in resources.items():
+        head_dim = int(name.split("_")[-2])
+        assert entry["stack"] == entry["spill_stores"] == entry["spill_loads"] == 0, name
+        assert entry["registers"] <= REGISTER_BUDGET[head_dim], name
+        assert entry["shared"] <= 48 * 1024, name  # static shared memory's limit
+        assert entry["warps"] >= RESIDENT_WARPS[head_dim], name
+
+
+@pytest.mark.parametrize("cc", ["80", "90"])
+def test_tensor_core_forward_machine_code_uses_hmma_and_ldsm(ptx_files, cc):
+    resources = json.loads((ptx_files / f"resources.sm_{cc}.json").read_text())
+    for name, entry in resources.items():
+        if entry["HMMA"] is None:
+            pytest.skip("cuobjdump is not installed: pip install 'tfmath[ptx]'")
+        head_dim = int(name.split("_")[-2])
+        # Per key tile: (D / 16) x 8 score products and 4 x (D / 8) output products.
+        assert entry["HMMA"] == head_dim // 16 * 8 + 4 * (head_dim // 8), name
+        assert entry["LDSM"] > 0 and entry["LDGSTS"] > 0, name
 
 
 # --- the register cap (TFMATH_CUDA_MAX_REGISTERS) ------------------------------------------

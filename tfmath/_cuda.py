@@ -207,20 +207,32 @@ def compile_ptx(kernel, signature, cc):
 def nvrtc_ptx(source, name, cc):
     """PTX of the CUDA C++ ``source`` for ``cc``, compiled by NVRTC (no driver needed),
     with the CUDA headers numba-cuda finds (pip's, for the ``ptx`` extra)."""
+    ptx, _ = _nvrtc(source, name, cc, ["-rdc=true"], "PTX")
+    return ptx.decode()
+
+
+def nvrtc_cubin(source, name, cc, options=()):
+    """Machine code (a cubin) of the CUDA C++ ``source`` for ``cc``, compiled by NVRTC
+    with ``options``, and NVRTC's log (where ``--ptxas-options=-v`` prints resources)."""
+    return _nvrtc(source, name, cc, list(options), "CUBIN")
+
+
+def _nvrtc(source, name, cc, options, output):
     from cuda.bindings import nvrtc
     from numba.cuda.cuda_paths import get_cuda_paths
 
     include = get_cuda_paths()["include_dir"].info
     _, program = nvrtc.nvrtcCreateProgram(source.encode(), name.encode(), 0, [], [])
-    options = [f"--gpu-architecture=sm_{cc[0]}{cc[1]}".encode(), b"-rdc=true"]
-    options.append(f"-I{include}".encode())
-    (err,) = nvrtc.nvrtcCompileProgram(program, len(options), options)
+    options = [f"--gpu-architecture=sm_{cc[0]}{cc[1]}", f"-I{include}", *options]
+    (err,) = nvrtc.nvrtcCompileProgram(program, len(options), [o.encode() for o in options])
+    _, size = nvrtc.nvrtcGetProgramLogSize(program)
+    log = b" " * size
+    nvrtc.nvrtcGetProgramLog(program, log)
+    log = log.decode().rstrip("\0 ")
     if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
-        _, size = nvrtc.nvrtcGetProgramLogSize(program)
-        log = b" " * size
-        nvrtc.nvrtcGetProgramLog(program, log)
-        raise RuntimeError(f"NVRTC could not compile {name}: {log.decode()}")
-    _, size = nvrtc.nvrtcGetPTXSize(program)
-    ptx = b" " * size
-    nvrtc.nvrtcGetPTX(program, ptx)
-    return ptx.decode().rstrip("\0 ")
+        raise RuntimeError(f"NVRTC could not compile {name}: {log}")
+    _, size = getattr(nvrtc, f"nvrtcGet{output}Size")(program)
+    result = b" " * size
+    getattr(nvrtc, f"nvrtcGet{output}")(program, result)
+    nvrtc.nvrtcDestroyProgram(program)
+    return result.rstrip(b"\0 ") if output == "PTX" else result, log

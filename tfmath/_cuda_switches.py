@@ -2,9 +2,9 @@
 or called:
 
 ``TFMATH_CUDA_TENSOR_CORES``
-    ``1`` runs half-precision flash attention forwards on the GPU's tensor
-    cores (read at each call; default ``0``: widened to float32). Opt-in until
-    a GPU has measured it; see :func:`cuda_tensor_cores`.
+    ``0`` widens half-precision flash attention forwards to the float32 kernels
+    instead of running them on the GPU's tensor cores (read at each call;
+    default ``1``); see :func:`cuda_tensor_cores`.
 ``TFMATH_CUDA_MAX_REGISTERS``
     A cap on the registers per thread of the float32 and float64 CUDA flash
     kernels; see :func:`cuda_max_registers`.
@@ -14,9 +14,11 @@ import os
 
 
 def cuda_tensor_cores():
-    """Whether ``TFMATH_CUDA_TENSOR_CORES=1`` asks for the tensor-core flash forward
-    (:mod:`tfmath.kernels.cuda.tensor_core`) for float16 and bfloat16 on a real GPU."""
-    return os.environ.get("TFMATH_CUDA_TENSOR_CORES", "0") == "1"
+    """Whether the tensor-core flash forward (:mod:`tfmath.kernels.cuda.tensor_core`) serves
+    float16 and bfloat16 on a real GPU: yes unless ``TFMATH_CUDA_TENSOR_CORES=0``. It is the
+    default since it was checked against the float64 reference on an H200
+    (docs/flash_attention.rst, "On a GPU"); 0 widens the operands to the float32 kernels."""
+    return os.environ.get("TFMATH_CUDA_TENSOR_CORES", "1") != "0"
 
 
 def cuda_max_registers():

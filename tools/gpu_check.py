@@ -36,6 +36,7 @@ the issue's target is 0.5) into ``--out``, and prints a short table last.
 
 import argparse
 import csv
+import functools
 import json
 import math
 import os
@@ -57,6 +58,18 @@ CASES = [
     (1, 3, 77, 200, 64, False, True),
     (1, 2, 70, 50, 32, True, False),
     (1, 1, 33, 17, 16, False, True),
+    (1, 2, 100, 130, 128, False, False),
+    (2, 2, 200, 200, 128, True, False),
+    (1, 3, 77, 200, 128, False, True),
+    (1, 2, 300, 260, 64, True, True),
+]
+#: The issue's rows: L = S = 4096, H = 16, every (format, d, B, causal), forward.
+ISSUE_ROWS = [
+    (dtype_name, head, batch, causal)
+    for dtype_name in ("float16", "bfloat16")
+    for head in (64, 128)
+    for batch in (1, 4)
+    for causal in (False, True)
 ]
 LENGTHS = (1024, 2048, 4096, 8192)
 
@@ -118,9 +131,9 @@ def check_case(dtype_name, case, rng):
     return [(*row, bool(row[3] <= row[4])) for row in rows]
 
 
-def run_checks(rng):
+def run_checks(rng, dtypes=tuple(TOLERANCE)):
     rows = []
-    for dtype_name in TOLERANCE:
+    for dtype_name in dtypes:
         for case in CASES:
             try:
                 rows.extend(check_case(dtype_name, case, rng))
@@ -162,7 +175,7 @@ def numba_cuda():
     return _cuda.numba_cuda()
 
 
-def _half_forward(q, k, v, dtype_name):
+def _half_forward(q, k, v, dtype_name, is_causal=False):
     """The tensor-core forward on device copies of the inputs' 16-bit patterns, without
     host transfers: what the kernel costs."""
     from tfmath import _cuda
@@ -170,10 +183,78 @@ def _half_forward(q, k, v, dtype_name):
     from tfmath.kernels.cuda import tensor_core
 
     host = [t.float().cpu().numpy().astype(_dtype(dtype_name)) for t in (q, k, v)]
-    problem = attention_problem(*host, backend="cuda")
+    problem = attention_problem(*host, is_causal=is_causal, backend="cuda")
     bits = [_cuda.to_device(a.view(np.uint16)) for a in host]
     on_device = problem._replace(query=bits[0], key=bits[1], value=bits[2], on_device=True)
     return lambda: tensor_core.flash_attention(on_device)
+
+
+def _raw_kernel(q, k, v, dtype_name, is_causal, warps=None):
+    """The tensor-core kernel's launch alone, its arguments made once."""
+    from tfmath import _cuda
+    from tfmath._contract.attention import attention_problem
+    from tfmath.kernels.cuda import tensor_core
+
+    host = [t.float().cpu().numpy().astype(_dtype(dtype_name)) for t in (q, k, v)]
+    problem = attention_problem(*host, is_causal=is_causal, backend="cuda")
+    bits = [_cuda.to_device(a.view(np.uint16)) for a in host]
+    on_device = problem._replace(query=bits[0], key=bits[1], value=bits[2], on_device=True)
+    kernel, shape, arguments = tensor_core.launch(on_device, warps)
+    return lambda: kernel[shape](*arguments)
+
+
+def time_issue_rows(torch, quick):
+    """Rows ``(dtype, d, B, causal, torch ms, kernel ms, wrapper ms, public API ms, kernel
+    ms per warps per block...)`` at L = 4096, H = 16: the issue's targets for the
+    half-precision forward. The kernel's time is its launch alone (with the default warps
+    per block, then with each of ``WARP_CHOICES``); the wrapper's adds the operands'
+    preparation; the public API's (float16 only: torch shares no bfloat16 through
+    ``__cuda_array_interface__``) is ``tfmath.scaled_dot_product_attention`` on the torch
+    tensors."""
+    import tfmath
+    from tfmath.kernels.cuda import tensor_core
+
+    n, heads = 4096, 16
+    repeats = 3 if quick else 10
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    rows = []
+    for dtype_name, head, batch, causal in ISSUE_ROWS:
+        generator = torch.Generator(device="cuda").manual_seed(head + batch)
+        q, k, v = (
+            torch.randn((batch, heads, n, head), device="cuda", generator=generator,
+                        dtype=getattr(torch, dtype_name))
+            for _ in range(3)
+        )  # fmt: skip
+        public_ms = float("nan")
+        by_warps = [float("nan")] * len(tensor_core.WARP_CHOICES)
+        try:
+            theirs = functools.partial(sdpa, q, k, v, is_causal=causal)
+            torch_ms = median_ms(torch, theirs, 2, repeats)
+            kernel_ms = median_ms(torch, _raw_kernel(q, k, v, dtype_name, causal), 2, repeats)
+            wrapper_ms = median_ms(torch, _half_forward(q, k, v, dtype_name, causal), 2, repeats)
+            if dtype_name == "float16":
+                public = functools.partial(
+                    tfmath.scaled_dot_product_attention, q, k, v, is_causal=causal,
+                    method="flash", backend="cuda",
+                )  # fmt: skip
+                public_ms = median_ms(torch, public, 2, repeats)
+            by_warps = [
+                median_ms(torch, _raw_kernel(q, k, v, dtype_name, causal, w), 2, repeats)
+                for w in tensor_core.WARP_CHOICES
+            ]
+        except Exception:
+            traceback.print_exc()
+            torch_ms = kernel_ms = wrapper_ms = float("nan")
+        flops = 4 * batch * heads * n * n * head / (2 if causal else 1)
+        rows.append((dtype_name, head, batch, causal, torch_ms, kernel_ms, wrapper_ms,
+                     public_ms, *by_warps))  # fmt: skip
+        print(f"{dtype_name:<9} d={head:<4} B={batch} causal={causal!s:<5} torch {torch_ms:6.3f}"
+              f" kernel {kernel_ms:6.3f} wrapper {wrapper_ms:6.3f} public {public_ms:6.3f} ms"
+              f"  ratio {torch_ms / kernel_ms:5.2f}  {flops / kernel_ms / 1e9:6.1f} TFLOP/s"
+              + "".join(f"  w{w} {ms:6.3f}"
+                        for w, ms in zip(tensor_core.WARP_CHOICES, by_warps, strict=True)),
+              flush=True)  # fmt: skip
+    return rows
 
 
 def time_dtype(torch, dtype_name, n, quick):
@@ -218,8 +299,9 @@ def time_dtype(torch, dtype_name, n, quick):
         )
         tfmath.attention_grad(q, k, v, grad, output=output, log_sum_exp=log_sum_exp, backend="cuda")
 
-    add("forward+backward", "torch sdpa", torch_step)
-    if dtype_name != "bfloat16" and (n <= 2048 or not quick):
+    # Half-precision backward passes run on copies widened on the host: timed short.
+    if dtype_name == "float32" or (dtype_name == "float16" and n <= 2048):
+        add("forward+backward", "torch sdpa", torch_step)
         add("forward+backward", "tfmath", tfmath_step)
     return rows
 
@@ -288,9 +370,10 @@ def kernel_resources(n=4096, head=64, batch=8):
         kernels.append((f"float32 {build.__name__} {tuple(tiles)}", kernel, threads,
                         shared(tiles, head, head) * 4, blocks))  # fmt: skip
     for name in tensor_core.FORMATS:
-        blocks = batch * math.ceil(n / tensor_core.BLOCK_ROWS)
-        kernels.append((f"{name} tensor-core forward", tensor_core._forward_kernel(
-            name, head, head), tensor_core.THREADS, 0, blocks))  # fmt: skip
+        warps, cap = tensor_core.BLOCK_SHAPES[head]
+        blocks = batch * math.ceil(n / (16 * warps))
+        kernels.append((f"{name} tensor-core forward ({warps} warps)", tensor_core._forward_kernel(
+            name, head, warps, cap), 32 * warps, 0, blocks))  # fmt: skip
     rows = []
     for label, kernel, threads, dynamic, blocks in kernels:
         for registers, local, static in zip(
@@ -364,12 +447,43 @@ def draw(ratio_lines, path):
         figure.savefig(path.with_suffix(suffix), dpi=120)
 
 
+def draw_issue_rows(rows, path):
+    """PyTorch's time over tfmath's at L = 4096 for each row of :func:`time_issue_rows`:
+    the kernel's launch alone and with its wrapper, against the issue's target of 0.5."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    short = {"float16": "f16", "bfloat16": "bf16"}
+    labels = [f"{short[d]} d{h} B{b}" + (" causal" if c else "") for d, h, b, c, *_ in rows]
+    kernel = [row[4] / row[5] for row in rows]
+    wrapper = [row[4] / row[6] for row in rows]
+    figure = Figure(figsize=(9, 4.2), layout="constrained")
+    ax = figure.add_subplot()
+    x = np.arange(len(rows))
+    ax.bar(x - 0.2, kernel, 0.4, label="kernel launch alone")
+    ax.bar(x + 0.2, wrapper, 0.4, label="with the wrapper's preparation")
+    ax.axhline(0.5, color="grey", linewidth=1, linestyle=":", label="target 0.5")
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks(x, labels, rotation=60, ha="right", fontsize=8)
+    ax.set_ylabel("torch time / tfmath time")
+    ax.set_ylim(0, 1.05)
+    ax.set_title("Tensor-core forward at L = S = 4096, H = 16, against PyTorch's SDPA")
+    ax.legend(fontsize=8, loc="upper left")
+    for suffix in (".png", ".svg"):
+        figure.savefig(path.with_suffix(suffix), dpi=120)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu_check")))
     parser.add_argument("--quick", action="store_true", help="two lengths, fewer repeats")
     parser.add_argument(
         "--resources", action="store_true", help="only the kernels' registers and occupancy"
+    )
+    parser.add_argument(
+        "--half", action="store_true", help="only half-precision checks and the issue's rows"
     )
     args = parser.parse_args(argv)
     os.environ.setdefault("TFMATH_CUDA_TENSOR_CORES", "1")
@@ -381,12 +495,21 @@ def main(argv=None):
         print_resources({})
         return 0
     start = time.perf_counter()
-    checks = run_checks(np.random.default_rng(int(time.time())))
+    dtypes = ("float16", "bfloat16") if args.half else tuple(TOLERANCE)
+    checks = run_checks(np.random.default_rng(int(time.time())), dtypes)
     print(f"checks: {time.perf_counter() - start:.0f} s", flush=True)
+    for row in checks:
+        print("check", *row, flush=True)
+    issue_rows = time_issue_rows(_torch(), args.quick)
+    if args.half:
+        (args.out / "issue_rows.json").write_text(json.dumps(issue_rows))
+        draw_issue_rows(issue_rows, args.out / "gpu_tensor_cores")
+        return 0
+    print(f"checks and the issue's rows: {time.perf_counter() - start:.0f} s", flush=True)
     timings = run_timings(args.quick)
     print(f"checks and timings: {time.perf_counter() - start:.0f} s", flush=True)
     ratio_lines = ratios(timings)
-    result = {"checks": checks, "timings": timings,
+    result = {"checks": checks, "timings": timings, "issue_rows": issue_rows,
               "ratios": {f"{d} {w}": v for (d, w), v in ratio_lines.items()}}  # fmt: skip
     print_resources(result)
     (args.out / "gpu_check.json").write_text(json.dumps(result, indent=1))
@@ -396,6 +519,7 @@ def main(argv=None):
         writer.writerows(timings)
     try:
         draw(ratio_lines, args.out / "gpu_check")
+        draw_issue_rows(issue_rows, args.out / "gpu_tensor_cores")
     except Exception:
         traceback.print_exc()
     failed = [row for row in checks if not row[-1]]

@@ -610,8 +610,8 @@ def flash_attention(problem):
     output ``batch_shape + (L, Ev)`` and log-sum-exp ``batch_shape + (L,)``.
 
     Half-precision operands arrive as they are (see ``_dispatch.HALF_NATIVE``): on a
-    GPU with ``TFMATH_CUDA_TENSOR_CORES=1`` they run on the tensor cores when
-    :func:`.tensor_core.supports` the problem; otherwise they are widened to float32.
+    real GPU they run on the tensor cores when :func:`.tensor_core.supports` the problem
+    (unless ``TFMATH_CUDA_TENSOR_CORES=0``); otherwise they are widened to float32.
     Either way the results are float32, which the caller rounds.
     """
     if problem.needs_widening:
@@ -630,13 +630,14 @@ def flash_attention(problem):
 
 
 def _tensor_cores_serve(problem):
-    """Whether the tensor-core forward takes this half-precision problem: asked for,
-    on a real GPU (the simulator cannot run its CUDA C++), with heads it supports."""
+    """Whether the tensor-core forward takes this half-precision problem: not turned off,
+    on a real GPU that runs it (the simulator cannot run its CUDA C++), with heads it
+    supports."""
     if not (_cuda_switches.cuda_tensor_cores() and _cuda.status().real_gpu):
         return False
     from tfmath.kernels.cuda import tensor_core
 
-    return tensor_core.supports(problem)
+    return tensor_core.supports(problem) and tensor_core.runs_here()
 
 
 def attention_grad(problem, grad_output, saved=None):

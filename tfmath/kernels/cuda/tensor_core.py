@@ -1,31 +1,31 @@
-r"""Half-precision flash attention on the tensor cores (opt-in, not yet measured on a GPU).
+r"""FlashAttention-2's forward on the tensor cores, for float16 and bfloat16 (opt-in).
 
-float16 and bfloat16 operands are read as they are stored (their 16-bit
-patterns, as ``uint16``) and multiplied with ``mma.sync.m16n8k16``, which
-accumulates in float32: the scores :math:`QK^\top` and the output update
-:math:`PV`, with :math:`P` rounded to the operands' format, as in
-FlashAttention-2. The instruction lives in a small CUDA C++ file,
-``tensor_core.cu``, linked into the Numba kernel with numba-cuda's ``link=``
-and compiled by NVRTC; the rest of the kernel (tiling, masks, the online
-softmax in float32) is Numba. See docs/backends.rst for why this route and
-not nvmath-python's cuBLASDx.
+The kernel is CUDA C++, ``tensor_core.cu`` (its comment gives the design:
+``mma.sync.m16n8k16`` products with ``ldmatrix`` loads, scores and output held
+in registers across the key loop, the online softmax on every thread,
+asynchronous copies overlapping the two products, causal tiles above the
+diagonal skipped), linked into a Numba kernel with numba-cuda's ``link=`` and
+compiled by NVRTC: the Numba kernel maps its block to a batch entry and a tile
+of query rows and calls the C++ with pointers to that entry's rows. See
+docs/backends.rst for why this route.
 
-One block of four warps takes 64 query rows (16 per warp) against tiles of
-32 keys; Q, K and V tiles, the scores and the output accumulator live in
-shared memory (static arrays: the head sizes are compile-time constants).
-Heads of 16, 32, 48 or 64 features (multiples of 16 for the scores' inner
-dimension, at most 64 for shared memory) take this path; others, and every
-backward pass, use the float32 kernels of :mod:`.flash_attention` on widened
-operands.
+Heads of 64 or 128 features, with values as wide as keys, take this path;
+others, and every backward pass, use the float32 kernels of
+:mod:`.flash_attention` on widened operands. The output comes back in the
+operands' format, rounded on the device; the log-sum-exp in float32.
 
-The Numba simulator cannot run CUDA C++, so only a GPU runs this kernel: until
-one has checked and timed it (tools/gpu_check.sh), it runs only when
-``TFMATH_CUDA_TENSOR_CORES=1`` (see :func:`tfmath._cuda_switches.cuda_tensor_cores`).
+The Numba simulator cannot run CUDA C++, so only a GPU runs this kernel; there it
+serves every problem :func:`supports` unless ``TFMATH_CUDA_TENSOR_CORES=0`` (see
+:func:`tfmath._cuda_switches.cuda_tensor_cores`). It was checked against the float64
+reference and timed on an H200 (docs/flash_attention.rst, "On a GPU").
+``python -m tfmath.tools.ptx`` compiles it without a GPU and reports its
+registers, spills and shared memory.
 """
 
 import functools
 import math
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -34,194 +34,130 @@ from tfmath._contract.attention import dense_additive_mask
 
 cuda = _cuda.numba_cuda()
 
-#: The CUDA C++ source of the warp-level products.
+#: The CUDA C++ source of the kernel.
 SOURCE = Path(__file__).with_name("tensor_core.cu")
 #: The half-precision formats, by NumPy dtype name, and the suffix of their functions.
 FORMATS = {"float16": "f16", "bfloat16": "bf16"}
-#: Query rows per block (four warps of 16 rows) and keys per tile.
-BLOCK_ROWS, TILE_KEYS = 64, 32
-THREADS = 128
-#: Largest head size whose tiles fit in 48 KiB of static shared memory.
-MAX_HEAD_DIM = 64
+#: The head sizes compiled (the swizzled tiles need 8 or 16 chunks of 16 bytes a row).
+HEAD_DIMS = (64, 128)
+#: Warps per block compiled; each warp takes 16 query rows.
+WARP_CHOICES = (4, 8)
 
 
-def supports(problem):
-    """Whether this kernel computes ``problem`` (its format, head sizes and mask)."""
-    return (
-        problem.dtype.name in FORMATS
-        and 0 < problem.n_features <= MAX_HEAD_DIM
-        and problem.n_features % 16 == 0
-        and 0 < problem.value_dim <= MAX_HEAD_DIM
-        and problem.value_dim % 8 == 0
-    )
+class BlockShape(NamedTuple):
+    """How a head size's kernel is launched: warps per block, and the cap on registers
+    per thread that numba-cuda passes to the compiler."""
+
+    warps: int
+    max_registers: int
+
+
+#: The block shape by head size, the fastest of those tried on an H200 at L = 4096
+#: (docs/flash_attention.rst, "On a GPU"). Linked into the Numba kernel, the C++ needs
+#: more registers than alone (132 instead of 128 at d = 64, 226 instead of 169 at
+#: d = 128); the caps hold it where ptxas puts it alone, without spills, so that a
+#: multiprocessor keeps 2 blocks of 8 warps at d = 64 and 3 blocks of 4 at d = 128.
+BLOCK_SHAPES = {64: BlockShape(8, 128), 128: BlockShape(4, 168)}
+
+
+#: The oldest GPU with every instruction the kernel uses (cp.async, ldmatrix, mma.sync
+#: m16n8k16 with bfloat16): Ampere.
+MIN_COMPUTE_CAPABILITY = (8, 0)
 
 
 @functools.cache
-def _device_functions(suffix):
-    """The CUDA C++ functions of one format, declared for Numba (C ABI, linked from SOURCE)."""
+def runs_here():
+    """Whether this machine's GPU and packages run the kernel: a compute capability of at
+    least :data:`MIN_COMPUTE_CAPABILITY`, and cffi (which hands Numba's arrays to the C++)
+    installed. Asked once per process, on a real GPU only."""
+    import importlib.util
+
+    if importlib.util.find_spec("cffi") is None:
+        return False
+    return tuple(cuda.get_current_device().compute_capability) >= MIN_COMPUTE_CAPABILITY
+
+
+def supports(problem):
+    """Whether this kernel computes ``problem`` (its format and head sizes)."""
+    return (
+        problem.dtype.name in FORMATS
+        and problem.n_features in HEAD_DIMS
+        and problem.value_dim == problem.n_features
+    )
+
+
+def entry_name(format_name, head_dim, warps):
+    """The C++ entry point of one format, head size and number of warps per block."""
+    return f"tfmath_flash_forward_{FORMATS[format_name]}_{head_dim}_w{warps}"
+
+
+@functools.cache
+def _entry(format_name, head_dim, warps):
+    """The C++ forward of one format, head size and warps per block, declared for Numba
+    (C ABI)."""
     types = _cuda.numba_types()
-    f32p, u16p = types.CPointer(types.float32), types.CPointer(types.uint16)
-    i32 = types.int32
-    link = [str(SOURCE)]
-    scores = cuda.declare_device(
-        f"tfmath_mma_nt_{suffix}",
-        types.void(f32p, i32, u16p, i32, u16p, i32, i32, i32, i32),
-        link=link,
-        abi="c",
+    u16p, f32p, i32 = types.CPointer(types.uint16), types.CPointer(types.float32), types.int32
+    signature = types.void(
+        u16p, u16p, u16p, f32p, i32, i32, i32, i32, types.float32, i32, u16p, f32p
     )
-    update = cuda.declare_device(
-        f"tfmath_mma_nn_{suffix}",
-        types.void(f32p, i32, f32p, i32, u16p, i32, i32, i32, i32),
-        link=link,
-        abi="c",
+    return cuda.declare_device(
+        entry_name(format_name, head_dim, warps), signature, link=[str(SOURCE)], abi="c"
     )
-    to_float = cuda.declare_device(
-        f"tfmath_{suffix}_to_float", types.float32(types.uint16), link=link, abi="c"
-    )
-    return scores, update, to_float
 
 
-def _is_finite_bits(bits, exponent_mask):
-    """Whether a 16-bit pattern is a finite number (its exponent is not all ones)."""
-    return (bits & exponent_mask) != exponent_mask
+def forward_function(format_name, head_dim, warps):
+    """The forward kernel as a Python function, for :func:`_forward_kernel` and PTX checks.
 
-
-def forward_function(format_name, n_features, n_values):
-    """The forward kernel as a Python function, for :func:`_forward_kernel` and PTX checks."""
+    Block ``x`` takes query-row tile ``n_tiles - 1 - x // n_batch`` of batch entry
+    ``x % n_batch``: under a causal mask the tiles with the most keys start first,
+    so the short ones fill the GPU's tail.
+    """
     import cffi
 
     ffi = cffi.FFI()
-    scores_product, output_update, to_float = _device_functions(FORMATS[format_name])
-    exponent_mask = 0x7C00 if format_name == "float16" else 0x7F80
-    E, EV, BR, BC, NT = n_features, n_values, BLOCK_ROWS, TILE_KEYS, THREADS
-    QS, VS = E + 8, EV + 8  # padded strides: a warp's fragment loads hit distinct banks
-    SS, OS = BC + 4, EV + 4
-    # Array sizes must be constants, not expressions.
-    Q_SIZE, K_SIZE, V_SIZE, S_SIZE, O_SIZE = BR * QS, BC * QS, BC * VS, BR * SS, BR * OS
-    f32, u16 = _cuda.numba_types().float32, _cuda.numba_types().uint16
-    is_finite_bits = cuda.jit(device=True)(_is_finite_bits)
+    forward = _entry(format_name, head_dim, warps)
+    i32 = _cuda.numba_types().int32
+    block_rows = 16 * warps
 
     def kernel(query, key, value, mask, index, is_causal, scale, out, log_sum_exp):
-        q_tile = cuda.shared.array(Q_SIZE, dtype=u16)
-        k_tile = cuda.shared.array(K_SIZE, dtype=u16)
-        v_tile = cuda.shared.array(V_SIZE, dtype=u16)
-        s_tile = cuda.shared.array(S_SIZE, dtype=f32)
-        o_tile = cuda.shared.array(O_SIZE, dtype=f32)
-        row_max = cuda.shared.array(BR, dtype=f32)
-        row_sum = cuda.shared.array(BR, dtype=f32)
-        rescale = cuda.shared.array(BR, dtype=f32)
-        tid = cuda.threadIdx.x
-        warp = tid // 32
-        n_query, n_key = query.shape[1], key.shape[1]
-        tiles_per_batch = (n_query + BR - 1) // BR
-        b = cuda.blockIdx.x // tiles_per_batch
-        first_row = (cuda.blockIdx.x - b * tiles_per_batch) * BR
-        q, k, v, m = index[b, 0], index[b, 1], index[b, 2], index[b, 3]
-        has_mask = mask.shape[1] != 0
-        zero = f32(0)
-        for flat in range(tid, BR * E, NT):
-            r = flat // E
-            row = first_row + r
-            q_tile[r * QS + flat - r * E] = query[q, row, flat - r * E] if row < n_query else 0
-        for flat in range(tid, BR * OS, NT):
-            o_tile[flat] = 0
-        for r in range(tid, BR, NT):
-            row_max[r] = -math.inf
-            row_sum[r] = 0
-        n_visible = min(first_row + BR, n_key) if is_causal else n_key
-        for start in range(0, n_visible, BC):
-            for flat in range(tid, BC * E, NT):
-                t = flat // E
-                in_range = start + t < n_key
-                k_tile[t * QS + flat - t * E] = key[k, start + t, flat - t * E] if in_range else 0
-            bad = 0
-            for flat in range(tid, BC * EV, NT):
-                t = flat // EV
-                bits = value[v, start + t, flat - t * EV] if start + t < n_key else u16(0)
-                if not is_finite_bits(bits, exponent_mask):
-                    bad = 1
-                v_tile[t * VS + flat - t * EV] = bits
-            value_has_garbage = cuda.syncthreads_or(bad)
-            scores_product(
-                ffi.from_buffer(s_tile[warp * 16 * SS :]), SS,
-                ffi.from_buffer(q_tile[warp * 16 * QS :]), QS,
-                ffi.from_buffer(k_tile), QS, BC, E, 0,
-            )  # fmt: skip
-            cuda.syncthreads()
-            if tid < BR:
-                row = first_row + tid
-                tile_max = f32(-math.inf)
-                for t in range(BC):
-                    col = start + t
-                    s = f32(-math.inf)
-                    if row < n_query and col < n_key and not (is_causal and col > row):
-                        bias = mask[m, row, col] if has_mask else zero
-                        if bias != -math.inf:
-                            s = scale * s_tile[tid * SS + t] + bias
-                    s_tile[tid * SS + t] = s
-                    tile_max = max(tile_max, s)
-                new_max = max(row_max[tid], tile_max)
-                factor = f32(1) if new_max == -math.inf else math.exp(row_max[tid] - new_max)
-                total = row_sum[tid] * factor
-                for t in range(BC):
-                    s = s_tile[tid * SS + t]
-                    p = zero if s == -math.inf else math.exp(s - new_max)
-                    total += p
-                    s_tile[tid * SS + t] = p
-                row_max[tid] = new_max
-                row_sum[tid] = total
-                rescale[tid] = factor
-            cuda.syncthreads()
-            for flat in range(tid, BR * EV, NT):
-                r = flat // EV
-                o_tile[r * OS + flat - r * EV] *= rescale[r]
-            cuda.syncthreads()
-            if not value_has_garbage:
-                output_update(
-                    ffi.from_buffer(o_tile[warp * 16 * OS :]), OS,
-                    ffi.from_buffer(s_tile[warp * 16 * SS :]), SS,
-                    ffi.from_buffer(v_tile), VS, EV, BC, 1,
-                )  # fmt: skip
-            else:
-                # Weights of exactly 0 must not read the values: 0 * nan is nan.
-                for flat in range(tid, BR * EV, NT):
-                    r = flat // EV
-                    acc = o_tile[r * OS + flat - r * EV]
-                    for t in range(BC):
-                        p = s_tile[r * SS + t]
-                        if p != 0:
-                            acc += p * to_float(v_tile[t * VS + flat - r * EV])
-                    o_tile[r * OS + flat - r * EV] = acc
-            cuda.syncthreads()
-        for flat in range(tid, BR * EV, NT):
-            r = flat // EV
-            row, f = first_row + r, flat - r * EV
-            if row < n_query:
-                total = row_sum[r]
-                empty = row_max[r] == -math.inf and total == 0
-                out[b, row, f] = zero if empty else o_tile[r * OS + f] / total
-        for r in range(tid, BR, NT):
-            row = first_row + r
-            if row < n_query:
-                empty = row_max[r] == -math.inf and row_sum[r] == 0
-                log_sum_exp[b, row] = -math.inf if empty else row_max[r] + math.log(row_sum[r])
+        n_batch, n_query, n_key = index.shape[0], query.shape[1], key.shape[1]
+        n_tiles = (n_query + block_rows - 1) // block_rows
+        b = cuda.blockIdx.x % n_batch
+        row_tile = n_tiles - 1 - cuda.blockIdx.x // n_batch
+        has_mask = mask.shape[0] != 0
+        mask_start = index[b, 3] * n_query * n_key if has_mask else 0
+        forward(
+            ffi.from_buffer(query[index[b, 0]]),
+            ffi.from_buffer(key[index[b, 1]]),
+            ffi.from_buffer(value[index[b, 2]]),
+            ffi.from_buffer(mask[mask_start:]),
+            i32(1) if has_mask else i32(0),
+            i32(n_query),
+            i32(n_key),
+            i32(1) if is_causal else i32(0),
+            scale,
+            i32(row_tile),
+            ffi.from_buffer(out[b]),
+            ffi.from_buffer(log_sum_exp[b]),
+        )
 
     return kernel
 
 
 @functools.cache
-def _forward_kernel(format_name, n_features, n_values):
-    return cuda.jit(forward_function(format_name, n_features, n_values))
+def _forward_kernel(format_name, head_dim, warps, max_registers=None):
+    options = {} if max_registers is None else {"max_registers": max_registers}
+    return cuda.jit(**options)(forward_function(format_name, head_dim, warps))
 
 
-def forward_signature(n_batch_dims=3):
+def forward_signature():
     """The Numba signature of the forward kernel (for compiling it ahead, to PTX)."""
     types = _cuda.numba_types()
-    u16 = types.Array(types.uint16, n_batch_dims, "C")
-    f32_3 = types.Array(types.float32, 3, "C")
+    u16 = types.Array(types.uint16, 3, "C")
+    f32_1 = types.Array(types.float32, 1, "C")
     return types.void(
-        u16, u16, u16, f32_3, types.Array(types.int64, 2, "C"), types.boolean, types.float32,
-        f32_3, types.Array(types.float32, 2, "C"),
+        u16, u16, u16, f32_1, types.Array(types.int64, 2, "C"), types.boolean, types.float32,
+        u16, types.Array(types.float32, 2, "C"),
     )  # fmt: skip
 
 
@@ -232,23 +168,53 @@ def _bits(array):
     return _cuda.to_device(np.ascontiguousarray(array).view(np.uint16))
 
 
-def flash_attention(problem):
-    """Output (float32) and log-sum-exp of a validated half-precision ``problem`` that
-    :func:`supports` accepts, on the tensor cores."""
+@functools.cache
+def _device_index(index_bytes, n_batch):
+    """The batch index on the device, copied once per distinct index: a host-to-device
+    copy waits for the GPU, and the same shapes come call after call."""
+    return _cuda.to_device(np.frombuffer(index_bytes, np.int64).reshape(n_batch, 4))
+
+
+@functools.cache
+def _no_mask():
+    return _cuda.to_device(np.zeros(1, np.float32))[:0]
+
+
+def launch(problem, warps=None, max_registers=None):
+    """The kernel, its grid, its block and its arguments for ``problem`` (the outputs
+    last: the output's 16-bit patterns and the log-sum-exp), with every operand on the
+    device: what :func:`flash_attention` launches. Without ``warps`` per block, the head
+    size's :data:`BLOCK_SHAPES` gives them and the register cap (``max_registers``,
+    else none)."""
     query, key, value, mask, index = problem.kernel_operands()
     mask = dense_additive_mask(mask, problem.n_query, problem.n_key, np.float32)
-    mask = np.empty((1, 0, 0), np.float32) if mask is None else _cuda.to_host(mask)
-    n_batch, Ev = index.shape[0], problem.value_dim
-    out = _cuda.device_empty((n_batch, problem.n_query, Ev), np.float32)
+    # One flat row of biases per mask batch entry: the kernel points into it.
+    mask = _no_mask() if mask is None else _cuda.to_device(_cuda.to_host(mask).reshape(-1))
+    n_batch, head_dim = index.shape[0], problem.n_features
+    if warps is None:
+        warps, max_registers = BLOCK_SHAPES[head_dim]
+    out = _cuda.device_empty((n_batch, problem.n_query, head_dim), np.uint16)
     log_sum_exp = _cuda.device_empty((n_batch, problem.n_query), np.float32)
-    kernel = _forward_kernel(problem.dtype.name, problem.n_features, Ev)
-    n_blocks = n_batch * math.ceil(problem.n_query / BLOCK_ROWS)
-    kernel[n_blocks, THREADS](
-        _bits(query), _bits(key), _bits(value), _cuda.to_device(mask.astype(np.float32)),
-        _cuda.to_device(index), problem.is_causal, np.float32(problem.scale), out, log_sum_exp,
+    kernel = _forward_kernel(problem.dtype.name, head_dim, warps, max_registers)
+    n_blocks = n_batch * math.ceil(problem.n_query / (16 * warps))
+    index = _device_index(np.ascontiguousarray(index, np.int64).tobytes(), n_batch)
+    arguments = (
+        _bits(query), _bits(key), _bits(value), mask, index, problem.is_causal,
+        np.float32(problem.scale), out, log_sum_exp,
     )  # fmt: skip
-    out = out.reshape(problem.output_shape())
+    return kernel, (n_blocks, 32 * warps), arguments
+
+
+def flash_attention(problem):
+    """Output and log-sum-exp of a validated half-precision ``problem`` that
+    :func:`supports` accepts, on the tensor cores: the output in the operands' format
+    (rounded on the device), the log-sum-exp in float32."""
+    kernel, shape, arguments = launch(problem)
+    kernel[shape](*arguments)
+    bits, log_sum_exp = arguments[-2:]
+    bits = bits.reshape(problem.output_shape())
     log_sum_exp = log_sum_exp.reshape((*problem.batch_shape, problem.n_query))
     if problem.on_device:
-        return out, log_sum_exp
-    return out.copy_to_host(), log_sum_exp.copy_to_host()
+        # Device operands are float16 (no CUDA array shares bfloat16 with Numba).
+        return bits.view(problem.dtype), log_sum_exp
+    return bits.copy_to_host().view(problem.dtype), log_sum_exp.copy_to_host()
