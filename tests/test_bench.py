@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 
 import tfmath
-from tfmath import _cuda
+from tfmath import _cuda, cli
 from tfmath.analysis import timing
-from tfmath.tools import bench, cli
+from tfmath.tools import bench
 
 
 @pytest.fixture(autouse=True)

@@ -48,13 +48,14 @@ LAYERS = (
     ("training", ("tfmath.training",)),
     ("analysis", ("tfmath.analysis",)),
     ("plotting", ("tfmath.plotting",)),
-    ("tools", ("tfmath.tools", "tfmath.report", "tfmath.experiments", "tfmath.view")),
+    ("tools", ("tfmath.tools", "tfmath.report", "tfmath.experiments", "tfmath.view", "tfmath.cli")),
     ("package", ("tfmath.__main__", "tfmath")),
 )
 
 #: What kernels and oracles may import besides their own package.
 IMPLEMENTATION_DEPENDENCIES = (
     "tfmath._contract",
+    "tfmath.kernels.formulas",
     "tfmath._jit",
     "tfmath._blas_threads",
     "tfmath._cuda_switches",
@@ -142,6 +143,27 @@ def test_kernels_and_oracles_import_only_the_contract_and_their_own_package(pack
         if not _within(dep, allowed)
     ]
     assert broken == []
+
+
+def test_only_the_dispatch_layer_opens_the_kernels():
+    """Above the kernels, code reaches them through tfmath._dispatch (``run``,
+    ``implementation`` or ``direct``), which imports them by name, never by statement."""
+    doors = [
+        f"{name} imports {dep}"
+        for name, deps in GRAPH.items()
+        if not _within(name, ("tfmath.kernels",))
+        for dep in deps
+        if _within(dep, ("tfmath.kernels",))
+    ]
+    assert doors == []
+
+
+@pytest.mark.parametrize("name", ["plain_flash", "training_step", "gemm"])
+def test_every_direct_door_opens(name):
+    from tfmath import _dispatch
+
+    assert _dispatch.DIRECT[name].partition(":")[0] in MODULES
+    assert _dispatch.direct(name) is not None
 
 
 def test_the_contract_imports_only_infrastructure():

@@ -193,7 +193,7 @@ def test_the_compilation_notice_tells_a_cold_cache_from_a_warm_one(tmp_path):
 
 
 def test_the_cli_prints_the_notice_on_stderr_when_the_cache_is_cold(tmp_path, monkeypatch, capsys):
-    from tfmath.tools import cli
+    from tfmath import cli
 
     monkeypatch.setattr(_kernel_cache, "kernel_cache", lambda: _kernel_cache.KernelCache(tmp_path))
     cli._print_compilation_notice()

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from tfmath import cli
 from tfmath.report import (
     ExperimentResult,
     ReportError,
@@ -17,7 +18,6 @@ from tfmath.report import (
     build_report,
     registered_experiments,
 )
-from tfmath.tools import cli
 
 
 def test_worked_examples_are_registered():

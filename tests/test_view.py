@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import tfmath
-import tfmath.view as view_module
+import tfmath.view._inputs as view_module
 from tfmath.errors import ArgumentError, DTypeError, ShapeError
 
 TOKENS = ["The", "cat", "sat", "on", "it"]

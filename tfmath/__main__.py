@@ -2,7 +2,7 @@
 
 import sys
 
-from tfmath.tools.cli import main
+from tfmath.cli import main
 
 # Guarded: benchmarks start helper processes, which import the main module again.
 if __name__ == "__main__":

@@ -99,10 +99,32 @@ def implementation(routine, backend):
     return _load(_TARGETS[routine, backend])
 
 
+#: Kernels that their callers drive themselves, past the problem records, each with the
+#: reason it needs no routine of its own: the short path of plain host attention (a
+#: drop-in's every call, whose checks the kernel plans itself); the fused training
+#: step's kernels and BLAS products (the step owns its buffers and calls dozens of
+#: kernels per step); the CUDA flash kernels, which the PTX tool compiles without
+#: running them. Modules above this one reach kernels only here or through :func:`run`
+#: (tests/test_layout.py holds them to it).
+DIRECT = {
+    "plain_flash": "tfmath.kernels.cpu.flash_attention:plain_flash",
+    "training_step": "tfmath.kernels.cpu.training_step",
+    "gemm": "tfmath.kernels.cpu.blas:gemm",
+    "cuda_flash_attention": "tfmath.kernels.cuda.flash_attention",
+    "cuda_tensor_core": "tfmath.kernels.cuda.tensor_core",
+}
+
+
+def direct(name):
+    """The kernel or kernel module :data:`DIRECT` names (imported on first use)."""
+    return _load(DIRECT[name])
+
+
 @functools.cache
 def _load(target):
     module_name, _, attribute = target.partition(":")
-    return getattr(importlib.import_module(module_name), attribute)
+    module = importlib.import_module(module_name)
+    return getattr(module, attribute) if attribute else module
 
 
 def run(routine, problem, *args):
@@ -156,6 +178,13 @@ def _on_device(value):
     return None if value is None else _cuda.to_device(value)
 
 
+def auto_stays_on_host():
+    """Whether ``backend="auto"`` runs host operands on the CPU: yes unless a real GPU is
+    present. The one place that decides it (:func:`resolve_backend` and the short paths
+    of plain host calls ask here)."""
+    return not _cuda.status().real_gpu
+
+
 def resolve_backend(backend, *arrays):
     """Turn the user's ``backend`` argument into the backend that will run.
 
@@ -169,7 +198,7 @@ def resolve_backend(backend, *arrays):
         For an unknown name, or for ``"cuda"`` on a machine that cannot run it.
     """
     if type(backend) is str and backend == "auto":
-        if _cuda.status().real_gpu or any(map(_cuda.is_device_array, arrays)):
+        if not auto_stays_on_host() or any(map(_cuda.is_device_array, arrays)):
             return "cuda"
         return "cpu"
     if not isinstance(backend, str) or backend not in _CHOICES:

@@ -43,7 +43,14 @@ from tfmath._contract.tensors import (
     plain_cpu_arrays,
     to_tensor,
 )
-from tfmath._dispatch import implementation, narrowed, resolve_backend, run
+from tfmath._dispatch import (
+    auto_stays_on_host,
+    direct,
+    implementation,
+    narrowed,
+    resolve_backend,
+    run,
+)
 from tfmath.errors import ArgumentError, DTypeError
 
 __all__ = ["attention_grad", "scaled_dot_product_attention", "softmax"]
@@ -163,7 +170,7 @@ def _is_default_host_call(x, axis, accumulate, backend):
         and accumulate is None
         and type(backend) is str
         and backend == "auto"
-        and not _cuda.status().real_gpu
+        and auto_stays_on_host()
     )
 
 
@@ -330,8 +337,34 @@ def scaled_dot_product_attention(
     }
     if any_tensor(query, key, value, attn_mask):
         return _attention_of_tensors((query, key, value, attn_mask, is_causal, scale), options)
+    enable_gqa = boolean_flag("enable_gqa", enable_gqa)
+    return_log_sum_exp = boolean_flag("return_log_sum_exp", return_log_sum_exp)
+    problem, groups, output, extra = _grouped_forward(
+        (query, key, value, attn_mask, is_causal, scale),
+        enable_gqa,
+        return_weights=return_weights,
+        return_log_sum_exp=return_log_sum_exp,
+        method=method,
+        accumulate=accumulate,
+        backend=backend,
+    )
+    if groups is not None:
+        output = groups.ungrouped(output)
+        extra = None if extra is None else groups.ungrouped(extra, 2 if return_weights else 1)
+    if problem.return_weights or return_log_sum_exp:
+        return output, extra
+    return output
+
+
+def _grouped_forward(args, enable_gqa, *, return_weights, return_log_sum_exp, method,
+                     accumulate, backend):  # fmt: skip
+    """Attention's forward on the operands ``args`` (query, key, value, mask, is_causal,
+    scale), their query heads grouped over the key heads first when ``enable_gqa``:
+    ``(problem, groups, output, extra)``, the output and extra as grouped (``groups`` is
+    None without GQA, else it ungroups them)."""
+    query, key, value, attn_mask, is_causal, scale = args
     groups = None
-    if boolean_flag("enable_gqa", enable_gqa):
+    if enable_gqa:
         query, key, value, attn_mask, groups = group_query_heads(query, key, value, attn_mask)
     problem = attention_problem(
         query,
@@ -344,14 +377,8 @@ def scaled_dot_product_attention(
         accumulate=accumulate,
         backend=resolve_backend(backend, query, key, value, attn_mask),
     )
-    return_log_sum_exp = boolean_flag("return_log_sum_exp", return_log_sum_exp)
     output, extra = forward(problem, method, return_log_sum_exp=return_log_sum_exp)
-    if groups is not None:
-        output = groups.ungrouped(output)
-        extra = None if extra is None else groups.ungrouped(extra, 2 if return_weights else 1)
-    if problem.return_weights or return_log_sum_exp:
-        return output, extra
-    return output
+    return problem, groups, output, extra
 
 
 def _attention_of_tensors(args, options):
@@ -383,20 +410,15 @@ def _attention_of_tensors(args, options):
         query, key, value = (
             np.ascontiguousarray(a) if type(a) is np.ndarray else a for a in (query, key, value)
         )
-        groups = None
-        if enable_gqa:
-            query, key, value, attn_mask, groups = group_query_heads(query, key, value, attn_mask)
-        problem = attention_problem(
-            query,
-            key,
-            value,
-            attn_mask,
-            is_causal,
-            scale,
+        problem, groups, output, log_sum_exp = _grouped_forward(
+            (query, key, value, attn_mask, is_causal, scale),
+            enable_gqa,
+            return_weights=False,
+            return_log_sum_exp=True,
+            method=method,
             accumulate=options["accumulate"],
-            backend=resolve_backend(options["backend"], query, key, value, attn_mask),
+            backend=options["backend"],
         )
-        output, log_sum_exp = forward(problem, method, return_log_sum_exp=True)
         result = output if groups is None else groups.ungrouped(output)
         return (result,), (problem, groups, output, log_sum_exp)
 
@@ -431,7 +453,7 @@ def _plain_attention_of_tensors(query, key, value, is_causal, scale):
         return None
     if type(is_causal) is bool and (scale is None or type(scale) is float):
         # The CPU flash kernels' plan of this layout: this path serves only host tensors.
-        flash = _plain_flash()(*arrays, is_causal, scale, plain_attention_problem)
+        flash = direct("plain_flash")(*arrays, is_causal, scale, plain_attention_problem)
         if flash is not None:
             if not needs_grad(query, key, value):
                 return to_tensor(flash.forward(*arrays)[0], "cpu")
@@ -460,15 +482,6 @@ def _plain_attention_of_tensors(query, key, value, is_causal, scale):
     return differentiable_plain(rule, (query, key, value))
 
 
-@functools.cache
-def _plain_flash():
-    """:func:`tfmath.kernels.cpu.flash_attention.plain_flash`, imported at first use
-    (importing it compiles nothing, but loads Numba, which ``import tfmath`` must not)."""
-    from tfmath.kernels.cpu.flash_attention import plain_flash
-
-    return plain_flash
-
-
 def _is_plain_host_call(attn_mask, return_weights, return_log_sum_exp, method, accumulate, backend):
     """Whether an attention call asks for the output alone, without a mask, with
     ``method``, ``accumulate`` and ``backend`` at their defaults, on a machine without a
@@ -482,7 +495,7 @@ def _is_plain_host_call(attn_mask, return_weights, return_log_sum_exp, method, a
         and accumulate is None
         and type(backend) is str
         and backend == "auto"
-        and not _cuda.status().real_gpu
+        and auto_stays_on_host()
     )
 
 

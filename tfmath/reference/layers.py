@@ -4,7 +4,7 @@ Every function here takes the validated, C-contiguous 2-D row blocks that
 :mod:`tfmath.training.layers` hands to all backends (one row per token), and is
 written for clarity: the CPU and CUDA kernels are tested against it.
 
-The activation codes are those of :data:`tfmath.training.layers.ACTIVATIONS`:
+The activation codes are those of :data:`tfmath._contract.layers.ACTIVATIONS`:
 0 ReLU, 1 GELU (erf), 2 GELU (tanh approximation), 3 SwiGLU.
 """
 
@@ -13,7 +13,7 @@ import math
 import numpy as np
 from scipy.special import erf
 
-RELU, GELU, GELU_TANH, SWIGLU = 0, 1, 2, 3
+from tfmath._contract.layers import GELU, GELU_TANH, RELU
 
 
 def layer_norm(x, weight, bias, eps):

@@ -1,7 +1,6 @@
-"""The tools around the library: the ``tfmath`` command, benchmarks and their timing.
+"""The tools around the library: the benchmarks of ``tfmath bench`` and their timing
+(the command itself is :mod:`tfmath.cli`).
 
-:mod:`tfmath.tools.cli`
-    ``tfmath reproduce``, ``tfmath info`` and ``tfmath bench``.
 :mod:`tfmath.tools.bench`
     ``tfmath bench attention``: tfmath against its peers in one run.
 """

@@ -426,7 +426,9 @@ def attention_costs(shapes=ATTENTION_COST_SHAPES, repeats=20):
     backward's seconds per (row, key, head), each the best of ``repeats`` calls.
     """
     from tfmath._blas_threads import serial_blas
-    from tfmath.kernels.cpu import training_step as kernels
+    from tfmath._dispatch import direct
+
+    kernels = direct("training_step")
     from tfmath.training.fused import ATTENTION_BLOCK
 
     def best(kernel, *arguments):

@@ -23,12 +23,15 @@ it in a subprocess).
 
 import argparse
 import json
+import os
 import re
 import shutil
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from tfmath._dispatch import direct
 
 #: The head size the kernels are compiled for (the benchmarks' d = 64).
 HEAD_DIM = 64
@@ -46,7 +49,8 @@ PATTERNS = {
 
 def _float32_kernels():
     from tfmath import _cuda
-    from tfmath.kernels.cuda import flash_attention as flash
+
+    flash = direct("cuda_flash_attention")
 
     t = _cuda.numba_types()
     f32_3, f32_2 = t.Array(t.float32, 3, "C"), t.Array(t.float32, 2, "C")
@@ -73,7 +77,8 @@ def kernel_ptx(cc):
     """``{name: ptx}`` for every flash kernel at compute capability ``cc`` (a pair), and
     for the CUDA C++ of the tensor-core products (``tensor_core.cu``, through NVRTC)."""
     from tfmath import _cuda
-    from tfmath.kernels.cuda import tensor_core
+
+    tensor_core = direct("cuda_tensor_core")
 
     t = _cuda.numba_types()
     found = {}
@@ -122,7 +127,8 @@ def tensor_core_resources(cc, out=None):
     entry point inside a kernel of its own (``TFMATH_RESOURCE_CHECK``). The SASS counts
     are None without cuobjdump."""
     from tfmath import _cuda
-    from tfmath.kernels.cuda import tensor_core
+
+    tensor_core = direct("cuda_tensor_core")
 
     source = tensor_core.SOURCE
     cubin, log = _cuda.nvrtc_cubin(
@@ -159,7 +165,9 @@ def tensor_core_resources(cc, out=None):
 
 
 def cuobjdump():
-    """The path of cuobjdump (pip's ``nvidia-cuda-cuobjdump``, else the PATH's), or None."""
+    """The path of cuobjdump (pip's ``nvidia-cuda-cuobjdump``, else the PATH's), or None.
+    It disassembles through nvdisasm, which it looks for beside itself (pip's
+    ``nvidia-cuda-nvdisasm`` installs it there) and on the PATH."""
     try:
         import nvidia.cu13
 
@@ -178,7 +186,13 @@ def _sass(cubin):
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "kernels.cubin"
         path.write_bytes(cubin)
-        done = subprocess.run([tool, "-sass", str(path)], capture_output=True, text=True)
+        search = os.pathsep.join([str(Path(tool).parent), os.environ.get("PATH", "")])
+        done = subprocess.run(
+            [tool, "-sass", str(path)],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PATH": search},
+        )
     return done.stdout if done.returncode == 0 else None
 
 

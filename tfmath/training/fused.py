@@ -35,9 +35,13 @@ import numba
 import numpy as np
 
 from tfmath import _blas_threads
-from tfmath.kernels.cpu import training_step as kernels
-from tfmath.kernels.cpu.blas import gemm
+from tfmath._dispatch import direct
 from tfmath.training.params import Parameters
+
+#: The step's kernels and BLAS products, which it drives itself (see
+#: :data:`tfmath._dispatch.DIRECT`).
+kernels = direct("training_step")
+gemm = direct("gemm")
 
 __all__ = ["FusedDecoder", "fusable"]
 

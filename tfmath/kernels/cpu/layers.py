@@ -13,13 +13,9 @@ import math
 import numba
 import numpy as np
 
+from tfmath._contract.layers import SWIGLU
 from tfmath._jit import cpu_kernel, sized
-
-RELU, GELU, GELU_TANH, SWIGLU = 0, 1, 2, 3
-_SQRT_2_OVER_PI = math.sqrt(2 / math.pi)
-_INV_SQRT_2 = 1 / math.sqrt(2)
-_INV_SQRT_2PI = 1 / math.sqrt(2 * math.pi)
-_GELU_CUBIC = 0.044715
+from tfmath.kernels import formulas
 
 
 @cpu_kernel
@@ -154,31 +150,9 @@ def rms_norm_backward(grad_y, x, weight, rstd):
     return grad_x, grad_weight
 
 
-@cpu_kernel
-def _sigmoid(a):
-    return 1 / (1 + math.exp(-a))
-
-
-@cpu_kernel
-def _activation(h, code):
-    """ReLU, GELU or tanh-GELU of one value."""
-    if code == RELU:
-        return max(h, 0)
-    if code == GELU:
-        return 0.5 * h * (1 + math.erf(h * _INV_SQRT_2))
-    return 0.5 * h * (1 + math.tanh(_SQRT_2_OVER_PI * (h + _GELU_CUBIC * h * h * h)))
-
-
-@cpu_kernel
-def _activation_slope(h, code):
-    """Derivative of :func:`_activation` at ``h``."""
-    if code == RELU:
-        return 1.0 if h > 0 else 0.0
-    if code == GELU:
-        return 0.5 * (1 + math.erf(h * _INV_SQRT_2)) + h * _INV_SQRT_2PI * math.exp(-0.5 * h * h)
-    t = math.tanh(_SQRT_2_OVER_PI * (h + _GELU_CUBIC * h * h * h))
-    slope = _SQRT_2_OVER_PI * (1 + 3 * _GELU_CUBIC * h * h)
-    return 0.5 * (1 + t) + 0.5 * h * (1 - t * t) * slope
+_sigmoid = cpu_kernel(formulas.sigmoid)
+_activation = cpu_kernel(formulas.activation)
+_activation_slope = cpu_kernel(formulas.activation_slope)
 
 
 @cpu_kernel(parallel=True)

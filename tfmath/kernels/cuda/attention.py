@@ -28,6 +28,21 @@ SHARED_MEMORY_BYTES = 48 * 1024
 
 
 @cuda.jit(device=True)
+def online_softmax_step(row_max, total, s):
+    """One score ``s`` into a row's running maximum and normaliser: ``total`` is rescaled
+    to a new maximum, a NaN score makes the maximum NaN (so the row's result is NaN),
+    and a score of -inf adds nothing. Returns ``(row_max, total)``."""
+    if s > row_max:
+        total = total * math.exp(row_max - s)
+        row_max = s
+    elif s != s:
+        row_max = s
+    if s != -math.inf:
+        total += math.exp(s - row_max)
+    return row_max, total
+
+
+@cuda.jit(device=True)
 def _score(query, mask, q, m, row, j, has_mask, scale, key_tile, t, n_features):
     """Scaled, masked score of query ``row`` against key ``j``, staged at tile slot ``t``."""
     bias = mask[m, row, j] if has_mask else 0
@@ -84,13 +99,7 @@ def _attention_kernel(numba_dtype):
                     s = _score(
                         query, mask, q, m, row, start + t, has_mask, scale, key_tile, t, n_features
                     )
-                    if s > row_max:
-                        total = total * math.exp(row_max - s)
-                        row_max = s
-                    elif s != s:
-                        row_max = s
-                    if s != -math.inf:
-                        total += math.exp(s - row_max)
+                    row_max, total = online_softmax_step(row_max, total, s)
             cuda.syncthreads()
 
         row_is_nan = row_max != row_max

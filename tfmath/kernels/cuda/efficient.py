@@ -27,6 +27,7 @@ from tfmath._contract.efficient import (
     run_count,
     sparse_kernel_arguments,
 )
+from tfmath.kernels.cuda.attention import online_softmax_step
 
 cuda = _cuda.numba_cuda()
 
@@ -79,13 +80,7 @@ def _sparse_kernel(numba_dtype):
             )
             for j in range(start, stop, step):
                 s = _score(query, key, q, k, row, j, scale)
-                if s > row_max:
-                    total = total * math.exp(row_max - s)
-                    row_max = s
-                elif s != s:
-                    row_max = s
-                if s != -math.inf:
-                    total += math.exp(s - row_max)
+                row_max, total = online_softmax_step(row_max, total, s)
         row_is_nan = row_max != row_max
         for e in range(n_values):
             out[b, row, e] = row_max if row_is_nan else 0

@@ -14,14 +14,10 @@ import math
 import numpy as np
 
 from tfmath import _cuda
+from tfmath._contract.layers import SWIGLU
+from tfmath.kernels import formulas
 
 cuda = _cuda.numba_cuda()
-
-RELU, GELU, GELU_TANH, SWIGLU = 0, 1, 2, 3
-_SQRT_2_OVER_PI = math.sqrt(2 / math.pi)
-_INV_SQRT_2 = 1 / math.sqrt(2)
-_INV_SQRT_2PI = 1 / math.sqrt(2 * math.pi)
-_GELU_CUBIC = 0.044715
 
 
 def _launch(kernel, n_threads, *args):
@@ -195,29 +191,9 @@ def rms_norm_backward(grad_y, x, weight, rstd):
     return transfer.outputs(grad_x, grad_weight)
 
 
-@cuda.jit(device=True)
-def _sigmoid(a):
-    return 1 / (1 + math.exp(-a))
-
-
-@cuda.jit(device=True)
-def _activation(h, code):
-    if code == RELU:
-        return max(h, 0)
-    if code == GELU:
-        return 0.5 * h * (1 + math.erf(h * _INV_SQRT_2))
-    return 0.5 * h * (1 + math.tanh(_SQRT_2_OVER_PI * (h + _GELU_CUBIC * h * h * h)))
-
-
-@cuda.jit(device=True)
-def _activation_slope(h, code):
-    if code == RELU:
-        return 1.0 if h > 0 else 0.0
-    if code == GELU:
-        return 0.5 * (1 + math.erf(h * _INV_SQRT_2)) + h * _INV_SQRT_2PI * math.exp(-0.5 * h * h)
-    t = math.tanh(_SQRT_2_OVER_PI * (h + _GELU_CUBIC * h * h * h))
-    slope = _SQRT_2_OVER_PI * (1 + 3 * _GELU_CUBIC * h * h)
-    return 0.5 * (1 + t) + 0.5 * h * (1 - t * t) * slope
+_sigmoid = cuda.jit(device=True)(formulas.sigmoid)
+_activation = cuda.jit(device=True)(formulas.activation)
+_activation_slope = cuda.jit(device=True)(formulas.activation_slope)
 
 
 @cuda.jit

@@ -6,6 +6,7 @@ from tfmath._contract.checks import (
     choice,
     integer,
 )
+from tfmath._contract.layers import ACTIVATIONS
 from tfmath._dispatch import implementation, resolve_backend
 from tfmath.errors import ShapeError
 from tfmath.training.layers._base import (
@@ -21,9 +22,6 @@ from tfmath.training.layers._base import (
     half_precision,
 )
 from tfmath.training.params import ParameterSpec
-
-#: FFN nonlinearities and the code the kernels know them by.
-ACTIVATIONS = {"relu": 0, "gelu": 1, "gelu_tanh": 2, "swiglu": 3}
 
 
 def ffn_activation(h, activation="gelu", *, backend="auto"):

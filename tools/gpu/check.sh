@@ -2,14 +2,14 @@
 # The one command a GPU session runs first (see docs/backends.rst, "Checking on a GPU"):
 # on a fresh GPU machine with no network, in the repository root,
 #
-#   bash tools/gpu_check.sh            # everything; its steps' limits add up to 7 minutes
-#   bash tools/gpu_check.sh --quick    # two lengths, fewer repeats
+#   bash tools/gpu/check.sh            # everything; its steps' limits add up to 7 minutes
+#   bash tools/gpu/check.sh --quick    # two lengths, fewer repeats
 #
-# 1. installs the wheels carried in .whl/ (tools/gpu_wheels.sh fetches them on a machine
+# 1. installs the wheels carried in .whl/ (tools/gpu/wheels.sh fetches them on a machine
 #    with pip and network: cffi, which that machine's image lacks, and a NumPy its
 #    numba-cuda can import), into /tmp/site, ahead of the image's own packages;
 # 2. prints the GPU, the driver and the versions that matter;
-# 3. runs tools/gpu_check.py: correctness of every dtype's flash kernels, the
+# 3. runs tools/gpu/check.py: correctness of every dtype's flash kernels, the
 #    tensor-core forward's rows at L = 4096 (d = 64 and 128, B = 1 and 4, H = 16,
 #    causal or not), then timings of float32, float16 and bfloat16, forward and
 #    forward + backward, at L = 1024..8192 against PyTorch, with a figure;
@@ -20,7 +20,7 @@
 # Every output lands in $OUT (the device tool's folder that comes back) or ./gpu_check;
 # each step has its own time limit, so one that hangs cannot eat the others' time.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT="${OUT:-$PWD/gpu_check}"
 mkdir -p "$OUT"
 QUICK="${1:-}"
@@ -51,7 +51,7 @@ EOF
 } 2>&1 | tee "$OUT/versions.txt"
 
 echo "== correctness and timings, float32, float16, bfloat16"
-timeout 240 "$PYTHON" tools/gpu_check.py --out "$OUT" $QUICK 2>&1 | tee "$OUT/gpu_check.txt" \
+timeout 240 "$PYTHON" tools/gpu/check.py --out "$OUT" $QUICK 2>&1 | tee "$OUT/gpu_check.txt" \
     | tail -30
 echo "gpu_check: exit ${PIPESTATUS[0]}"
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Run once, on a machine with pip and network, before tools/gpu_check.sh goes to a GPU
+# Run once, on a machine with pip and network, before tools/gpu/check.sh goes to a GPU
 # machine that has neither: fetches into .whl/ (ignored by git, carried with the run) the
 # wheels that machine's image lacks, for its Python 3.12 on x86-64. Its image already
 # has numba, numba-cuda, cuda-bindings, torch, numpy, scipy, matplotlib, ml_dtypes,
@@ -7,9 +7,9 @@
 # tensor-core kernels need to hand shared-memory tiles to their CUDA C++. And NumPy 2.4:
 # the image's NumPy (2.5.2 on 2026-11-26) removed np.row_stack, which its numba-cuda
 # (0.30.4) still overloads at import, so every CUDA kernel failed to compile there; the
-# carried wheel shadows it (tools/gpu_check.sh puts /tmp/site first on the path).
+# carried wheel shadows it (tools/gpu/check.sh puts /tmp/site first on the path).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 exclude="$(git rev-parse --git-path info/exclude)"
 mkdir -p "$(dirname "$exclude")"
 grep -qx '/.whl/' "$exclude" 2>/dev/null || echo '/.whl/' >>"$exclude"

@@ -1,9 +1,9 @@
 """The flash kernels on a real GPU: correctness, then timings against PyTorch, in one run.
 
-Run by tools/gpu_check.sh (which installs carried wheels and runs the CUDA
+Run by tools/gpu/check.sh (which installs carried wheels and runs the CUDA
 tests first); on its own::
 
-    NUMBA_ENABLE_CUDASIM=0 python3 tools/gpu_check.py --out DIR [--quick]
+    NUMBA_ENABLE_CUDASIM=0 python3 tools/gpu/check.py --out DIR [--quick]
 
 1. Correctness: float32, float16 and bfloat16 flash forwards (float16 and
    bfloat16 on the tensor cores, ``TFMATH_CUDA_TENSOR_CORES=1``) and the

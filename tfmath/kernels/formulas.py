@@ -1,0 +1,45 @@
+"""Scalar formulas that both kernel families compile from this one source.
+
+Plain Python on scalars (``math`` only): the CPU kernels compile them with
+:func:`tfmath._jit.cpu_kernel`, the CUDA kernels with ``cuda.jit(device=True)``.
+A formula here must call no other function of its own module, since each family
+compiles every formula apart. The module sits under ``tfmath/kernels``, so that
+editing a formula renews every cached kernel that inlines it (the kernel cache
+is keyed by the sources of that folder).
+"""
+
+import math
+
+from tfmath._contract.layers import GELU, RELU
+
+_SQRT_2_OVER_PI = math.sqrt(2 / math.pi)
+_INV_SQRT_2 = 1 / math.sqrt(2)
+_INV_SQRT_2PI = 1 / math.sqrt(2 * math.pi)
+#: The cubic coefficient of GELU's tanh approximation (Hendrycks and Gimpel 2016).
+_GELU_CUBIC = 0.044715
+
+
+def sigmoid(a):
+    """The logistic function of one value."""
+    return 1 / (1 + math.exp(-a))
+
+
+def activation(h, code):
+    """ReLU, GELU or tanh-GELU of one value (``code``: one of
+    :data:`tfmath._contract.layers.ACTIVATIONS`)."""
+    if code == RELU:
+        return max(h, 0)
+    if code == GELU:
+        return 0.5 * h * (1 + math.erf(h * _INV_SQRT_2))
+    return 0.5 * h * (1 + math.tanh(_SQRT_2_OVER_PI * (h + _GELU_CUBIC * h * h * h)))
+
+
+def activation_slope(h, code):
+    """The derivative of :func:`activation` at ``h`` (ReLU's at 0 taken as 0, as PyTorch)."""
+    if code == RELU:
+        return 1.0 if h > 0 else 0.0
+    if code == GELU:
+        return 0.5 * (1 + math.erf(h * _INV_SQRT_2)) + h * _INV_SQRT_2PI * math.exp(-0.5 * h * h)
+    t = math.tanh(_SQRT_2_OVER_PI * (h + _GELU_CUBIC * h * h * h))
+    slope = _SQRT_2_OVER_PI * (1 + 3 * _GELU_CUBIC * h * h)
+    return 0.5 * (1 + t) + 0.5 * h * (1 - t * t) * slope
