@@ -189,7 +189,7 @@ def _half_forward(q, k, v, dtype_name, is_causal=False):
     return lambda: tensor_core.flash_attention(on_device)
 
 
-def _raw_kernel(q, k, v, dtype_name, is_causal, warps=None):
+def _raw_kernel(q, k, v, dtype_name, is_causal, warps=None, max_registers=None):
     """The tensor-core kernel's launch alone, its arguments made once."""
     from tfmath import _cuda
     from tfmath._contract.attention import attention_problem
@@ -199,8 +199,38 @@ def _raw_kernel(q, k, v, dtype_name, is_causal, warps=None):
     problem = attention_problem(*host, is_causal=is_causal, backend="cuda")
     bits = [_cuda.to_device(a.view(np.uint16)) for a in host]
     on_device = problem._replace(query=bits[0], key=bits[1], value=bits[2], on_device=True)
-    kernel, shape, arguments = tensor_core.launch(on_device, warps)
+    kernel, shape, arguments = tensor_core.launch(on_device, warps, max_registers)
     return lambda: kernel[shape](*arguments)
+
+
+#: Register caps tried per (head size, warps per block) by ``--block-shapes``: none, the
+#: registers ptxas gives the C++ alone, and lower ones that may spill.
+REGISTER_CAPS = {(64, 4): (None, 128), (64, 8): (None, 128), (128, 4): (None, 168, 128),
+                 (128, 8): (None, 184, 168)}  # fmt: skip
+
+
+def time_block_shapes(torch):
+    """The float16 forward at B = 4, H = 16, L = 4096, kernel alone, for every warps per
+    block and register cap of :data:`REGISTER_CAPS`, with the registers and local memory
+    each compiles to: how ``tensor_core.BLOCK_SHAPES`` was chosen."""
+    import tfmath.kernels.cuda.tensor_core as tensor_core
+
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    for head in tensor_core.HEAD_DIMS:
+        q, k, v = (torch.randn((4, 16, 4096, head), device="cuda", dtype=torch.float16)
+                   for _ in range(3))  # fmt: skip
+        for causal in (False, True):
+            torch_ms = median_ms(torch, functools.partial(sdpa, q, k, v, is_causal=causal))
+            for warps in tensor_core.WARP_CHOICES:
+                for cap in REGISTER_CAPS[head, warps]:
+                    ms = median_ms(torch, _raw_kernel(q, k, v, "float16", causal, warps, cap))
+                    kernel = tensor_core._forward_kernel("float16", head, warps, cap)
+                    registers = list(kernel.get_regs_per_thread().values())
+                    local = list(kernel.get_local_mem_per_thread().values())
+                    ratio = torch_ms / ms
+                    print(f"d={head} causal={causal!s:<5} warps={warps} cap={cap!s:<4} "
+                          f"registers={registers} local={local} {ms:6.3f} ms "
+                          f"torch {torch_ms:6.3f} ratio {ratio:5.2f}", flush=True)  # fmt: skip
 
 
 def time_issue_rows(torch, quick):
@@ -485,6 +515,11 @@ def main(argv=None):
     parser.add_argument(
         "--half", action="store_true", help="only half-precision checks and the issue's rows"
     )
+    parser.add_argument(
+        "--block-shapes",
+        action="store_true",
+        help="only the tensor-core kernel's time per warps per block and register cap",
+    )
     args = parser.parse_args(argv)
     os.environ.setdefault("TFMATH_CUDA_TENSOR_CORES", "1")
     args.out.mkdir(parents=True, exist_ok=True)
@@ -493,6 +528,9 @@ def main(argv=None):
     print("CUDA:", _cuda.status().reason, "| target:", _cuda.device_version(), flush=True)
     if args.resources:
         print_resources({})
+        return 0
+    if args.block_shapes:
+        time_block_shapes(_torch())
         return 0
     start = time.perf_counter()
     dtypes = ("float16", "bfloat16") if args.half else tuple(TOLERANCE)
