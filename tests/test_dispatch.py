@@ -10,6 +10,7 @@ import pytest
 
 import tfmath
 from tfmath import _cuda, _dispatch
+from tfmath._contract.backend import resolve_backend
 
 
 def test_backends_report_every_backend_with_a_reason():
@@ -29,12 +30,12 @@ def test_the_simulator_is_reported_as_such(monkeypatch):
 
 def test_auto_picks_cpu_without_a_real_gpu(monkeypatch):
     monkeypatch.setattr(_cuda, "status", lambda: _cuda.CudaStatus(True, False, "simulator"))
-    assert _dispatch.resolve_backend("auto", np.ones(3)) == "cpu"
+    assert resolve_backend("auto", np.ones(3)) == "cpu"
 
 
 def test_auto_picks_cuda_with_a_real_gpu(monkeypatch):
     monkeypatch.setattr(_cuda, "status", lambda: _cuda.CudaStatus(True, True, "a GPU"))
-    assert _dispatch.resolve_backend("auto", np.ones(3)) == "cuda"
+    assert resolve_backend("auto", np.ones(3)) == "cuda"
 
 
 @pytest.mark.parametrize("routine", sorted(_dispatch.ROUTINES))

@@ -7,8 +7,10 @@ those inside functions), so a rule broken by a lazy import is caught too.
 import ast
 import importlib
 import re
+import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import tfmath
@@ -250,3 +252,62 @@ def _documented_paths():
 @pytest.mark.parametrize("dotted", _documented_paths())
 def test_every_dotted_path_in_the_docs_is_importable(dotted):
     _resolve(dotted)
+
+
+# -- a call, followed from its public function to its kernel ------------------------------
+
+
+#: The layers a call crosses on its way down, by module prefix.
+_CALL_LAYERS = {"_contract": "validation", "_dispatch": "dispatch", "kernels": "kernel"}
+
+
+def _layers_entered(call, public_module):
+    """The layers that ``public_module``'s own code calls into until the first kernel
+    runs, each run of calls into one layer counted once."""
+    entered = []
+
+    def trace(frame, event, arg):
+        if event != "call" or (entered and entered[-1] == "kernel"):
+            return None
+        module = frame.f_globals.get("__name__") or ""
+        caller = frame.f_back.f_globals.get("__name__") if frame.f_back else ""
+        layer = next((v for k, v in _CALL_LAYERS.items() if module.startswith(f"tfmath.{k}")), None)
+        if layer == "kernel" or (layer and caller == public_module):
+            if not entered or entered[-1] != layer:
+                entered.append(layer)
+        return None
+
+    sys.settrace(trace)
+    try:
+        call()
+    finally:
+        sys.settrace(None)
+    return entered
+
+
+_q, _k, _v = (np.random.default_rng(seed).standard_normal((2, 3, 16, 8)) for seed in range(3))
+_CALLS = {
+    "plain attention": (
+        lambda: tfmath.scaled_dot_product_attention(_q, _k, _v),
+        "tfmath.attention",
+    ),
+    "masked attention": (
+        lambda: tfmath.scaled_dot_product_attention(_q, _k, _v, attn_mask=np.zeros((16, 16))),
+        "tfmath.attention",
+    ),
+    "attention_grad": (lambda: tfmath.attention_grad(_q, _k, _v, _q), "tfmath.attention"),
+    "softmax": (lambda: tfmath.softmax(_q), "tfmath.attention"),
+    "linear attention": (lambda: tfmath.linear_attention(_q, _k, _v), "tfmath.efficient"),
+    "layer_norm": (
+        lambda: tfmath.training.layers.layer_norm(_q[0, 0], np.ones(8), np.zeros(8)),
+        "tfmath.training.layers.norms",
+    ),
+    "sinusoidal": (lambda: tfmath.sinusoidal_encoding(16, 8), "tfmath.positional"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_CALLS))
+def test_a_call_reaches_its_kernel_through_each_layer_once(name):
+    call, module = _CALLS[name]
+    call()  # compiled and imported first
+    assert _layers_entered(call, module) == ["validation", "dispatch", "kernel"]

@@ -24,10 +24,6 @@ import numpy as np
 
 from tfmath import _cuda
 from tfmath._contract.checks import is_half
-from tfmath.errors import BackendUnavailableError
-
-BACKENDS = ("cpu", "cuda", "reference")
-_CHOICES = ("auto", *BACKENDS)
 
 #: The package of each backend's implementations.
 BACKEND_PACKAGES = {
@@ -176,40 +172,6 @@ def _on_device(value):
     if isinstance(value, tuple):
         return tuple(_on_device(v) for v in value)
     return None if value is None else _cuda.to_device(value)
-
-
-def auto_stays_on_host():
-    """Whether ``backend="auto"`` runs host operands on the CPU: yes unless a real GPU is
-    present. The one place that decides it (:func:`resolve_backend` and the short paths
-    of plain host calls ask here)."""
-    return not _cuda.status().real_gpu
-
-
-def resolve_backend(backend, *arrays):
-    """Turn the user's ``backend`` argument into the backend that will run.
-
-    ``"auto"`` picks ``"cuda"`` when an input already lives on the GPU or a real
-    GPU is present, and ``"cpu"`` otherwise; it never picks the CUDA simulator
-    for host data.
-
-    Raises
-    ------
-    BackendUnavailableError
-        For an unknown name, or for ``"cuda"`` on a machine that cannot run it.
-    """
-    if type(backend) is str and backend == "auto":
-        if not auto_stays_on_host() or any(map(_cuda.is_device_array, arrays)):
-            return "cuda"
-        return "cpu"
-    if not isinstance(backend, str) or backend not in _CHOICES:
-        raise BackendUnavailableError(f"backend must be one of {_CHOICES}, got {backend!r}")
-    if backend == "cuda" and not _cuda.status().usable:
-        raise BackendUnavailableError(
-            f"backend='cuda' cannot run here: {_cuda.status().reason}. "
-            "Use backend='cpu', or set NUMBA_ENABLE_CUDASIM=1 to run the CUDA "
-            "kernels on Numba's simulator."
-        )
-    return backend
 
 
 @dataclass(frozen=True)

@@ -59,7 +59,7 @@ def _configure_numba():
     return numba
 
 
-def cpu_kernel(function=None, *, parallel=False):
+def cpu_kernel(function=None, *, parallel=False, inline=False):
     """Compile ``function`` as a tfmath CPU kernel (``numba.njit`` with tfmath's options).
 
     Used bare (``@cpu_kernel``) for serial kernels and helpers, or as
@@ -68,12 +68,23 @@ def cpu_kernel(function=None, *, parallel=False):
     threads (``prange`` runs as ``range``), for problems too small to share out
     (see :func:`sized`). Compilation is lazy: it happens on the first call for
     each signature.
+
+    ``@cpu_kernel(inline=True)`` is for a helper with a reduction that kernels of
+    several modules share: Numba pastes its body into each caller before
+    compiling it (``inline="always"``). Called as an ordinary function instead,
+    LLVM inlines it into a freshly compiled caller but links the machine code of a
+    callee loaded from the kernel cache, and vectorises the two reductions in
+    different orders: the bits of a result would depend on what was cached.
     """
     numba = _configure_numba()
 
     def compile_(func, parallel, variant):
         dispatcher = numba.njit(
-            fastmath=set(FASTMATH_FLAGS), parallel=parallel, nogil=True, error_model="numpy"
+            fastmath=set(FASTMATH_FLAGS),
+            parallel=parallel,
+            nogil=True,
+            error_model="numpy",
+            inline="always" if inline else "never",
         )(func)
         attach_kernel_cache(dispatcher, variant)
         return dispatcher

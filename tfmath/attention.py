@@ -23,6 +23,7 @@ from tfmath._contract.attention import (
     saved_forward,
     sum_to_shape,
 )
+from tfmath._contract.backend import auto_stays_on_host, resolve_backend
 from tfmath._contract.checks import (
     boolean_flag,
     compute_dtype,
@@ -43,14 +44,7 @@ from tfmath._contract.tensors import (
     plain_cpu_arrays,
     to_tensor,
 )
-from tfmath._dispatch import (
-    auto_stays_on_host,
-    direct,
-    implementation,
-    narrowed,
-    resolve_backend,
-    run,
-)
+from tfmath._dispatch import direct, implementation, narrowed, run
 from tfmath.errors import ArgumentError, DTypeError
 
 __all__ = ["attention_grad", "scaled_dot_product_attention", "softmax"]

@@ -195,7 +195,7 @@ def _flushed(line):
 
 
 def _reproduce(args):
-    from tfmath._dispatch import resolve_backend
+    from tfmath._contract.backend import resolve_backend
     from tfmath.errors import TfmathError
     from tfmath.report import ReportError, RunSettings, build_report, registered_experiments
 

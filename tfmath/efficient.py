@@ -23,10 +23,11 @@ calls the registered implementation (cpu, cuda or the NumPy reference).
 import math
 
 from tfmath._contract.attention import attention_problem
+from tfmath._contract.backend import resolve_backend
 from tfmath._contract.checks import choice, integer, real
 from tfmath._contract.efficient import FEATURE_MAPS, PATTERNS, SparsePattern, sparse_pattern
 from tfmath._contract.tensors import accepts_tensors
-from tfmath._dispatch import narrowed, resolve_backend, run
+from tfmath._dispatch import narrowed, run
 
 __all__ = [
     "FEATURE_MAPS",

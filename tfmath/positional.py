@@ -48,6 +48,7 @@ import math
 import numpy as np
 
 from tfmath import _cuda
+from tfmath._contract.backend import resolve_backend
 from tfmath._contract.checks import (
     boolean_flag,
     float_operand,
@@ -65,7 +66,7 @@ from tfmath._contract.positional import (
     wavelength_base,
 )
 from tfmath._contract.tensors import accepts_tensors
-from tfmath._dispatch import implementation, resolve_backend
+from tfmath._dispatch import implementation
 from tfmath.errors import ArgumentError, DTypeError, ShapeError
 
 __all__ = [

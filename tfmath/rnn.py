@@ -11,9 +11,10 @@ whereas attention computes all positions at once. Only the input projections
 those first, all together.
 """
 
+from tfmath._contract.backend import resolve_backend
 from tfmath._contract.rnn import RnnProblem, rnn_problem
 from tfmath._contract.tensors import accepts_tensors
-from tfmath._dispatch import resolve_backend, run
+from tfmath._dispatch import run
 
 __all__ = ["RnnProblem", "elman_rnn"]
 

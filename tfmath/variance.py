@@ -28,6 +28,7 @@ from typing import NamedTuple
 import numpy as np
 
 from tfmath import _cuda
+from tfmath._contract.backend import resolve_backend
 from tfmath._contract.checks import float_operand, integer, real, require_ndim
 from tfmath._contract.layout import shape_of
 from tfmath._contract.tensors import accepts_tensors
@@ -38,7 +39,7 @@ from tfmath._contract.variance import (
     dimension_list,
     score_sampling,
 )
-from tfmath._dispatch import implementation, resolve_backend, run
+from tfmath._dispatch import implementation, run
 from tfmath.errors import ArgumentError, ShapeError
 
 __all__ = [

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tfmath._contract.backend import resolve_backend
 from tfmath._contract.checks import float_operand, integer, real
 from tfmath._contract.positional import (
     POSITION_LIMIT,
@@ -49,7 +50,7 @@ from tfmath._contract.positional import (
     decimal_pi,
     wavelength_base,
 )
-from tfmath._dispatch import implementation, resolve_backend
+from tfmath._dispatch import implementation
 from tfmath.attention import scaled_dot_product_attention
 from tfmath.errors import ArgumentError, ShapeError
 from tfmath.positional import (

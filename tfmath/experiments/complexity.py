@@ -11,7 +11,7 @@ cost in accuracy, and count the RNN's sequential depth against attention's.
 
 import numpy as np
 
-from tfmath._dispatch import resolve_backend
+from tfmath._contract.backend import resolve_backend
 from tfmath.analysis import complexity as cx
 from tfmath.analysis.claims import Claim
 from tfmath.plotting import new_figure

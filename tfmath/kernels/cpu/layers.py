@@ -3,7 +3,10 @@
 Each kernel walks rows (tokens) in parallel with ``prange``; a row is the
 unit of every reduction (mean, variance, log-sum-exp), so no two threads
 write the same memory. The parameter gradients of the norms are sums over
-rows, done by a second loop that is parallel over features instead.
+rows: LayerNorm's add fixed chunks of rows (:mod:`tfmath.kernels.cpu.row_chunks`),
+RMSNorm's run a second loop that is parallel over features. The fused training
+step (:mod:`tfmath.kernels.cpu.training_step`) runs the LayerNorm kernels that
+write into its buffers, ``layer_norm_forward_into`` and ``layer_norm_backward_into``.
 Computation and accumulation stay in the input's dtype, as in the attention
 kernels; the reference (NumPy) is the oracle they are tested against.
 """
@@ -16,6 +19,8 @@ import numpy as np
 from tfmath._contract.layers import SWIGLU
 from tfmath._jit import cpu_kernel, sized
 from tfmath.kernels import formulas
+from tfmath.kernels.cpu.row_chunks import ROW_CHUNKS, chunk_bounds, sum_chunks
+from tfmath.kernels.cpu.vector_width import prefer_wide_vectors
 
 
 @cpu_kernel
@@ -26,28 +31,39 @@ def _row_mean(row):
     return total / row.shape[0]
 
 
+@cpu_kernel(inline=True)
+def layer_norm_row(row, weight, bias, eps, out):
+    """One row of LayerNorm: ``out = (row - mean) * rstd * weight + bias``; returns
+    ``(mean, rstd)``. Pasted into both forward kernels (see ``inline`` in
+    :func:`tfmath._jit.cpu_kernel`)."""
+    prefer_wide_vectors()
+    n_features = row.shape[0]
+    mu = row.dtype.type(0)
+    for j in range(n_features):
+        mu += row[j]
+    mu /= n_features
+    variance = row.dtype.type(0)
+    for j in range(n_features):
+        centred = row[j] - mu
+        variance += centred * centred
+    r = 1 / math.sqrt(variance / n_features + eps)
+    for j in range(n_features):
+        out[j] = (row[j] - mu) * r * weight[j] + bias[j]
+    return mu, r
+
+
 @cpu_kernel(parallel=True)
 def _layer_norm_kernel(x, weight, bias, eps):
     # The results are allocated here: each array argument costs the dispatcher a type
     # check, which on a (32, 64) input is a fifth of the call.
-    n_rows, n_features = x.shape
+    n_rows = x.shape[0]
     y = np.empty_like(x)
     mean = np.empty(n_rows, dtype=x.dtype)
     rstd = np.empty(n_rows, dtype=x.dtype)
     for i in numba.prange(n_rows):
-        # Loops over the row's own 1-D view, indexed from 0: LLVM vectorises these,
+        # Rows are passed as 1-D views, indexed from 0: LLVM vectorises those loops,
         # not loops over x[i, j] (a (32, 64) input took twice as long).
-        row, out = x[i], y[i]
-        mu = _row_mean(row)
-        variance = x.dtype.type(0)
-        for j in range(n_features):
-            centred = row[j] - mu
-            variance += centred * centred
-        r = 1 / math.sqrt(variance / n_features + eps)
-        mean[i] = mu
-        rstd[i] = r
-        for j in range(n_features):
-            out[j] = (row[j] - mu) * r * weight[j] + bias[j]
+        mean[i], rstd[i] = layer_norm_row(x[i], weight, bias, eps, y[i])
     return y, mean, rstd
 
 
@@ -57,34 +73,52 @@ def layer_norm(x, weight, bias, eps):
 
 
 @cpu_kernel(parallel=True)
-def _layer_norm_grad_x(grad_y, x, weight, mean, rstd, grad_x):
-    n_rows, n_features = x.shape
-    for i in numba.prange(n_rows):
-        mu, r = mean[i], rstd[i]
-        g_mean = x.dtype.type(0)
-        g_xhat_mean = x.dtype.type(0)
-        for j in range(n_features):
-            g = grad_y[i, j] * weight[j]
-            g_mean += g
-            g_xhat_mean += g * (x[i, j] - mu) * r
-        g_mean /= n_features
-        g_xhat_mean /= n_features
-        for j in range(n_features):
-            xhat = (x[i, j] - mu) * r
-            grad_x[i, j] = r * (grad_y[i, j] * weight[j] - g_mean - xhat * g_xhat_mean)
+def layer_norm_forward_into(x, weight, bias, eps, y, mean, rstd):
+    """``y = (x - mean) * rstd * weight + bias`` per row, saving ``mean`` and ``rstd``, into
+    the caller's arrays (the fused training step's buffers)."""
+    for i in numba.prange(x.shape[0]):
+        mean[i], rstd[i] = layer_norm_row(x[i], weight, bias, eps, y[i])
 
 
 @cpu_kernel(parallel=True)
-def _layer_norm_grad_params(grad_y, x, mean, rstd, grad_weight, grad_bias):
+def layer_norm_backward_into(grad_y, x, weight, mean, rstd, grad_x, accumulate, grad_weight,
+                             grad_bias, grad_x_sums):  # fmt: skip
+    """Gradients of LayerNorm into the caller's arrays. ``grad_x`` is added to when
+    ``accumulate`` (the fused step's residual stream), else overwritten. ``grad_weight``
+    and ``grad_bias`` are overwritten, and so is ``grad_x_sums`` with the sums of the new
+    ``grad_x``'s columns (the gradient of the bias added to the residual stream before
+    it, which the fused step gets without a pass of its own). Sums over rows go by
+    fixed chunks (:mod:`tfmath.kernels.cpu.row_chunks`)."""
     n_rows, n_features = x.shape
-    for j in numba.prange(n_features):
-        gw = x.dtype.type(0)
-        gb = x.dtype.type(0)
-        for i in range(n_rows):
-            gw += grad_y[i, j] * (x[i, j] - mean[i]) * rstd[i]
-            gb += grad_y[i, j]
-        grad_weight[j] = gw
-        grad_bias[j] = gb
+    partial_weight = np.zeros((ROW_CHUNKS, n_features), dtype=x.dtype)
+    partial_bias = np.zeros((ROW_CHUNKS, n_features), dtype=x.dtype)
+    partial_sums = np.zeros((ROW_CHUNKS, n_features), dtype=x.dtype)
+    for chunk in numba.prange(ROW_CHUNKS):
+        prefer_wide_vectors()
+        start, stop = chunk_bounds(chunk, n_rows, ROW_CHUNKS)
+        pw, pb, ps = partial_weight[chunk], partial_bias[chunk], partial_sums[chunk]
+        for i in range(start, stop):
+            mu, r = mean[i], rstd[i]
+            row, g_row, out = x[i], grad_y[i], grad_x[i]
+            g_mean = x.dtype.type(0)
+            g_xhat_mean = x.dtype.type(0)
+            for j in range(n_features):
+                xhat = (row[j] - mu) * r
+                g = g_row[j] * weight[j]
+                g_mean += g
+                g_xhat_mean += g * xhat
+                pw[j] += g_row[j] * xhat
+                pb[j] += g_row[j]
+            g_mean /= n_features
+            g_xhat_mean /= n_features
+            for j in range(n_features):
+                xhat = (row[j] - mu) * r
+                value = r * (g_row[j] * weight[j] - g_mean - xhat * g_xhat_mean)
+                out[j] = out[j] + value if accumulate else value
+                ps[j] += out[j]
+    sum_chunks(partial_weight, grad_weight)
+    sum_chunks(partial_bias, grad_bias)
+    sum_chunks(partial_sums, grad_x_sums)
 
 
 def layer_norm_backward(grad_y, x, weight, mean, rstd):
@@ -92,8 +126,10 @@ def layer_norm_backward(grad_y, x, weight, mean, rstd):
     grad_x = np.empty_like(x)
     grad_weight = np.empty_like(weight)
     grad_bias = np.empty_like(weight)
-    sized(_layer_norm_grad_x, x.size)(grad_y, x, weight, mean, rstd, grad_x)
-    sized(_layer_norm_grad_params, x.size)(grad_y, x, mean, rstd, grad_weight, grad_bias)
+    column_sums = np.empty_like(weight)
+    sized(layer_norm_backward_into, x.size)(
+        grad_y, x, weight, mean, rstd, grad_x, False, grad_weight, grad_bias, column_sums
+    )
     return grad_x, grad_weight, grad_bias
 
 

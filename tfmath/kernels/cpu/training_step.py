@@ -25,17 +25,15 @@ import numpy as np
 from tfmath._jit import cpu_kernel
 from tfmath.kernels.cpu.blas import gemm, transpose_into
 from tfmath.kernels.cpu.exp2 import exp2_scalar
+from tfmath.kernels.cpu.layers import layer_norm_backward_into, layer_norm_forward_into
+from tfmath.kernels.cpu.row_chunks import ROW_CHUNKS, chunk_bounds, sum_chunks
 from tfmath.kernels.cpu.vector_width import prefer_wide_vectors
 
 _LOG2_E = 1 / math.log(2)
 
-#: Sums over rows add this many chunks' partial sums, in order (see the module docstring).
-ROW_CHUNKS = 16
-
-
-@cpu_kernel
-def _chunk_bounds(chunk, n_rows, n_chunks):
-    return chunk * n_rows // n_chunks, (chunk + 1) * n_rows // n_chunks
+#: The step's LayerNorm kernels are the layers' (:mod:`tfmath.kernels.cpu.layers`).
+layer_norm_forward = layer_norm_forward_into
+layer_norm_backward = layer_norm_backward_into
 
 
 #: Elements to which the blocks of a split product are aligned (a 64-byte cache line
@@ -100,7 +98,7 @@ def depth_split_gemm(a, b, c, partials):
     depth = a.shape[0]
     m, n = c.shape
     for part in numba.prange(n_parts):
-        start, stop = _chunk_bounds(part, depth, n_parts)
+        start, stop = chunk_bounds(part, depth, n_parts)
         gemm(1.0, a[start:stop], b[start:stop], 0.0, partials[part], True, False)
     for i in numba.prange(m):
         prefer_wide_vectors()
@@ -114,89 +112,19 @@ def depth_split_gemm(a, b, c, partials):
 
 
 @cpu_kernel(parallel=True)
-def layer_norm_forward(x, weight, bias, eps, y, mean, rstd):
-    """``y = (x - mean) * rstd * weight + bias`` per row, saving ``mean`` and ``rstd``."""
-    n_rows, n_features = x.shape
-    for i in numba.prange(n_rows):
-        prefer_wide_vectors()
-        row, out = x[i], y[i]
-        mu = row.dtype.type(0)
-        for j in range(n_features):
-            mu += row[j]
-        mu /= n_features
-        variance = row.dtype.type(0)
-        for j in range(n_features):
-            centred = row[j] - mu
-            variance += centred * centred
-        r = 1 / math.sqrt(variance / n_features + eps)
-        mean[i] = mu
-        rstd[i] = r
-        for j in range(n_features):
-            out[j] = (row[j] - mu) * r * weight[j] + bias[j]
-
-
-@cpu_kernel(parallel=True)
-def layer_norm_backward(grad_y, x, weight, mean, rstd, grad_x, accumulate, grad_weight, grad_bias,
-                        grad_x_sums):  # fmt: skip
-    """Gradients of :func:`layer_norm_forward`; ``grad_x`` is added to when ``accumulate``
-    (the residual stream's gradient), else overwritten. ``grad_weight`` and
-    ``grad_bias`` are overwritten, and so is ``grad_x_sums`` with the sums of the new
-    ``grad_x``'s columns (the gradient of the bias added to the residual stream
-    before it), as :func:`column_sums` sums them, without a pass of its own."""
-    n_rows, n_features = x.shape
-    partial_weight = np.zeros((ROW_CHUNKS, n_features), dtype=x.dtype)
-    partial_bias = np.zeros((ROW_CHUNKS, n_features), dtype=x.dtype)
-    partial_sums = np.zeros((ROW_CHUNKS, n_features), dtype=x.dtype)
-    for chunk in numba.prange(ROW_CHUNKS):
-        prefer_wide_vectors()
-        start, stop = _chunk_bounds(chunk, n_rows, ROW_CHUNKS)
-        pw, pb, ps = partial_weight[chunk], partial_bias[chunk], partial_sums[chunk]
-        for i in range(start, stop):
-            mu, r = mean[i], rstd[i]
-            row, g_row, out = x[i], grad_y[i], grad_x[i]
-            g_mean = x.dtype.type(0)
-            g_xhat_mean = x.dtype.type(0)
-            for j in range(n_features):
-                xhat = (row[j] - mu) * r
-                g = g_row[j] * weight[j]
-                g_mean += g
-                g_xhat_mean += g * xhat
-                pw[j] += g_row[j] * xhat
-                pb[j] += g_row[j]
-            g_mean /= n_features
-            g_xhat_mean /= n_features
-            for j in range(n_features):
-                xhat = (row[j] - mu) * r
-                value = r * (g_row[j] * weight[j] - g_mean - xhat * g_xhat_mean)
-                out[j] = out[j] + value if accumulate else value
-                ps[j] += out[j]
-    _sum_chunks(partial_weight, grad_weight)
-    _sum_chunks(partial_bias, grad_bias)
-    _sum_chunks(partial_sums, grad_x_sums)
-
-
-@cpu_kernel
-def _sum_chunks(partials, out):
-    out[:] = 0
-    for chunk in range(partials.shape[0]):
-        for j in range(out.shape[0]):
-            out[j] += partials[chunk, j]
-
-
-@cpu_kernel(parallel=True)
 def column_sums(g, out):
     """``out = g.sum(axis=0)`` for a 2-D ``g``, in fixed chunks of rows."""
     n_rows, n_features = g.shape
     partials = np.zeros((ROW_CHUNKS, n_features), dtype=g.dtype)
     for chunk in numba.prange(ROW_CHUNKS):
         prefer_wide_vectors()
-        start, stop = _chunk_bounds(chunk, n_rows, ROW_CHUNKS)
+        start, stop = chunk_bounds(chunk, n_rows, ROW_CHUNKS)
         partial = partials[chunk]
         for i in range(start, stop):
             row = g[i]
             for j in range(n_features):
                 partial[j] += row[j]
-    _sum_chunks(partials, out)
+    sum_chunks(partials, out)
 
 
 @cpu_kernel(parallel=True)
@@ -230,7 +158,7 @@ def relu_backward(grad, activated, grad_bias):
     zero = grad.dtype.type(0)
     for chunk in numba.prange(ROW_CHUNKS):
         prefer_wide_vectors()
-        start, stop = _chunk_bounds(chunk, n_rows, ROW_CHUNKS)
+        start, stop = chunk_bounds(chunk, n_rows, ROW_CHUNKS)
         partial = partials[chunk]
         for i in range(start, stop):
             g, a = grad[i], activated[i]
@@ -238,7 +166,7 @@ def relu_backward(grad, activated, grad_bias):
                 value = g[j] if a[j] > 0 else zero
                 g[j] = value
                 partial[j] += value
-    _sum_chunks(partials, grad_bias)
+    sum_chunks(partials, grad_bias)
 
 
 @cpu_kernel(parallel=True)

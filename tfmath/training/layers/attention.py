@@ -6,8 +6,8 @@ import numpy as np
 
 from tfmath import _cuda, attention
 from tfmath._contract.attention import attention_problem
+from tfmath._contract.backend import resolve_backend
 from tfmath._contract.checks import boolean_flag, host_array, integer
-from tfmath._dispatch import resolve_backend
 from tfmath.errors import ArgumentError, ShapeError
 from tfmath.training.layers._base import (
     Cache,

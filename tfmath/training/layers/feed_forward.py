@@ -2,12 +2,13 @@
 
 import numpy as np
 
+from tfmath._contract.backend import resolve_backend
 from tfmath._contract.checks import (
     choice,
     integer,
 )
 from tfmath._contract.layers import ACTIVATIONS
-from tfmath._dispatch import implementation, resolve_backend
+from tfmath._dispatch import implementation
 from tfmath.errors import ShapeError
 from tfmath.training.layers._base import (
     Cache,

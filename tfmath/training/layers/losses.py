@@ -2,13 +2,14 @@
 
 import numpy as np
 
+from tfmath._contract.backend import resolve_backend
 from tfmath._contract.checks import (
     choice,
     host_array,
     real,
 )
 from tfmath._contract.tensors import accepts_tensors
-from tfmath._dispatch import implementation, resolve_backend
+from tfmath._dispatch import implementation
 from tfmath.errors import ArgumentError, DTypeError, ShapeError
 from tfmath.training.layers._base import (
     Cache,

@@ -1,11 +1,12 @@
 """LayerNorm and RMSNorm, forward and backward."""
 
+from tfmath._contract.backend import resolve_backend
 from tfmath._contract.checks import (
     choice,
     integer,
 )
 from tfmath._contract.tensors import accepts_tensors
-from tfmath._dispatch import implementation, resolve_backend
+from tfmath._dispatch import implementation
 from tfmath.training.layers._base import (
     Cache,
     _eps,
