@@ -12,6 +12,8 @@ topic module, so the drawing of the imports has them at the bottom.
 :mod:`~tfmath._contract.checks`
     Argument checks that every public function uses, raising
     :class:`~tfmath.errors.TfmathError` subclasses that name the argument.
+:mod:`~tfmath._contract.backend`
+    The ``backend`` argument: which backend runs a call (``"auto"`` decided here).
 :mod:`~tfmath._contract.layout`
     Batch shapes, broadcast indices and the flattened views kernels take.
 :mod:`~tfmath._contract.attention`, :mod:`~tfmath._contract.efficient`,
