@@ -4,8 +4,9 @@ The compute-optimal frontier from a few tiny runs
 
 Hoffmann et al. (2022, "Chinchilla", approach 2): at each compute budget
 ``C``, train models of several sizes ``N``, each on the tokens ``D`` the
-budget leaves it. The loss against ``N`` is a valley (an IsoFLOP profile); a
-parabola in ``log N`` through it gives that budget's best size, and power laws
+budget leaves it. The loss against ``N`` is a valley (an IsoFLOP profile); the
+lowest point of a model of it (here a parabola in ``log N``, which fits these
+noisy valleys within their seed scatter) gives that budget's best size, and power laws
 through the bottoms give ``N_opt ∝ C^a`` and ``D_opt ∝ C^b``. Kaplan et al.
 (2020) found ``a`` = 0.73, Hoffmann et al. about 0.50.
 
@@ -70,7 +71,7 @@ for name, fit in (("non-embedding N", kaplan_count), ("all parameters", hoffmann
 print("every minimum inside the sizes trained:", all(c.inside for c in kaplan_count.curves))
 
 # %%
-# Top left: every run, each budget's parabola and its minimum (a star),
+# Top left: every run, each budget's valley model and its minimum (a star),
 # strictly inside the sizes trained. Top right: the minima against the
 # budget, with per-budget bootstrap intervals, beside Kaplan's and
 # Chinchilla's slopes. What the tiny scale does: with three budgets one

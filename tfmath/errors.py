@@ -32,3 +32,7 @@ class BackendUnavailableError(TfmathError, ValueError):
 
 class AllocationError(TfmathError, MemoryError):
     """A call would need more memory than the machine has; refused before any work."""
+
+
+class FitWarning(UserWarning):
+    """A fit left data out, or some of its resamples: the result stands on less than given."""

@@ -5,42 +5,41 @@ Language Models" (arXiv:2203.15556), applied to any set of training runs:
 
 * :func:`fit_isoflop` (their approach 2, IsoFLOP profiles): at each compute
   budget :math:`C`, models of several sizes :math:`N` are trained on
-  :math:`D(N) \approx C / (6N)` tokens; a parabola in :math:`\log N` through
-  each budget's final losses has its minimum at :math:`N_{opt}(C)`, where
-  :math:`D_{opt}(C)` and :math:`L_{opt}(C)` are read off the same budget's runs.
-  Straight lines through :math:`\log N_{opt}` and :math:`\log D_{opt}` against
+  :math:`D(N) \approx C / (6N)` tokens; the lowest point of a model of each
+  budget's valley, between the sizes trained, is :math:`N_{opt}(C)`, and
+  straight lines through :math:`\log N_{opt}` and :math:`\log D_{opt}` against
   :math:`\log C` give :math:`N_{opt} \propto C^a` and :math:`D_{opt} \propto
-  C^b`, and the minima trace the compute-efficient frontier :math:`L(C)`.
+  C^b`; the minima trace the compute-efficient frontier :math:`L(C)`.
 * :func:`fit_parametric_loss` (their approach 3): :math:`L(N, D) = E + A/N^\alpha
   + B/D^\beta` fitted to every run at once by minimising the Huber loss
   (:math:`\delta = 10^{-3}`) of :math:`\log L`, with L-BFGS started from the
   best points of their grid; its compute-optimal split follows in closed form
   (:meth:`tfmath.formulas.scaling.ChinchillaLaw.optimal`).
 
-Both give intervals from a bootstrap. The IsoFLOP fit resamples residuals:
-each budget's parabola plus residuals drawn with replacement from all the
-budgets' residuals (inflated for the three coefficients each parabola spends),
-so every resample keeps every size, and the whole fit is repeated. Resampling
-the runs themselves within a budget leaves half the resamples of a 5-point
-curve with 3 distinct sizes, and intervals about 2.4 times wider than the
-estimator's spread; the residual bootstrap's are calibrated by simulation in
-the tests. Approach 3 resamples the runs, and names the parameters the runs do
-not determine (:attr:`ParametricLossFit.unidentified`: on a solver bound, or
-belonging to a term that contributes nothing over the runs) instead of giving
-them an interval. :func:`fit_kaplan_loss` fits Kaplan et al.'s (2020) pure power
-law :math:`L(N, D)` (their equation 1.5) the same way.
+Both give intervals from a bootstrap. The IsoFLOP fit resamples the loss noise
+of the runs (given, or estimated from seeds), reads every optimum again, and
+adds the scatter of the optima about the power law that the noise does not
+explain (docs/scaling_laws.rst, "Approach 2 on anyone's runs", gives the
+design and its calibration). Approach 3 resamples the runs, and names the
+parameters the runs do not determine (:attr:`ParametricLossFit.unidentified`:
+on a solver bound, or belonging to a term that contributes nothing over the
+runs) instead of giving them an interval. :func:`fit_kaplan_loss` fits Kaplan
+et al.'s (2020) pure power law :math:`L(N, D)` (their equation 1.5) the same way.
 """
 
 import math
+import warnings
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
-from tfmath._contract.checks import integer, real
-from tfmath.errors import ArgumentError, ShapeError
+from tfmath._contract.checks import choice, integer, real
+from tfmath.errors import ArgumentError, FitWarning, ShapeError
 from tfmath.formulas.scaling import ChinchillaLaw, fit_scaling_law
 
 __all__ = [
+    "OPTIMUM_MODELS",
     "IsoFlopCurve",
     "IsoFlopFit",
     "KaplanLossFit",
@@ -57,32 +56,59 @@ HUBER_DELTA = 1e-3
 
 # -- approach 2: IsoFLOP profiles --------------------------------------------------------
 
+#: How each budget's optimum is read off its runs (see :func:`fit_isoflop`).
+OPTIMUM_MODELS = ("auto", "akima", "local_parabola", "parabola")
+
+#: A budget whose minimum leaves the sizes trained in more than this share of the
+#: resamples is left out; beyond ``_WARN_DROPPED`` of them lost, the fit warns.
+_MAX_EDGE_SHARE = 0.5
+_WARN_DROPPED = 0.1
+#: Sizes on each side of the lowest run in a local parabola's window, and of the centre
+#: of the parabolas that estimate the loss noise.
+_WINDOW_HALF_WIDTH = 2
+
 
 @dataclass(frozen=True)
 class IsoFlopCurve:
-    r"""One budget's parabola :math:`L = p_2 x^2 + p_1 x + p_0`, :math:`x = \log N`.
+    r"""One budget's runs and the optimum read off them (see :func:`fit_isoflop`).
 
     Attributes
     ----------
     compute : float
-        The budget :math:`C`.
-    coefficients : tuple of float
-        :math:`(p_2, p_1, p_0)`.
+        The budget :math:`C` (the geometric mean of its runs' budgets when they
+        were grouped by a tolerance or by bins).
+    sizes : tuple of float
+        The distinct :math:`N` trained at this budget, increasing.
+    losses : tuple of float
+        The mean final loss at each size (over the runs repeated at that size).
+    loss_std : tuple of float
+        The noise of each of those means (what the resamples draw).
+    optimum : str
+        The model of the valley: ``"akima"``, ``"local_parabola"`` or ``"parabola"``.
     n_opt, d_opt, loss_opt : float
-        The vertex :math:`N_{opt} = e^{-p_1 / 2 p_2}`, the tokens there (a
-        quadratic in :math:`\log N` through the budget's :math:`\log D`,
-        evaluated at the vertex), and the parabola's minimum.
+        The model's minimum :math:`N_{opt}` (always between the smallest and the
+        largest size trained), the tokens there (interpolated in
+        :math:`\log D` against :math:`\log N` between the runs) and the loss
+        there.
     inside : bool
-        Whether :math:`N_{opt}` lies within the sizes trained at this budget
-        (outside, the vertex is an extrapolation).
+        True: a budget whose minimum would lie outside its sizes is left out
+        (:attr:`IsoFlopFit.left_out`), not given a curve.
     """
 
     compute: float
-    coefficients: tuple
+    sizes: tuple
+    losses: tuple
+    loss_std: tuple
+    optimum: str
     n_opt: float
     d_opt: float
     loss_opt: float
-    inside: bool
+    inside: bool = True
+
+    def loss_at(self, n):
+        """The model of the valley at sizes ``n`` (NaN outside the sizes it was fitted to)."""
+        model = _valley_model(self.optimum, np.log(self.sizes), np.asarray(self.losses))
+        return model(np.log(np.asarray(n, dtype=float)))
 
 
 @dataclass(frozen=True)
@@ -92,11 +118,11 @@ class IsoFlopFit:
     Attributes
     ----------
     curves : tuple of IsoFlopCurve
-        One per budget, in increasing :math:`C`.
+        One per budget kept, in increasing :math:`C`.
     a, b : float
         :math:`N_{opt} \propto C^a`, :math:`D_{opt} \propto C^b`.
     a_interval, b_interval : tuple of float
-        Bootstrap percentile intervals.
+        Bootstrap percentile intervals at ``confidence``.
     n_coefficient, d_coefficient : float
         :math:`N_{opt} = k_N C^a`, :math:`D_{opt} = k_D C^b`.
     frontier : ScalingLawFit
@@ -104,14 +130,30 @@ class IsoFlopFit:
         (:func:`tfmath.formulas.scaling.fit_scaling_law`, with the
         ``irreducible`` given to :func:`fit_isoflop`).
     confidence : float
+    optimum : str
+        The model of each valley.
+    loss_std : float
+        The loss noise of one run the bootstrap drew (the root mean square over
+        runs when it was given per run).
+    noise_source : str
+        Where ``loss_std`` came from: ``"given"``, ``"seed repeats"`` (the
+        scatter of runs repeated at one size and budget) or ``"local fits"``
+        (the residuals of parabolas through each run and its two neighbours on
+        each side).
+    scatter : float
+        The scatter of :math:`\log N_{opt}` about the power law beyond what the
+        loss noise explains (0 when the noise explains it all), added to each
+        budget's variance in the weights and to every resample.
     n_bootstrap : int
-        Bootstrap refits that had a minimum on every curve (the others are
-        dropped, and counted in ``n_bootstrap_dropped``).
+        Resamples the intervals were built from.
     n_bootstrap_dropped : int
+        Resamples lost because a kept budget's minimum left its sizes in them.
+    left_out : tuple of (float, str)
+        Each budget left out, with the reason.
     skipped_budgets : tuple of float
-        Budgets left out for want of a minimum (see ``skip_curves_without_minimum``).
+        The budgets of ``left_out``.
     bootstrap_optima : numpy.ndarray
-        Shape ``(n_bootstrap, curves, 3)``: each refit's :math:`\log N_{opt}`,
+        Shape ``(n_bootstrap, curves, 3)``: each resample's :math:`\log N_{opt}`,
         :math:`\log D_{opt}` and :math:`L_{opt}` per budget, from which any
         derived quantity's interval follows (see :meth:`optimum_intervals`).
     """
@@ -125,10 +167,29 @@ class IsoFlopFit:
     d_coefficient: float
     frontier: object
     confidence: float
+    optimum: str
+    loss_std: float
+    noise_source: str
+    scatter: float
     n_bootstrap: int
     n_bootstrap_dropped: int
+    left_out: tuple
     skipped_budgets: tuple
     bootstrap_optima: np.ndarray
+
+    def __repr__(self):
+        percent = f"{100 * self.confidence:g}%"
+        lines = [
+            f"IsoFlopFit(approach 2, {len(self.curves)} budgets, optimum={self.optimum!r})",
+            f"  N_opt ~ C^a: a = {self.a:.3f} [{self.a_interval[0]:.3f}, "
+            f"{self.a_interval[1]:.3f}] ({percent})",
+            f"  D_opt ~ C^b: b = {self.b:.3f} [{self.b_interval[0]:.3f}, {self.b_interval[1]:.3f}]",
+            f"  loss noise {self.loss_std:.3g} ({self.noise_source}); scatter of log N_opt "
+            f"beyond it {self.scatter:.3g}; {self.n_bootstrap} resamples"
+            + (f", {self.n_bootstrap_dropped} dropped" if self.n_bootstrap_dropped else ""),
+        ]
+        lines += [f"  left out: C = {c:.3g}: {why}" for c, why in self.left_out]
+        return "\n".join(lines)
 
     def optimum_intervals(self):
         """Percentile intervals per budget: a dict of ``"n_opt"``, ``"d_opt"``,
@@ -158,31 +219,80 @@ def fit_isoflop(
     d,
     loss,
     *,
+    optimum="auto",
+    loss_std=None,
+    budget_tolerance=0.0,
+    budget_edges=None,
     irreducible=None,
-    skip_curves_without_minimum=False,
+    skip_curves_without_minimum=True,
     confidence=0.95,
     n_bootstrap=1000,
     seed=0,
 ):
-    r"""Hoffmann et al.'s approach 2: parabolas through IsoFLOP profiles, then power laws.
+    r"""Hoffmann et al.'s approach 2: each budget's optimum from its runs, then power laws.
+
+    The runs are grouped into budgets (equal :math:`C`, or :math:`C` within
+    ``budget_tolerance`` of each other, or the bins ``budget_edges``). At each
+    budget the mean loss of each size is modelled against :math:`x = \log N`
+    in :math:`\log L` (``optimum``):
+
+    * ``"akima"`` (default): Akima's piecewise cubic through every size, which
+      follows the valley's own shape (asymmetric, or flat on one side as
+      byte-level models are) without overshooting; its lowest point between
+      the sizes is :math:`N_{opt}`. Porian et al. (2024) read their optima the
+      same way.
+    * ``"local_parabola"``: a parabola through the lowest size and its two
+      neighbours on each side.
+    * ``"parabola"``: one parabola through every size (Hoffmann et al.'s
+      fit), biased wherever the valley is not a parabola over the whole span.
+
+    A budget whose lowest run is its smallest or largest size, or whose model
+    has no minimum between the sizes, has no optimum to read: it is left out
+    (listed in :attr:`IsoFlopFit.left_out`, with a :class:`~tfmath.errors.FitWarning`),
+    never extrapolated. :math:`D_{opt}` interpolates :math:`\log D` between
+    the runs at :math:`N_{opt}`.
+
+    Intervals come from the loss noise: each resample adds to every size's
+    mean loss normal noise of its standard deviation (``loss_std``, else the
+    scatter of runs repeated over seeds, else the residuals of local parabolas
+    through five neighbouring sizes) and reads every optimum again. The power
+    laws :math:`\log N_{opt} = a \log C + \log k_N` (and likewise for
+    :math:`D`) are fitted by weighted least squares, each budget weighted by
+    the inverse of its optimum's variance over the resamples plus the scatter
+    of the optima about the line that the noise does not explain (a common
+    variance, chosen so that the weighted residuals have their expected sum;
+    zero when the noise explains them). Each resample draws that scatter too,
+    from its estimate's :math:`\chi^2` distribution, so the intervals hold the
+    uncertainty of the line as well as of the optima.
 
     Parameters
     ----------
     compute : array_like, 1-D
-        The budget of each run (runs of one budget share the same value; it
-        groups the runs into curves).
+        The budget of each run.
     n, d, loss : array_like, 1-D
         Each run's parameters, training tokens and final loss.
+    optimum : {"akima", "local_parabola", "parabola"}, optional
+        The model of each budget's valley (see above).
+    loss_std : None, float, array_like or callable, optional
+        The standard deviation of a run's final loss over seeds: one number, one
+        per run, or a function of the loss array returning one per run. None:
+        estimated from the runs (see above, and :attr:`IsoFlopFit.noise_source`).
+    budget_tolerance : float, optional
+        Runs whose budgets differ by at most this fraction of the smaller are one
+        budget (0: equal budgets only). For budgets read off a figure.
+    budget_edges : None or array_like, optional
+        Increasing bin edges: the runs with :math:`C` in ``[edges[i], edges[i+1])``
+        are one budget; runs outside every bin are left out. Overrides
+        ``budget_tolerance``.
     irreducible : None or float, optional
         :math:`E` of the frontier :math:`L_{opt}(C) = E + (C_c/C)^{\alpha_C}`:
         known (a number), or None for a pure power law.
     skip_curves_without_minimum : bool, optional
-        Leave out budgets whose parabola opens downwards (noisy runs, or sizes
-        that do not straddle the optimum) and list them in
-        :attr:`IsoFlopFit.skipped_budgets`, instead of raising.
+        True (default): leave out budgets with no optimum to read, and warn.
+        False: raise instead.
     confidence : float, optional
     n_bootstrap : int, optional
-        Resamples of the runs, within each budget.
+        Resamples of the loss noise.
     seed : int, optional
 
     Returns
@@ -194,9 +304,15 @@ def fit_isoflop(
     ShapeError
         For arrays of different lengths, or not 1-D.
     ArgumentError
-        For non-positive values, fewer than two budgets, a budget with fewer
-        than three distinct sizes, or a budget whose parabola has no minimum
-        (it opens downwards: the sizes do not straddle the optimum).
+        For non-positive values, an unknown ``optimum``, a ``loss_std`` that is
+        not positive for every run, fewer than two budgets with an optimum, or
+        (with ``skip_curves_without_minimum=False``) a budget without one.
+
+    Warns
+    -----
+    FitWarning
+        When budgets are left out, or more than 10% of the resamples are lost
+        to a minimum leaving its sizes.
 
     Examples
     --------
@@ -206,55 +322,80 @@ def fit_isoflop(
     >>> n_opt = 0.1 * c**0.5
     >>> n = n_opt * np.tile([0.25, 0.5, 1.0, 2.0, 4.0], 3)
     >>> loss = 2 + 0.1 * np.log(n / n_opt) ** 2 + (1e18 / c) ** 0.1
-    >>> fit = fit_isoflop(c, n, c / (6 * n), loss, n_bootstrap=50)
+    >>> fit = fit_isoflop(c, n, c / (6 * n), loss, loss_std=0.01, n_bootstrap=50)
     >>> round(fit.a, 6), round(fit.b, 6)
     (0.5, 0.5)
     """
     compute, n, d, loss = _runs(compute=compute, n=n, d=d, loss=loss)
+    optimum = choice("optimum", optimum, OPTIMUM_MODELS)
+    run_std = _loss_std(loss_std, loss)
     confidence = _confidence(confidence)
     n_bootstrap = integer("n_bootstrap", n_bootstrap, minimum=2)
     seed = integer("seed", seed, minimum=0)
-    budgets = np.unique(compute)
-    if budgets.size < 2:
-        raise ArgumentError(f"fit_isoflop needs at least two budgets, got {budgets.size}")
-    groups = [np.flatnonzero(compute == c) for c in budgets]
-    for c, rows in zip(budgets, groups, strict=True):
-        if np.unique(n[rows]).size < 3:
-            raise ArgumentError(
-                f"budget C = {c:g} has {np.unique(n[rows]).size} distinct sizes; a parabola "
-                "needs at least 3"
-            )
-    curves = [_curve(c, n[r], d[r], loss[r]) for c, r in zip(budgets, groups, strict=True)]
-    skipped = tuple(float(c) for c, curve in zip(budgets, curves, strict=True) if curve is None)
-    if skipped and not skip_curves_without_minimum:
+    budgets, groups, outside = _budget_groups(compute, budget_tolerance, budget_edges)
+    profiles = [_profile(n[rows], d[rows], loss[rows]) for rows in groups]
+    if run_std is None:
+        noise_source, noise = _estimated_noise(profiles)
+        run_std = np.full(loss.size, noise)
+    else:
+        noise_source = "given"
+    sigmas = [np.sqrt(np.bincount(p.index, run_std[rows] ** 2) / p.count**2)
+              for p, rows in zip(profiles, groups, strict=True)]  # fmt: skip
+    if optimum == "auto":
+        optimum = "parabola" if _parabolas_fit(profiles, sigmas) else "akima"
+    left_out = [(float(c), "outside every bin of budget_edges") for c in outside]
+    rng = np.random.default_rng(seed)
+    kept = []
+    for c, profile, sigma in zip(budgets, profiles, sigmas, strict=True):
+        reason, curve, draws = _budget_optimum(c, profile, sigma, optimum, n_bootstrap, rng)
+        if reason is None:
+            kept.append((curve, draws))
+        else:
+            left_out.append((float(c), reason))
+    left_out.sort()
+    if left_out and not skip_curves_without_minimum:
         raise ArgumentError(
-            f"the IsoFLOP curves of C = {', '.join(f'{c:g}' for c in skipped)} have no minimum "
-            "(their parabolas open downwards): train sizes on both sides of the optimum at "
-            "every budget, or pass skip_curves_without_minimum=True"
+            "no optimum to read at "
+            + "; ".join(f"C = {c:.4g} ({why})" for c, why in left_out)
+            + ": train sizes on both sides of the optimum, or pass "
+            "skip_curves_without_minimum=True to leave these budgets out"
         )
-    kept = [k for k, curve in enumerate(curves) if curve is not None]
     if len(kept) < 2:
         raise ArgumentError(
-            f"fit_isoflop needs two curves with a minimum, got {len(kept)} of {budgets.size}"
+            f"fit_isoflop needs two budgets with an optimum between their sizes, got "
+            f"{len(kept)} of {len(budgets)}"
+            + "".join(f"; C = {c:.4g}: {why}" for c, why in left_out)
         )
-    budgets = budgets[kept]
-    groups = [groups[k] for k in kept]
-    curves = [curves[k] for k in kept]
-    a, log_kn, b, log_kd = _exponents(budgets, curves)
-    draws, optima = _residual_bootstrap(budgets, groups, curves, n, d, loss, n_bootstrap, seed)
-    dropped = n_bootstrap - len(draws)
-    if not draws:
-        raise ArgumentError(
-            "no bootstrap resample had a minimum on every curve: the curves are too flat "
-            "for their noise; train sizes further from the optimum, or more seeds"
+    if left_out:
+        warnings.warn(
+            f"fit_isoflop left out {len(left_out)} budget(s): "
+            + "; ".join(f"C = {c:.4g} ({why})" for c, why in left_out),
+            FitWarning,
+            stacklevel=2,
         )
-    draws = np.array(draws)
-    tails = 100 * np.array([(1 - confidence) / 2, (1 + confidence) / 2])
-    a_interval = tuple(float(v) for v in np.percentile(draws[:, 0], tails))
-    b_interval = tuple(float(v) for v in np.percentile(draws[:, 1], tails))
+    curves = [curve for curve, _ in kept]
+    draws = [draw for _, draw in kept]
+    used = min(len(draw) for draw in draws)
+    dropped = n_bootstrap - used
+    if dropped > _WARN_DROPPED * n_bootstrap:
+        warnings.warn(
+            f"fit_isoflop: {dropped} of {n_bootstrap} resamples lost a minimum between the "
+            "sizes trained at some budget; the intervals stand on the other "
+            f"{used}. Sizes further past each optimum, or less noise, would keep them.",
+            FitWarning,
+            stacklevel=2,
+        )
+    optima = np.stack([draw[:used] for draw in draws], axis=1)  # (used, curves, 3)
+    log_c = np.log([curve.compute for curve in curves])
+    fits = [
+        _power_law(log_c, np.log([getattr(curve, name) for curve in curves]),
+                   optima[:, :, column], confidence, rng)
+        for name, column in (("n_opt", 0), ("d_opt", 1))
+    ]  # fmt: skip
+    (a, log_kn, a_interval, scatter), (b, log_kd, b_interval, _) = fits
     frontier = fit_scaling_law(
-        budgets, [curve.loss_opt for curve in curves], irreducible=irreducible,
-        confidence=confidence,
+        [curve.compute for curve in curves], [curve.loss_opt for curve in curves],
+        irreducible=irreducible, confidence=confidence,
     )  # fmt: skip
     return IsoFlopFit(
         curves=tuple(curves),
@@ -266,79 +407,269 @@ def fit_isoflop(
         d_coefficient=math.exp(log_kd),
         frontier=frontier,
         confidence=confidence,
-        n_bootstrap=len(draws),
+        optimum=optimum,
+        loss_std=float(np.sqrt(np.mean(run_std**2))),
+        noise_source=noise_source,
+        scatter=scatter,
+        n_bootstrap=used,
         n_bootstrap_dropped=dropped,
-        skipped_budgets=skipped,
-        bootstrap_optima=np.array(optima),
+        left_out=tuple(left_out),
+        skipped_budgets=tuple(c for c, _ in left_out),
+        bootstrap_optima=optima,
     )
 
 
-def _residual_bootstrap(budgets, groups, curves, n, d, loss, n_bootstrap, seed):
-    """Refits to each parabola plus pooled residuals drawn with replacement.
+class _Profile(NamedTuple):
+    """One budget's runs by size: the distinct sizes, increasing, and ``x = log N``; the
+    mean loss, mean ``log D`` and run count at each; each run's index into them."""
 
-    Returns the exponents ``(a, b)`` of each refit with a minimum on every curve,
-    and that refit's ``(log N_opt, log D_opt, L_opt)`` per curve.
-    """
-    fitted = [
-        np.polyval(curve.coefficients, np.log(n[rows]))
-        for curve, rows in zip(curves, groups, strict=True)
-    ]
-    residuals = np.concatenate([loss[rows] - f for rows, f in zip(groups, fitted, strict=True)])
-    # Each parabola spends 3 degrees of freedom: residuals are smaller than the noise.
-    spare = residuals.size - 3 * len(curves)
-    residuals = residuals * math.sqrt(residuals.size / spare) if spare > 0 else residuals
-    rng = np.random.default_rng(seed)
-    draws, optima = [], []
-    for _ in range(n_bootstrap):
-        sample = [
-            _curve(c, n[rows], d[rows], f + rng.choice(residuals, size=rows.size))
-            for c, rows, f in zip(budgets, groups, fitted, strict=True)
-        ]
-        if any(curve is None for curve in sample):
-            continue
-        draws.append(_exponents(budgets, sample)[::2])
-        optima.append([(math.log(c.n_opt), math.log(c.d_opt), c.loss_opt) for c in sample])
-    return draws, optima
+    sizes: np.ndarray
+    x: np.ndarray
+    loss: np.ndarray
+    log_d: np.ndarray
+    count: np.ndarray
+    index: np.ndarray
+    run_loss: np.ndarray
 
 
-#: How far (in log N) a vertex may lie from the sizes trained, and the largest log
-#: of a size or token count, before a parabola counts as having no minimum.
-_MAX_VERTEX_DISTANCE = 50.0
-_MAX_LOG = 700.0
+def _profile(n, d, loss):
+    sizes, index, count = np.unique(n, return_inverse=True, return_counts=True)
+    return _Profile(
+        sizes=sizes,
+        x=np.log(sizes),
+        loss=np.bincount(index, loss) / count,
+        log_d=np.bincount(index, np.log(d)) / count,
+        count=count,
+        index=index,
+        run_loss=loss,
+    )
 
 
-def _curve(compute, n, d, loss):
-    """One budget's :class:`IsoFlopCurve`, or None when its parabola has no minimum."""
-    x = np.log(n)
-    if np.unique(x).size < 3:
+def _budget_groups(compute, tolerance, edges):
+    """``(budgets, row groups, budgets outside every bin)``: one group per budget."""
+    if edges is not None:
+        edges = np.asarray(edges, dtype=float)
+        if edges.ndim != 1 or edges.size < 2 or not np.all(np.diff(edges) > 0):
+            raise ArgumentError(
+                f"budget_edges must be increasing bin edges, at least two, got {edges!r}"
+            )
+        bins = np.searchsorted(edges, compute, side="right") - 1
+        inside = (bins >= 0) & (bins < edges.size - 1)
+        outside = tuple(np.unique(compute[~inside]))
+        groups = [np.flatnonzero(inside & (bins == k)) for k in np.unique(bins[inside])]
+    else:
+        tolerance = real("budget_tolerance", tolerance)
+        if not 0 <= tolerance < 1:
+            raise ArgumentError(f"budget_tolerance must lie in [0, 1), got {tolerance}")
+        order = np.argsort(compute, kind="stable")
+        groups, start = [], 0
+        for k in range(1, order.size + 1):
+            if k == order.size or compute[order[k]] > compute[order[start]] * (1 + tolerance):
+                groups.append(np.sort(order[start:k]))
+                start = k
+        outside = ()
+    budgets = np.array([_centre(compute[rows]) for rows in groups])
+    if len(groups) < 2:
+        raise ArgumentError(f"fit_isoflop needs at least two budgets, got {len(groups)}")
+    return budgets, groups, outside
+
+
+def _centre(budgets):
+    """A group's budget: the common value, or the geometric mean of unequal ones."""
+    return float(budgets[0]) if np.all(budgets == budgets[0]) else math.exp(np.log(budgets).mean())
+
+
+def _loss_std(loss_std, loss):
+    """Each run's loss noise from the ``loss_std`` argument, or None to estimate it."""
+    if loss_std is None:
         return None
+    value = loss_std(loss.copy()) if callable(loss_std) else loss_std
+    std = (
+        np.broadcast_to(np.asarray(value, dtype=float), loss.shape)
+        if np.ndim(value) == 0
+        else np.asarray(value, dtype=float)
+    )
+    if std.shape != loss.shape:
+        raise ShapeError(
+            f"loss_std must be a number or one value per run ({loss.size}), got shape {std.shape}"
+        )
+    if not np.all(np.isfinite(std) & (std >= 0)):
+        raise ArgumentError("loss_std must be finite and non-negative for every run")
+    return np.array(std)
+
+
+def _estimated_noise(profiles):
+    """``(source, std)`` of one run's loss: from runs repeated at one size and budget if
+    any, else from the residuals of local parabolas (five neighbouring sizes)."""
+    squares = sum(float(np.sum((p.run_loss - p.loss[p.index]) ** 2)) for p in profiles)
+    spare = sum(int(np.sum(p.count - 1)) for p in profiles)
+    if spare > 0:
+        return "seed repeats", math.sqrt(squares / spare)
+    width = 2 * _WINDOW_HALF_WIDTH + 1
+    scaled = []
+    for p in profiles:
+        for start in range(p.x.size - width + 1):
+            x = p.x[start : start + width] - p.x[start + _WINDOW_HALF_WIDTH]
+            design = np.vander(x, 3)
+            coefficients, *_ = np.linalg.lstsq(design, p.loss[start : start + width])
+            residual = p.loss[start + _WINDOW_HALF_WIDTH] - coefficients[-1]
+            # The residual at the window's centre has variance (1 - h) sigma^2.
+            hat = design[_WINDOW_HALF_WIDTH] @ np.linalg.pinv(design.T @ design)
+            leverage = float(hat @ design[_WINDOW_HALF_WIDTH])
+            scaled.append(residual**2 / (1 - leverage))
+    if not scaled:
+        raise ArgumentError(
+            "cannot estimate the loss noise: no size was trained twice at one budget and no "
+            f"budget has {width} sizes; give loss_std (one number, or one per run), or group "
+            "nearly equal budgets with budget_tolerance or budget_edges"
+        )
+    return "local fits", math.sqrt(float(np.mean(scaled)))
+
+
+def _budget_optimum(compute, profile, sigma, optimum, n_bootstrap, rng):
+    """``(reason left out or None, curve, resampled optima (k, 3))`` of one budget."""
+    if profile.x.size < 3:
+        return f"{profile.x.size} distinct sizes; a minimum needs 3", None, None
+    lowest = int(np.argmin(profile.loss))
+    if lowest in (0, profile.x.size - 1):
+        edge = "smallest" if lowest == 0 else "largest"
+        return f"its lowest loss is at its {edge} size", None, None
+    found = _valley_minimum(optimum, profile.x, profile.loss)
+    if found is None:
+        return "its model has no minimum between the sizes trained", None, None
+    noisy = profile.loss + sigma * rng.standard_normal((n_bootstrap, profile.x.size))
+    draws = []
+    for sample in noisy:
+        vertex = _valley_minimum(optimum, profile.x, sample) if np.all(sample > 0) else None
+        if vertex is not None:
+            x, loss = vertex
+            draws.append((x, float(np.interp(x, profile.x, profile.log_d)), loss))
+    if len(draws) < (1 - _MAX_EDGE_SHARE) * n_bootstrap:
+        lost = n_bootstrap - len(draws)
+        reason = f"its minimum left the sizes trained in {lost} of {n_bootstrap} resamples"
+        return reason, None, None
+    x, loss = found
+    curve = IsoFlopCurve(
+        compute=float(compute),
+        sizes=tuple(float(v) for v in profile.sizes),
+        losses=tuple(float(v) for v in profile.loss),
+        loss_std=tuple(float(v) for v in sigma),
+        optimum=optimum,
+        n_opt=math.exp(x),
+        d_opt=math.exp(float(np.interp(x, profile.x, profile.log_d))),
+        loss_opt=loss,
+    )
+    return None, curve, np.array(draws)
+
+
+def _akima(x, loss):
+    """Akima's interpolant of log L against log N (shape-preserving, in log-log)."""
+    from scipy.interpolate import Akima1DInterpolator
+
+    return Akima1DInterpolator(x, np.log(loss))
+
+
+def _window(x, loss):
+    """The lowest size and up to ``_WINDOW_HALF_WIDTH`` neighbours on each side."""
+    lowest = int(np.argmin(loss))
+    return slice(max(0, lowest - _WINDOW_HALF_WIDTH), lowest + _WINDOW_HALF_WIDTH + 1)
+
+
+def _parabolas_fit(profiles, sigmas):
+    """Whether one parabola in log N through every size of each budget (with a lowest
+    run between its sizes) fits the mean losses within their noise: the chi-squared
+    summed over the budgets at or below its 95th percentile."""
+    from scipy.stats import chi2
+
+    misfit, spare = 0.0, 0
+    for profile, sigma in zip(profiles, sigmas, strict=True):
+        if profile.x.size < 4 or int(np.argmin(profile.loss)) in (0, profile.x.size - 1):
+            continue
+        fitted = np.polyval(np.polyfit(profile.x, profile.loss, 2), profile.x)
+        scale = np.maximum(sigma, 1e-9 * profile.loss)
+        misfit += float(np.sum(((profile.loss - fitted) / scale) ** 2))
+        spare += profile.x.size - 3
+    return spare == 0 or misfit <= chi2.ppf(0.95, spare)
+
+
+def _valley_model(optimum, x, loss):
+    """The model of one valley as a function of ``log N``, NaN outside its sizes."""
+    if optimum == "akima":
+        spline = _akima(x, loss)
+        return lambda at: np.exp(spline(at, extrapolate=False))
+    window = _window(x, loss) if optimum == "local_parabola" else slice(None)
+    coefficients = np.polyfit(x[window], loss[window], 2)
+    low, high = x[window][0], x[window][-1]
+    return lambda at: np.where((at >= low) & (at <= high), np.polyval(coefficients, at), np.nan)
+
+
+def _valley_minimum(optimum, x, loss):
+    """``(log N, L)`` at the lowest point of the valley model strictly between the sizes
+    it is fitted to, or None when its lowest point is at an end of them. Parabolas are
+    fitted to L (as Hoffmann et al. fit theirs), Akima's interpolant to log L."""
+    if optimum == "akima":
+        spline = _akima(x, loss)
+        roots = spline.derivative().roots(extrapolate=False)
+        candidates = np.concatenate([[x[0], x[-1]], roots[(roots > x[0]) & (roots < x[-1])]])
+        values = spline(candidates)
+        best = int(np.argmin(values))
+        return None if best < 2 else (float(candidates[best]), math.exp(values[best]))
+    if optimum == "local_parabola":
+        if int(np.argmin(loss)) in (0, x.size - 1):
+            return None
+        window = _window(x, loss)
+        x, loss = x[window], loss[window]
     p2, p1, p0 = np.polyfit(x, loss, 2)
     if not p2 > 0:
         return None
     vertex = -p1 / (2 * p2)
-    # A nearly flat parabola puts its vertex at any distance (and exp() past the
-    # float range): beyond 50 e-folds of the sizes trained it has no minimum to read.
-    if not abs(vertex - x.mean()) < _MAX_VERTEX_DISTANCE:
+    if not x[0] < vertex < x[-1]:
         return None
-    log_d = np.polyval(np.polyfit(x, np.log(d), 2), vertex)
-    if not abs(log_d) < _MAX_LOG:
-        return None
-    return IsoFlopCurve(
-        compute=float(compute),
-        coefficients=(float(p2), float(p1), float(p0)),
-        n_opt=math.exp(vertex),
-        d_opt=math.exp(log_d),
-        loss_opt=float(p0 - p1 * p1 / (4 * p2)),
-        inside=bool(x.min() <= vertex <= x.max()),
-    )
+    return float(vertex), float(p0 - p1 * p1 / (4 * p2))
 
 
-def _exponents(budgets, curves):
-    """Slopes and intercepts of log N_opt and log D_opt against log C."""
-    log_c = np.log(budgets)
-    a, log_kn = np.polyfit(log_c, np.log([curve.n_opt for curve in curves]), 1)
-    b, log_kd = np.polyfit(log_c, np.log([curve.d_opt for curve in curves]), 1)
-    return float(a), float(log_kn), float(b), float(log_kd)
+def _power_law(log_c, log_opt, resampled, confidence, rng):
+    """``(slope, intercept, interval, scatter)`` of ``log_opt`` against ``log_c``.
+
+    Weighted least squares, each budget weighted by ``1 / (v + tau^2)`` with ``v`` the
+    variance of its resampled optima and ``tau^2`` the scatter about the line the noise
+    does not explain (Paule and Mandel's estimate: the weighted residuals' sum equals
+    its expectation, ``budgets - 2``). The interval: the slopes through each resample's
+    optima, each offset by that scatter drawn from its estimate's chi-squared law."""
+    variance = np.maximum(resampled.var(axis=0), 1e-12)
+    k = log_c.size
+    spare = k - 2
+
+    def line(values, weights):
+        w = weights / weights.sum()
+        x_mean, y_mean = w @ log_c, w @ values
+        slope = (
+            (w * (log_c - x_mean)) @ (values - y_mean) / ((w * (log_c - x_mean)) @ (log_c - x_mean))
+        )
+        return slope, y_mean - slope * x_mean
+
+    def excess(tau2):
+        weights = 1 / (variance + tau2)
+        slope, intercept = line(log_opt, weights)
+        return float(weights @ (log_opt - slope * log_c - intercept) ** 2) - spare
+
+    tau2 = 0.0
+    if spare > 0 and excess(0.0) > 0:
+        from scipy.optimize import brentq
+
+        high = float(np.var(log_opt)) + float(variance.max())
+        while excess(high) > 0:
+            high *= 4
+        tau2 = brentq(excess, 0.0, high, xtol=1e-14)
+    slope, intercept = line(log_opt, 1 / (variance + tau2))
+    slopes = np.empty(resampled.shape[0])
+    for i, sample in enumerate(resampled):
+        tau2_i = tau2 * spare / rng.chisquare(spare) if tau2 > 0 else 0.0
+        offsets = math.sqrt(tau2_i) * rng.standard_normal(k)
+        slopes[i] = line(sample + offsets, 1 / (variance + tau2_i))[0]
+    tails = 100 * np.array([(1 - confidence) / 2, (1 + confidence) / 2])
+    interval = tuple(float(v) for v in np.percentile(slopes, tails))
+    return float(slope), float(intercept), interval, math.sqrt(tau2)
 
 
 # -- approach 3: the parametric loss -----------------------------------------------------

@@ -25,10 +25,10 @@ attention included). The design:
 * a cosine learning rate from :math:`0.05/\sqrt{d}` down to 10% of it on each
   run's last step, after a warm-up of 5% of the run (so at most 10% of any);
 * two seeds per point at the budgets where the plan allows
-  (:attr:`IsoFlopPlan.seeded_budgets`), the seed noise then part of the
-  residuals the bootstrap resamples.
+  (:attr:`IsoFlopPlan.seeded_budgets`), whose scatter is the loss noise the
+  bootstrap resamples.
 
-Parabolas through each budget's losses give :math:`N_{opt}(C)` and
+Akima interpolants through each budget's losses give :math:`N_{opt}(C)` and
 :math:`D_{opt}(C)` (:func:`tfmath.analysis.compute_optimal.fit_isoflop`), with
 :math:`N` counted both as non-embedding parameters (Kaplan et al.) and as all
 parameters (Hoffmann et al.); approach 3 and Kaplan et al.'s pure power law
@@ -326,7 +326,8 @@ def compute_optimal(settings):
                 "b_interval": _finite(isoflop.b_interval),
                 "a_all_parameters": hoffmann.a,
                 "a_all_parameters_interval": _finite(hoffmann.a_interval),
-                "minima_inside": [c.inside for c in isoflop.curves],
+                "left_out": [list(item) for item in isoflop.left_out],
+                "loss_noise": {"std": isoflop.loss_std, "source": isoflop.noise_source},
                 "frontier_exponent": frontier_c.exponent,
                 "frontier_interval": _finite(frontier_c.exponent_interval),
                 "kaplan_fit": {
@@ -520,17 +521,18 @@ def _parametric_figure(fit, n, d, loss):
 
 def _optima_table(fit, hoffmann):
     intervals = fit.optimum_intervals()
+    # The two counts may leave out different budgets.
+    all_counted = {c.compute: c.n_opt for c in hoffmann.curves}
     return Table(
         {
             "budget C (FLOPs)": [c.compute for c in fit.curves],
             "N_opt (non-embedding)": [c.n_opt for c in fit.curves],
             "N_opt low": intervals["n_opt"][:, 0].tolist(),
             "N_opt high": intervals["n_opt"][:, 1].tolist(),
-            "N_opt (all parameters)": [c.n_opt for c in hoffmann.curves],
+            "N_opt (all parameters)": [all_counted.get(c.compute, math.nan) for c in fit.curves],
             "D_opt": [c.d_opt for c in fit.curves],
             "tokens per parameter": [c.d_opt / c.n_opt for c in fit.curves],
             "L_opt": [c.loss_opt for c in fit.curves],
-            "minimum inside the sizes trained": [c.inside for c in fit.curves],
         }
     )
 
@@ -563,7 +565,6 @@ def _interval(values, digits=2):
 def _caption(isoflop, hoffmann, parametric, kaplan, frontier_c, prediction, source, met, seconds):
     a, b = isoflop.a, isoflop.b
     ratios = [c.d_opt / c.n_opt for c in hoffmann.curves]
-    inside = sum(c.inside for c in isoflop.curves)
     verdict = []
     for name, published in (("Chinchilla's 0.50", 0.5), ("Kaplan et al.'s 0.73", 0.73)):
         low, high = isoflop.a_interval
@@ -586,11 +587,13 @@ def _caption(isoflop, hoffmann, parametric, kaplan, frontier_c, prediction, sour
         f"IsoFLOP profiles of one-layer models on {_describe(source)}, "
         f"{len(isoflop.curves)} budgets from {isoflop.curves[0].compute:.1e} to "
         f"{isoflop.curves[-1].compute:.1e} FLOPs (counted exactly, output head included; "
-        f"every run within {100 * np.max(np.abs(met - 1)):.2f}% of its budget). The minimum "
-        f"of each budget's parabola lies strictly inside the sizes trained at {inside} of "
-        f"{len(isoflop.curves)} budgets. With N the non-embedding parameters (Kaplan et "
-        f"al.'s count), N_opt ∝ C^{a:.2f} {_interval(isoflop.a_interval)} (95% residual "
-        f"bootstrap) and D_opt ∝ C^{b:.2f} {_interval(isoflop.b_interval)}; "
+        f"every run within {100 * np.max(np.abs(met - 1)):.2f}% of its budget). Each "
+        f"budget's optimum is the lowest point, between its sizes, of an Akima interpolant "
+        f"through its runs in log-log{_left_out(isoflop)}. With N the non-embedding "
+        f"parameters (Kaplan et al.'s count), N_opt ∝ C^{a:.2f} "
+        f"{_interval(isoflop.a_interval)} (95%, resampling a loss noise of "
+        f"{isoflop.loss_std:.3f} nats, {_NOISE_SOURCES[isoflop.noise_source]}) and "
+        f"D_opt ∝ C^{b:.2f} {_interval(isoflop.b_interval)}; "
         f"{'; '.join(verdict)}. Counting all parameters (Hoffmann et al.), a = "
         f"{hoffmann.a:.2f} {_interval(hoffmann.a_interval)}: at these sizes the embedding "
         f"and the head are most of the model, so the count moves a, as Pearce and Song "
@@ -615,6 +618,20 @@ def _caption(isoflop, hoffmann, parametric, kaplan, frontier_c, prediction, sour
             f"{prediction['measured']:.3f}. "
         )
     return text + f"The runs took {seconds:.0f} s to train (re-runs load them from the cache)."
+
+
+#: How the caption names where the loss noise came from (IsoFlopFit.noise_source).
+_NOISE_SOURCES = {
+    "seed repeats": "the scatter of runs repeated over seeds",
+    "local fits": "estimated from parabolas through neighbouring sizes",
+    "given": "as given",
+}
+
+
+def _left_out(fit):
+    if not fit.left_out:
+        return ", at every budget"
+    return " (left out: " + "; ".join(f"C = {c:.1e}, {why}" for c, why in fit.left_out) + ")"
 
 
 def _describe(source):

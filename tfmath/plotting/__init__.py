@@ -20,6 +20,7 @@ from tfmath.plotting.compute_optimal import (
     frontier_prediction,
     isoflop_curves,
     optimal_allocation,
+    published_refits,
     tokens_per_parameter,
 )
 from tfmath.plotting.positional import (
@@ -51,6 +52,7 @@ __all__ = [
     "new_figure",
     "optimal_allocation",
     "power_law",
+    "published_refits",
     "saturation",
     "scaled_variance",
     "score_overflow",

@@ -13,15 +13,23 @@ __all__ = [
     "frontier_prediction",
     "isoflop_curves",
     "optimal_allocation",
+    "published_refits",
     "tokens_per_parameter",
 ]
 
+#: How the figure names each model of the valleys (IsoFlopFit.optimum).
+_VALLEY_NAMES = {
+    "akima": "Akima interpolants in log-log",
+    "local_parabola": "parabolas about the lowest runs",
+    "parabola": "parabolas in log N",
+}
 #: Published exponents of N_opt(C): Kaplan et al. (2020, table 6) and Hoffmann et al. (2022).
 PUBLISHED_A = (("Kaplan et al.", 0.73, "--"), ("Hoffmann et al.", 0.50, ":"))
 
 
 def isoflop_curves(fit, n, loss, compute, *, ax=None):
-    """Every run as a dot, each budget's parabola over the sizes trained, its minimum a star.
+    """Every run as a dot, each budget's model of its valley over the sizes trained, its
+    minimum a star.
 
     Parameters
     ----------
@@ -36,16 +44,20 @@ def isoflop_curves(fit, n, loss, compute, *, ax=None):
     """
     ax = axes_or_new(ax)
     n, loss, compute = (np.asarray(x, dtype=float) for x in (n, loss, compute))
+    # Each run belongs to the curve of the nearest budget (budgets may be bins of C).
+    centres = np.log([curve.compute for curve in fit.curves])
+    nearest = np.argmin(np.abs(np.log(compute)[:, None] - centres[None, :]), axis=1)
     for k, curve in enumerate(fit.curves):
-        rows = compute == curve.compute
+        rows = (nearest == k) & np.isin(n, curve.sizes)
         colour = f"C{k % 10}"
         ax.semilogx(n[rows], loss[rows], "o", color=colour, ms=4, alpha=0.8,
                     label=f"C = {curve.compute:.1e}")  # fmt: skip
-        grid = np.geomspace(n[rows].min(), n[rows].max(), 100)
-        ax.semilogx(grid, np.polyval(curve.coefficients, np.log(grid)), color=colour, lw=1)
+        grid = np.geomspace(curve.sizes[0], curve.sizes[-1], 200)
+        ax.semilogx(grid, curve.loss_at(grid), color=colour, lw=1)
         ax.plot(curve.n_opt, curve.loss_opt, "*", color=colour, ms=13, mec="k", mew=0.5)
     ax.set(xlabel="non-embedding parameters N", ylabel="validation loss (nats/token)")
-    ax.set_title("IsoFLOP curves: runs (dots), parabolas in log N, minima (stars)", fontsize=10)
+    ax.set_title(f"IsoFLOP curves: runs (dots), {_VALLEY_NAMES[fit.optimum]}, minima (stars)",
+                 fontsize=10)  # fmt: skip
     ax.legend(fontsize=8)
     return ax
 
@@ -124,4 +136,36 @@ def frontier_prediction(fit, prediction, *, ax=None):
     ax.set(xlabel="compute C (FLOPs)", ylabel="loss at the optimum (nats/token)")
     ax.set_title("The compute-efficient frontier and a held-out prediction", fontsize=10)
     ax.legend(fontsize=8)
+    return ax
+
+
+def published_refits(labels, published, refitted, *, ax=None):
+    """Each table's exponent ``a`` as its authors published it and as refitted, with
+    their 95% intervals, one row per table, beside Kaplan's 0.73 and Chinchilla's 0.50.
+
+    Parameters
+    ----------
+    labels : sequence of str
+        One per table, top to bottom.
+    published, refitted : sequence of (float, (float, float))
+        ``(a, (low, high))`` per table.
+    ax : matplotlib.axes.Axes, optional
+
+    Returns
+    -------
+    matplotlib.axes.Axes
+    """
+    ax = axes_or_new(ax)
+    rows = np.arange(len(labels))[::-1]
+    for values, offset, colour, name in ((published, 0.15, "0.35", "authors"),
+                                         (refitted, -0.15, "C0", "tfmath")):  # fmt: skip
+        a = np.array([v for v, _ in values])
+        low, high = np.array([interval for _, interval in values]).T
+        ax.errorbar(a, rows + offset, xerr=(a - low, high - a), fmt="o", ms=4, color=colour,
+                    capsize=2, label=f"{name} (95%)")  # fmt: skip
+    for name, value, style in PUBLISHED_A:
+        ax.axvline(value, color="k", ls=style, lw=0.8, label=f"{name}: {value:.2f}")
+    ax.set_yticks(rows, labels, fontsize=8)
+    ax.set_xlabel("a in N_opt ∝ C^a")
+    ax.legend(fontsize=8, loc="lower right")
     return ax
