@@ -68,7 +68,7 @@ for name, fit in (("non-embedding N", kaplan_count), ("all parameters", hoffmann
     low, high = fit.a_interval
     print(f"{name}: N_opt ∝ C^{fit.a:.2f} (95% interval {low:.2f} to {high:.2f}); "
           f"Kaplan et al. 0.73, Hoffmann et al. 0.50")  # fmt: skip
-print("every minimum inside the sizes trained:", all(c.inside for c in kaplan_count.curves))
+print("valley model:", kaplan_count.optimum, "; budgets left out:", kaplan_count.left_out or "none")
 
 # %%
 # Top left: every run, each budget's valley model and its minimum (a star),

@@ -14,7 +14,7 @@ import warnings
 import numpy as np
 import pytest
 
-from tfmath.analysis.compute_optimal import fit_isoflop
+from tfmath.analysis.compute_optimal import fit_compute_optimal, fit_isoflop
 from tfmath.errors import ArgumentError, FitWarning, ShapeError
 
 ALPHA, BETA, E, A, B = 0.5, 0.4, 1.5, 400.0 / 23, 900.0 / 23
@@ -183,3 +183,36 @@ def test_noise_cannot_be_estimated_from_too_few_runs():
     loss = 3.0 + 0.1 * np.log(n / np.repeat([2.5e6, 7.5e6], 4)) ** 2
     with pytest.raises(ArgumentError, match="give loss_std"):
         fit_isoflop(compute, n, compute / (6 * n), loss, n_bootstrap=5)
+
+
+# -- the one entry point --------------------------------------------------------------------
+
+
+def test_fit_compute_optimal_runs_approach_2_with_its_options():
+    compute, n, d, loss = planted(np.random.default_rng(10), 0.002)
+    first = compute == BUDGETS[0]
+    loss[first] = 2.0 + 0.1 * np.log(n[first] / n[first].min())
+    with pytest.warns(FitWarning):
+        fit = fit_compute_optimal(compute, n, d, loss, n_bootstrap=30, seed=3)
+    with pytest.warns(FitWarning):
+        direct = fit_isoflop(compute, n, d, loss, n_bootstrap=30, seed=3)
+    assert fit.approach == 2 and fit.fit.a == direct.a == fit.a
+    assert fit.a_interval == direct.a_interval
+    assert fit.left_out == ((f"budget C = {BUDGETS[0]:.4g}", direct.left_out[0][1]),)
+    assert "left out: budget C = 1e+09" in repr(fit) and "approach 2" in repr(fit)
+
+
+def test_fit_compute_optimal_runs_approach_3_on_the_same_table():
+    rng = np.random.default_rng(11)
+    n, d = (x.ravel() for x in np.meshgrid(np.geomspace(1e6, 1e9, 5), np.geomspace(1e8, 1e11, 5)))
+    loss = 1.5 + 300.0 / n**0.35 + 500.0 / d**0.3
+    fit = fit_compute_optimal(6 * n * d, n, d, loss * np.exp(0.001 * rng.standard_normal(n.size)),
+                              approach=3, n_bootstrap=10)  # fmt: skip
+    assert fit.approach == 3 and fit.a == pytest.approx(0.3 / 0.65, abs=0.03)
+    assert fit.b == pytest.approx(0.35 / 0.65, abs=0.03)
+
+
+@pytest.mark.parametrize("approach", [1, 4, "2", True])
+def test_fit_compute_optimal_refuses_an_approach_it_does_not_run(approach):
+    with pytest.raises(ArgumentError, match="approach"):
+        fit_compute_optimal(*planted(np.random.default_rng(12), 0.002), approach=approach)

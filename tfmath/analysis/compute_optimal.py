@@ -39,11 +39,14 @@ from tfmath.errors import ArgumentError, FitWarning, ShapeError
 from tfmath.formulas.scaling import ChinchillaLaw, fit_scaling_law
 
 __all__ = [
+    "APPROACHES",
     "OPTIMUM_MODELS",
+    "ComputeOptimalFit",
     "IsoFlopCurve",
     "IsoFlopFit",
     "KaplanLossFit",
     "ParametricLossFit",
+    "fit_compute_optimal",
     "fit_isoflop",
     "fit_kaplan_loss",
     "fit_parametric_loss",
@@ -90,9 +93,6 @@ class IsoFlopCurve:
         largest size trained), the tokens there (interpolated in
         :math:`\log D` against :math:`\log N` between the runs) and the loss
         there.
-    inside : bool
-        True: a budget whose minimum would lie outside its sizes is left out
-        (:attr:`IsoFlopFit.left_out`), not given a curve.
     """
 
     compute: float
@@ -103,7 +103,6 @@ class IsoFlopCurve:
     n_opt: float
     d_opt: float
     loss_opt: float
-    inside: bool = True
 
     def loss_at(self, n):
         """The model of the valley at sizes ``n`` (NaN outside the sizes it was fitted to)."""
@@ -1167,3 +1166,133 @@ def _confidence(confidence):
     if not 0 < confidence < 1:
         raise ArgumentError(f"confidence must lie in (0, 1), got {confidence}")
     return confidence
+
+
+# -- one entry point ---------------------------------------------------------------------
+
+#: The approaches :func:`fit_compute_optimal` runs, by Hoffmann et al.'s numbering.
+APPROACHES = (2, 3)
+
+
+@dataclass(frozen=True)
+class ComputeOptimalFit:
+    r"""The compute-optimal split of a table of runs, by one approach (see
+    :func:`fit_compute_optimal`).
+
+    Attributes
+    ----------
+    approach : int
+        2 (IsoFLOP profiles) or 3 (the parametric loss).
+    a, b : float
+        :math:`N_{opt} \propto C^a`, :math:`D_{opt} \propto C^b`.
+    a_interval, b_interval : tuple of float
+        Their intervals at ``confidence``; ``(nan, nan)`` where the runs do not
+        determine the exponent.
+    confidence : float
+    left_out : tuple of (str, str)
+        What the fit could not use or determine, and why: budgets (approach 2) or
+        parameters (approach 3).
+    fit : IsoFlopFit or ParametricLossFit
+        The approach's own result, with everything else it found.
+    """
+
+    approach: int
+    a: float
+    b: float
+    a_interval: tuple
+    b_interval: tuple
+    confidence: float
+    left_out: tuple
+    fit: object
+
+    def __repr__(self):
+        percent = f"{100 * self.confidence:g}%"
+        lines = [
+            f"ComputeOptimalFit(approach {self.approach}, {type(self.fit).__name__})",
+            f"  N_opt ~ C^a: a = {self.a:.3f} {_bracket(self.a_interval)} ({percent})",
+            f"  D_opt ~ C^b: b = {self.b:.3f} {_bracket(self.b_interval)}",
+        ]
+        lines += [f"  left out: {what}: {why}" for what, why in self.left_out]
+        return "\n".join(lines)
+
+
+def _bracket(interval):
+    low, high = interval
+    if not (math.isfinite(low) and math.isfinite(high)):
+        return "[not determined by the runs]"
+    return f"[{low:.3f}, {high:.3f}]"
+
+
+def fit_compute_optimal(compute, n, d, loss, *, approach=2, **options):
+    r"""How a compute budget should be split between parameters and tokens, from runs.
+
+    One door to Hoffmann et al.'s approaches, returning one result type whatever the
+    approach: approach 2 runs :func:`fit_isoflop` on every argument, approach 3 runs
+    :func:`fit_parametric_loss` on ``n``, ``d`` and ``loss`` (its compute-optimal
+    exponents follow from the fitted law, :math:`a = \beta/(\alpha+\beta)`).
+
+    Parameters
+    ----------
+    compute, n, d, loss : array_like, 1-D
+        Each run's budget, parameters, training tokens and final loss.
+    approach : {2, 3}, optional
+    **options
+        Passed to the approach's function (``loss_std``, ``optimum``,
+        ``budget_tolerance``, ... for approach 2; ``irreducible``, ``delta``, ... for
+        approach 3; ``confidence``, ``n_bootstrap`` and ``seed`` for both).
+
+    Returns
+    -------
+    ComputeOptimalFit
+
+    Raises
+    ------
+    ArgumentError
+        For an approach other than 2 or 3 (approach 1, the envelope of training
+        curves, needs each run's curve, which this table does not hold), and as the
+        approach's function raises.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from tfmath.analysis.compute_optimal import fit_compute_optimal
+    >>> c = np.repeat([1e15, 1e16, 1e17], 5)
+    >>> n_opt = 0.1 * c**0.5
+    >>> n = n_opt * np.tile([0.25, 0.5, 1.0, 2.0, 4.0], 3)
+    >>> loss = 2 + 0.1 * np.log(n / n_opt) ** 2 + (1e18 / c) ** 0.1
+    >>> fit = fit_compute_optimal(c, n, c / (6 * n), loss, loss_std=0.01, n_bootstrap=50)
+    >>> fit.approach, round(fit.a, 6)
+    (2, 0.5)
+    """
+    if approach not in APPROACHES or isinstance(approach, bool):
+        raise ArgumentError(
+            f"approach must be one of {APPROACHES}, got {approach!r} (approach 1, the "
+            "envelope of training curves, needs each run's curve, not its final loss)"
+        )
+    if approach == 2:
+        fit = fit_isoflop(compute, n, d, loss, **options)
+        return ComputeOptimalFit(
+            approach=2,
+            a=fit.a,
+            b=fit.b,
+            a_interval=fit.a_interval,
+            b_interval=fit.b_interval,
+            confidence=fit.confidence,
+            left_out=tuple((f"budget C = {c:.4g}", why) for c, why in fit.left_out),
+            fit=fit,
+        )
+    _runs(compute=compute)
+    fit = fit_parametric_loss(n, d, loss, **options)
+    return ComputeOptimalFit(
+        approach=3,
+        a=fit.law.n_exponent,
+        b=fit.law.d_exponent,
+        a_interval=fit.intervals["n_exponent"],
+        b_interval=fit.intervals["d_exponent"],
+        confidence=fit.confidence,
+        left_out=tuple(
+            (name, "not determined by the runs (on a solver bound, or in a term without effect)")
+            for name in fit.unidentified
+        ),
+        fit=fit,
+    )
