@@ -1,8 +1,13 @@
 r"""How a fixed compute budget should be split between parameters and tokens, from runs.
 
-Two of the methods of Hoffmann et al. (2022), "Training Compute-Optimal Large
-Language Models" (arXiv:2203.15556), applied to any set of training runs:
+The three methods of Hoffmann et al. (2022), "Training Compute-Optimal Large
+Language Models" (arXiv:2203.15556), applied to any set of training runs, each
+also through one door, :func:`fit_compute_optimal`:
 
+* :func:`fit_envelope` (their approach 1): the lowest loss any run's training
+  curve reached at each compute; where it switches from one size to the next,
+  the optimum lies between the two, and straight lines through those switches
+  give :math:`N_{opt}(C)` and :math:`D_{opt}(C)`.
 * :func:`fit_isoflop` (their approach 2, IsoFLOP profiles): at each compute
   budget :math:`C`, models of several sizes :math:`N` are trained on
   :math:`D(N) \approx C / (6N)` tokens; the lowest point of a model of each
@@ -16,7 +21,8 @@ Language Models" (arXiv:2203.15556), applied to any set of training runs:
   best points of their grid; its compute-optimal split follows in closed form
   (:meth:`tfmath.formulas.scaling.ChinchillaLaw.optimal`).
 
-Both give intervals from a bootstrap. The IsoFLOP fit resamples the loss noise
+All give intervals from a bootstrap. The envelope resamples each run's level
+by its loss noise. The IsoFLOP fit resamples the loss noise
 of the runs (given, or estimated from seeds), reads every optimum again, and
 adds the scatter of the optima about the power law that the noise does not
 explain (docs/scaling_laws.rst, "Approach 2 on anyone's runs", gives the
@@ -40,13 +46,16 @@ from tfmath.formulas.scaling import ChinchillaLaw, fit_scaling_law
 
 __all__ = [
     "APPROACHES",
+    "ENVELOPE_POINTS",
     "OPTIMUM_MODELS",
     "ComputeOptimalFit",
+    "EnvelopeFit",
     "IsoFlopCurve",
     "IsoFlopFit",
     "KaplanLossFit",
     "ParametricLossFit",
     "fit_compute_optimal",
+    "fit_envelope",
     "fit_isoflop",
     "fit_kaplan_loss",
     "fit_parametric_loss",
@@ -55,6 +64,378 @@ __all__ = [
 
 #: Hoffmann et al.'s Huber threshold on log-loss residuals (section 3.3).
 HUBER_DELTA = 1e-3
+
+
+# -- approach 1: the envelope of training curves -----------------------------------------
+
+#: Log-spaced budgets the envelope is read at (Hoffmann et al. read theirs at 1500).
+ENVELOPE_POINTS = 1500
+#: Resamples drawn at once in the envelope's bootstrap (runs x points x this many
+#: losses in memory).
+_ENVELOPE_CHUNK = 64
+
+
+@dataclass(frozen=True)
+class EnvelopeFit:
+    r"""Compute-optimal allocation from the envelope of training curves (see
+    :func:`fit_envelope`).
+
+    Attributes
+    ----------
+    compute, n_opt, d_opt : numpy.ndarray
+        Where the envelope changes size, increasing in :math:`C`: the budget, and
+        the geometric means of the two sizes and of their tokens there (the
+        optimum lies between two sizes that reach one loss).
+    grid_compute, grid_loss, grid_n : numpy.ndarray
+        The envelope at every budget it was read at: the lowest loss any run
+        reached there, and that run's size.
+    grid_run : tuple
+        The label of that run at each of them (a tuple of labels where runs
+        repeated over seeds entered as their mean curve).
+    grid_readable : numpy.ndarray of bool
+        Where the envelope says something of the optimum (see ``left_out``).
+    a, b : float
+        :math:`N_{opt} \propto C^a`, :math:`D_{opt} \propto C^b`: least-squares
+        lines through the switches in log-log.
+    a_interval, b_interval : tuple of float
+        Bootstrap percentile intervals at ``confidence``.
+    n_coefficient, d_coefficient : float
+        :math:`N_{opt} = k_N C^a`, :math:`D_{opt} = k_D C^b`.
+    confidence : float
+    loss_std : float
+        The loss noise of one run the bootstrap drew (the root mean square over
+        the checkpoints when it was given per checkpoint).
+    noise_source : str
+        ``"given"``, ``"seed repeats"`` (the scatter of the final losses of runs
+        repeated with one size and budget) or ``"curve roughness"`` (the residuals
+        of parabolas through five neighbouring checkpoints of each curve).
+    n_bootstrap : int
+    left_out : tuple of (str, str)
+        The stretches of :math:`C` where the envelope says nothing of the optimum,
+        and why; runs with one checkpoint.
+    """
+
+    compute: np.ndarray
+    n_opt: np.ndarray
+    d_opt: np.ndarray
+    grid_compute: np.ndarray
+    grid_loss: np.ndarray
+    grid_n: np.ndarray
+    grid_run: tuple
+    grid_readable: np.ndarray
+    a: float
+    b: float
+    a_interval: tuple
+    b_interval: tuple
+    n_coefficient: float
+    d_coefficient: float
+    confidence: float
+    loss_std: float
+    noise_source: str
+    n_bootstrap: int
+    left_out: tuple
+
+    def __repr__(self):
+        percent = f"{100 * self.confidence:g}%"
+        sizes = np.unique(self.grid_n[self.grid_readable])
+        lines = [
+            f"EnvelopeFit(approach 1, {sizes.size} sizes on the envelope, changing "
+            f"{self.compute.size} times from C = {self.compute[0]:.3g} to {self.compute[-1]:.3g})",
+            f"  N_opt ~ C^a: a = {self.a:.3f} {_bracket(self.a_interval)} ({percent})",
+            f"  D_opt ~ C^b: b = {self.b:.3f} {_bracket(self.b_interval)}",
+            f"  loss noise {self.loss_std:.3g} ({self.noise_source}); {self.n_bootstrap} resamples",
+        ]
+        lines += [f"  left out: {what}: {why}" for what, why in self.left_out]
+        return "\n".join(lines)
+
+    def n_opt_at(self, compute):
+        """The fitted :math:`N_{opt}(C)`."""
+        return self.n_coefficient * np.asarray(compute, dtype=float) ** self.a
+
+    def d_opt_at(self, compute):
+        """The fitted :math:`D_{opt}(C)`."""
+        return self.d_coefficient * np.asarray(compute, dtype=float) ** self.b
+
+
+def fit_envelope(
+    run,
+    compute,
+    n,
+    d,
+    loss,
+    *,
+    loss_std=None,
+    points=ENVELOPE_POINTS,
+    confidence=0.95,
+    n_bootstrap=1000,
+    seed=0,
+):
+    r"""Hoffmann et al.'s approach 1: the envelope of training curves, then power laws.
+
+    Each row is one checkpoint of one run: the run's label, the compute
+    :math:`C` spent so far, the run's parameters :math:`N`, the tokens :math:`D`
+    seen so far and the loss there. Each run's curve is interpolated linearly
+    in :math:`\log L` against :math:`\log C` between its checkpoints (never
+    beyond them). At ``points`` budgets log-spaced over the curves, the run with
+    the lowest loss is on the envelope: its :math:`N` and its tokens at that
+    :math:`C` are :math:`N_{opt}(C)` and :math:`D_{opt}(C)`, and straight lines
+    through them in log-log give :math:`N_{opt} \propto C^a` and
+    :math:`D_{opt} \propto C^b`. Runs of one size with schedules of several
+    lengths (Hoffmann et al. trained four cosine cycles per size) let the
+    envelope use each size where its schedule ends.
+
+    Where the envelope's run is the smallest or the largest size whose curve
+    reaches that :math:`C`, or fewer than three sizes reach it, a size not
+    trained may be better: those budgets are left out (listed in
+    :attr:`EnvelopeFit.left_out`), never read.
+
+    The intervals come from the runs' noise: a run's seed moves its whole curve,
+    so each resample shifts every curve by its own normal draw of ``loss_std``
+    (given, else the scatter of the final losses of runs repeated over seeds,
+    else the roughness of the curves), reads the envelope again and refits the
+    lines. The envelope's points are not independent (neighbouring budgets share
+    their run), so no interval is taken from the least-squares fit itself.
+
+    Parameters
+    ----------
+    run : array_like, 1-D
+        Which run each checkpoint belongs to (any labels: numbers or strings).
+    compute, n, d, loss : array_like, 1-D
+        Each checkpoint's compute spent, the run's parameters (one value per
+        run), the tokens seen and the loss.
+    loss_std : None, float, array_like or callable, optional
+        The standard deviation of a run's loss over seeds: one number, one per
+        checkpoint, or a function of the loss array returning one per
+        checkpoint. None: estimated (see above and :attr:`EnvelopeFit.noise_source`).
+    points : int, optional
+        Budgets the envelope is read at, log-spaced.
+    confidence : float, optional
+    n_bootstrap : int, optional
+    seed : int, optional
+
+    Returns
+    -------
+    EnvelopeFit
+
+    Raises
+    ------
+    ShapeError
+        For arrays of different lengths, or not 1-D.
+    ArgumentError
+        For non-positive values, a run whose ``n`` changes between checkpoints,
+        noise that cannot be estimated, or an envelope on fewer than two sizes
+        once the budgets without an optimum are left out.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from tfmath.analysis.compute_optimal import fit_envelope
+    >>> sizes = np.geomspace(1e6, 1e9, 16)
+    >>> tokens = np.geomspace(1e7, 1e12, 60)
+    >>> run = np.repeat(np.arange(16), 60)
+    >>> n, d = np.repeat(sizes, 60), np.tile(tokens, 16)
+    >>> loss = 1.7 + 400 / n**0.34 + 400 / d**0.28
+    >>> fit = fit_envelope(run, 6 * n * d, n, d, loss, loss_std=0.001, n_bootstrap=50)
+    >>> round(fit.a, 2), round(0.28 / (0.34 + 0.28), 2)
+    (0.45, 0.45)
+    """
+    compute, n, d, loss = _runs(compute=compute, n=n, d=d, loss=loss)
+    labels = np.asarray(run)
+    if labels.shape != compute.shape:
+        raise ShapeError(
+            f"run must give one label per checkpoint ({compute.size}), got shape {labels.shape}"
+        )
+    points = integer("points", points, minimum=2)
+    confidence = _confidence(confidence)
+    n_bootstrap = integer("n_bootstrap", n_bootstrap, minimum=2)
+    seed = integer("seed", seed, minimum=0)
+    row_std = _loss_std(loss_std, loss)
+    names, index = np.unique(labels, return_inverse=True)
+    curves, left_out = [], []
+    for k, name in enumerate(names.tolist()):
+        rows = np.flatnonzero(index == k)
+        rows = rows[np.argsort(compute[rows], kind="stable")]
+        if np.ptp(n[rows]) > 0:
+            raise ArgumentError(
+                f"run {name!r} has more than one n ({np.unique(n[rows])}): each run is one size"
+            )
+        if rows.size < 2 or compute[rows[-1]] == compute[rows[0]]:
+            left_out.append((f"run {name!r}", "one checkpoint: no curve to read"))
+            continue
+        curves.append((name, rows))
+    if len(curves) < 3:
+        raise ArgumentError(f"fit_envelope needs curves of three runs at least, got {len(curves)}")
+    if row_std is None:
+        noise_source, noise = _curve_noise(compute, n, loss, curves)
+        row_std = np.full(loss.size, noise)
+    else:
+        noise_source = "given"
+    log_c = np.log(compute)
+    grid = np.linspace(
+        min(log_c[rows[0]] for _, rows in curves),
+        max(log_c[rows[-1]] for _, rows in curves),
+        points,
+    )
+    # Each curve on the grid (NaN beyond its checkpoints): L, log D and the noise.
+    each = {
+        name: np.array(
+            [
+                np.interp(grid, log_c[rows], values[rows], left=np.nan, right=np.nan)
+                for _, rows in curves
+            ]
+        )
+        for name, values in (("loss", loss), ("log_d", np.log(d)), ("variance", row_std**2))
+    }
+    # Runs repeated over seeds (one size, one final budget) enter as their mean curve,
+    # as approach 2 takes the mean loss of each size: the envelope of the runs
+    # themselves would follow the luckiest seed.
+    repeats = {}
+    for k, (_, rows) in enumerate(curves):
+        repeats.setdefault((n[rows[0]], compute[rows[-1]]), []).append(k)
+    members = list(repeats.values())
+    on_grid = {
+        "loss": np.array([each["loss"][group].mean(axis=0) for group in members]),
+        "log_d": np.array([each["log_d"][group].mean(axis=0) for group in members]),
+        "std": np.array(
+            [np.sqrt(each["variance"][group].sum(axis=0)) / len(group) for group in members]
+        ),
+    }
+    labels = [
+        curves[group[0]][0] if len(group) == 1 else tuple(curves[k][0] for k in group)
+        for group in members
+    ]
+    sizes = np.array([n[curves[group[0]][1][0]] for group in members])
+    reached = ~np.isnan(on_grid["loss"])
+    smallest = np.where(reached, sizes[:, None], np.inf).min(axis=0)
+    largest = np.where(reached, sizes[:, None], -np.inf).max(axis=0)
+    distinct = np.array([np.unique(sizes[column]).size for column in reached.T])
+    loss_on_grid = on_grid["loss"]
+
+    def envelope(losses):
+        """The envelope's run per grid point, and which points say something."""
+        winner = np.argmin(np.where(np.isnan(losses), np.inf, losses), axis=-2)
+        n_win = sizes[winner]
+        readable = (distinct >= 3) & (n_win > smallest) & (n_win < largest)
+        return winner, readable
+
+    winner, readable = envelope(loss_on_grid)
+    stretches = (
+        _stretches(grid, distinct < 3, "fewer than three sizes reach these budgets")
+        + _stretches(
+            grid,
+            (distinct >= 3) & (sizes[winner] == smallest),
+            "the envelope is on the smallest size that reaches them",
+        )
+        + _stretches(
+            grid,
+            (distinct >= 3) & (sizes[winner] == largest),
+            "the envelope is on the largest size that reaches them",
+        )
+    )
+    left_out += [item for _, item in sorted(stretches, key=lambda pair: pair[0])]
+    columns = np.arange(points)
+    log_d_on_envelope = on_grid["log_d"][winner, columns]
+    x, log_n_opt, log_d_opt = _switches(grid, np.log(sizes), winner, readable, log_d_on_envelope)
+    if x.size < 2:
+        raise ArgumentError(
+            f"fit_envelope: the envelope changes size {x.size} time(s) where it says something "
+            "of the optimum, and a line needs two; train sizes on both sides of the optimum "
+            "over a wider range of budgets" + "".join(f"; {what}: {why}" for what, why in left_out)
+        )
+    a, log_kn = np.polyfit(x, log_n_opt, 1)
+    b, log_kd = np.polyfit(x, log_d_opt, 1)
+
+    rng = np.random.default_rng(seed)
+    slopes = []
+    for start in range(0, n_bootstrap, _ENVELOPE_CHUNK):
+        count = min(_ENVELOPE_CHUNK, n_bootstrap - start)
+        shifts = rng.standard_normal((count, len(members), 1)) * on_grid["std"]
+        chosen, ok = envelope(loss_on_grid + shifts)
+        for pick, keep in zip(chosen, ok, strict=True):
+            found = _switches(grid, np.log(sizes), pick, keep, on_grid["log_d"][pick, columns])
+            if found[0].size >= 2:
+                slopes.append([_slope(found[0], found[1]), _slope(found[0], found[2])])
+    if len(slopes) < n_bootstrap / 2:
+        raise ArgumentError(
+            f"fit_envelope: in {n_bootstrap - len(slopes)} of {n_bootstrap} resamples the "
+            "envelope changed size fewer than twice where readable; the runs cannot fix "
+            "the exponents"
+        )
+    tails = 100 * np.array([(1 - confidence) / 2, (1 + confidence) / 2])
+    a_interval, b_interval = (
+        tuple(float(v) for v in bounds) for bounds in np.percentile(slopes, tails, axis=0).T
+    )
+    return EnvelopeFit(
+        compute=np.exp(x),
+        n_opt=np.exp(log_n_opt),
+        d_opt=np.exp(log_d_opt),
+        grid_compute=np.exp(grid),
+        grid_loss=loss_on_grid[winner, columns],
+        grid_n=sizes[winner],
+        grid_run=tuple(labels[k] for k in winner),
+        grid_readable=readable,
+        a=float(a),
+        b=float(b),
+        a_interval=a_interval,
+        b_interval=b_interval,
+        n_coefficient=math.exp(log_kn),
+        d_coefficient=math.exp(log_kd),
+        confidence=confidence,
+        loss_std=float(np.sqrt(np.mean(row_std**2))),
+        noise_source=noise_source,
+        n_bootstrap=len(slopes),
+        left_out=tuple(left_out),
+    )
+
+
+def _switches(grid, log_sizes, winner, readable, log_d):
+    """``(log C, log N_opt, log D_opt)`` where the envelope changes size between two
+    readable neighbouring points: there the two sizes reach the same loss, so the
+    optimum lies between them, at their geometric mean where the valley is symmetric
+    in log N over one step (its asymmetry shifts every switch alike, and so leaves the
+    slope). The staircase itself would not do: a line through K whole steps of it is
+    tilted by about -a / K^2, and through cut steps by wherever the cuts fall."""
+    j = np.flatnonzero(readable[1:] & readable[:-1] & (winner[1:] != winner[:-1]))
+    j = j[log_sizes[winner[j]] != log_sizes[winner[j + 1]]]
+    return (
+        0.5 * (grid[j] + grid[j + 1]),
+        0.5 * (log_sizes[winner[j]] + log_sizes[winner[j + 1]]),
+        0.5 * (log_d[j] + log_d[j + 1]),
+    )
+
+
+def _slope(x, y):
+    """The least-squares slope of ``y`` against ``x``."""
+    x = x - x.mean()
+    return float(x @ (y - y.mean()) / (x @ x))
+
+
+def _stretches(grid, mask, why):
+    """``(first point, (range of C, why))`` for each run of consecutive True points in ``mask``."""
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], mask.astype(np.int8), [0]])))
+    return [
+        (start, (f"C from {math.exp(grid[start]):.3g} to {math.exp(grid[stop - 1]):.3g}", why))
+        for start, stop in zip(edges[::2], edges[1::2], strict=True)
+    ]
+
+
+def _curve_noise(compute, n, loss, curves):
+    """``(source, std)`` of a run's loss: from runs repeated with one size and final
+    budget (their final losses' scatter) if any, else from the curves' roughness."""
+    finals = {}
+    for _, rows in curves:
+        finals.setdefault((n[rows[-1]], compute[rows[-1]]), []).append(loss[rows[-1]])
+    repeats = [np.asarray(group) for group in finals.values() if len(group) > 1]
+    if repeats:
+        squares = sum(float(np.sum((g - g.mean()) ** 2)) for g in repeats)
+        return "seed repeats", math.sqrt(squares / sum(g.size - 1 for g in repeats))
+    std = _local_fit_noise([(np.log(compute[rows]), loss[rows]) for _, rows in curves])
+    if std is None:
+        raise ArgumentError(
+            "cannot estimate the loss noise: no run was repeated with one size and budget and "
+            f"no curve has {2 * _WINDOW_HALF_WIDTH + 1} checkpoints; give loss_std"
+        )
+    return "curve roughness", std
 
 
 # -- approach 2: IsoFLOP profiles --------------------------------------------------------
@@ -504,25 +885,32 @@ def _estimated_noise(profiles):
     spare = sum(int(np.sum(p.count - 1)) for p in profiles)
     if spare > 0:
         return "seed repeats", math.sqrt(squares / spare)
+    std = _local_fit_noise([(p.x, p.loss) for p in profiles])
+    if std is None:
+        raise ArgumentError(
+            "cannot estimate the loss noise: no size was trained twice at one budget and no "
+            f"budget has {2 * _WINDOW_HALF_WIDTH + 1} sizes; give loss_std (one number, or one "
+            "per run), or group nearly equal budgets with budget_tolerance or budget_edges"
+        )
+    return "local fits", std
+
+
+def _local_fit_noise(sequences):
+    """The noise of ``y`` from the residuals of parabolas through every five neighbouring
+    points of each ``(x, y)`` sequence, at each window's centre; None without any."""
     width = 2 * _WINDOW_HALF_WIDTH + 1
     scaled = []
-    for p in profiles:
-        for start in range(p.x.size - width + 1):
-            x = p.x[start : start + width] - p.x[start + _WINDOW_HALF_WIDTH]
+    for x_all, y_all in sequences:
+        for start in range(x_all.size - width + 1):
+            x = x_all[start : start + width] - x_all[start + _WINDOW_HALF_WIDTH]
             design = np.vander(x, 3)
-            coefficients, *_ = np.linalg.lstsq(design, p.loss[start : start + width])
-            residual = p.loss[start + _WINDOW_HALF_WIDTH] - coefficients[-1]
+            coefficients, *_ = np.linalg.lstsq(design, y_all[start : start + width])
+            residual = y_all[start + _WINDOW_HALF_WIDTH] - coefficients[-1]
             # The residual at the window's centre has variance (1 - h) sigma^2.
             hat = design[_WINDOW_HALF_WIDTH] @ np.linalg.pinv(design.T @ design)
             leverage = float(hat @ design[_WINDOW_HALF_WIDTH])
             scaled.append(residual**2 / (1 - leverage))
-    if not scaled:
-        raise ArgumentError(
-            "cannot estimate the loss noise: no size was trained twice at one budget and no "
-            f"budget has {width} sizes; give loss_std (one number, or one per run), or group "
-            "nearly equal budgets with budget_tolerance or budget_edges"
-        )
-    return "local fits", math.sqrt(float(np.mean(scaled)))
+    return math.sqrt(float(np.mean(scaled))) if scaled else None
 
 
 def _budget_optimum(compute, profile, sigma, optimum, n_bootstrap, rng):
@@ -537,12 +925,10 @@ def _budget_optimum(compute, profile, sigma, optimum, n_bootstrap, rng):
     if found is None:
         return "its model has no minimum between the sizes trained", None, None
     noisy = profile.loss + sigma * rng.standard_normal((n_bootstrap, profile.x.size))
-    draws = []
-    for sample in noisy:
-        vertex = _valley_minimum(optimum, profile.x, sample) if np.all(sample > 0) else None
-        if vertex is not None:
-            x, loss = vertex
-            draws.append((x, float(np.interp(x, profile.x, profile.log_d)), loss))
+    noisy = noisy[np.all(noisy > 0, axis=1)]
+    draw_x, draw_loss = _valley_minima(optimum, profile.x, noisy)
+    kept = ~np.isnan(draw_x)
+    draws = np.column_stack([draw_x, np.interp(draw_x, profile.x, profile.log_d), draw_loss])[kept]
     if len(draws) < (1 - _MAX_EDGE_SHARE) * n_bootstrap:
         lost = n_bootstrap - len(draws)
         reason = f"its minimum left the sizes trained in {lost} of {n_bootstrap} resamples"
@@ -558,7 +944,7 @@ def _budget_optimum(compute, profile, sigma, optimum, n_bootstrap, rng):
         d_opt=math.exp(float(np.interp(x, profile.x, profile.log_d))),
         loss_opt=loss,
     )
-    return None, curve, np.array(draws)
+    return None, curve, draws
 
 
 def _akima(x, loss):
@@ -570,8 +956,12 @@ def _akima(x, loss):
 
 def _window(x, loss):
     """The lowest size and up to ``_WINDOW_HALF_WIDTH`` neighbours on each side."""
-    lowest = int(np.argmin(loss))
-    return slice(max(0, lowest - _WINDOW_HALF_WIDTH), lowest + _WINDOW_HALF_WIDTH + 1)
+    return _window_around(int(np.argmin(loss)), x.size)
+
+
+def _window_around(centre, size):
+    """Size ``centre`` and up to ``_WINDOW_HALF_WIDTH`` neighbours on each side."""
+    return slice(max(0, centre - _WINDOW_HALF_WIDTH), min(size, centre + _WINDOW_HALF_WIDTH + 1))
 
 
 def _parabolas_fit(profiles, sigmas):
@@ -604,27 +994,80 @@ def _valley_model(optimum, x, loss):
 
 def _valley_minimum(optimum, x, loss):
     """``(log N, L)`` at the lowest point of the valley model strictly between the sizes
-    it is fitted to, or None when its lowest point is at an end of them. Parabolas are
-    fitted to L (as Hoffmann et al. fit theirs), Akima's interpolant to log L."""
+    it is fitted to, or None when its lowest point is at an end of them."""
+    found_x, found_loss = _valley_minima(optimum, x, loss[None, :])
+    return None if np.isnan(found_x[0]) else (float(found_x[0]), float(found_loss[0]))
+
+
+def _valley_minima(optimum, x, losses):
+    """``(log N, L)`` arrays of the lowest points of the valley models of ``losses``
+    (one valley per row, over the sizes ``x``), NaN where the lowest point is at an end
+    of the sizes it is fitted to. Parabolas are fitted to L (as Hoffmann et al. fit
+    theirs), Akima's interpolant to log L. Every row at once: the bootstrap reads
+    thousands of valleys."""
+    found_x = np.full(losses.shape[0], np.nan)
+    found_loss = np.full(losses.shape[0], np.nan)
     if optimum == "akima":
-        spline = _akima(x, loss)
-        roots = spline.derivative().roots(extrapolate=False)
-        candidates = np.concatenate([[x[0], x[-1]], roots[(roots > x[0]) & (roots < x[-1])]])
-        values = spline(candidates)
-        best = int(np.argmin(values))
-        return None if best < 2 else (float(candidates[best]), math.exp(values[best]))
-    if optimum == "local_parabola":
-        if int(np.argmin(loss)) in (0, x.size - 1):
-            return None
-        window = _window(x, loss)
-        x, loss = x[window], loss[window]
-    p2, p1, p0 = np.polyfit(x, loss, 2)
-    if not p2 > 0:
-        return None
-    vertex = -p1 / (2 * p2)
-    if not x[0] < vertex < x[-1]:
-        return None
-    return float(vertex), float(p0 - p1 * p1 / (4 * p2))
+        _akima_minima(x, np.log(losses), found_x, found_loss)
+        return found_x, found_loss
+    if optimum == "parabola":
+        _parabola_minima(x, losses, np.arange(losses.shape[0]), found_x, found_loss)
+        return found_x, found_loss
+    lowest = np.argmin(losses, axis=1)
+    for centre in np.unique(lowest):
+        if centre in (0, x.size - 1):
+            continue
+        rows = np.flatnonzero(lowest == centre)
+        window = _window_around(centre, x.size)
+        _parabola_minima(x[window], losses[rows, window], rows, found_x, found_loss)
+    return found_x, found_loss
+
+
+def _parabola_minima(x, losses, rows, found_x, found_loss):
+    """Least-squares parabolas in ``x`` through each row of ``losses``; the vertices
+    strictly inside ``x`` of those opening upwards go to ``found_*[rows]``."""
+    shift = x.mean()  # centred, so that the normal equations stay well conditioned
+    coefficients, *_ = np.linalg.lstsq(np.vander(x - shift, 3), losses.T, rcond=None)
+    p2, p1, p0 = coefficients
+    with np.errstate(divide="ignore", invalid="ignore"):
+        vertex = -p1 / (2 * p2)
+    inside = (p2 > 0) & (vertex > x[0] - shift) & (vertex < x[-1] - shift)
+    found_x[rows[inside]] = vertex[inside] + shift
+    found_loss[rows[inside]] = (p0 - p1 * p1 / (4 * p2))[inside]
+
+
+def _akima_minima(x, log_losses, found_x, found_loss):
+    """The lowest points of Akima's interpolants through each row of ``log_losses``:
+    each piece is a cubic, so its stationary points are the roots of a quadratic,
+    taken in closed form for every piece and row at once."""
+    from scipy.interpolate import Akima1DInterpolator
+
+    c3, c2, c1, c0 = Akima1DInterpolator(x, log_losses, axis=1).c  # (pieces, rows) each
+    width = np.diff(x)[:, None]
+    # Stationary points t of c3 t^3 + c2 t^2 + c1 t + c0 on each piece [0, width].
+    qa, qb, qc = 3 * c3, 2 * c2, c1
+    with np.errstate(divide="ignore", invalid="ignore"):
+        root = np.sqrt(qb * qb - 4 * qa * qc)
+        # The stable pair of quadratic roots (no cancellation), and the linear case.
+        q = -0.5 * (qb + np.copysign(root, qb))
+        quadratic = np.abs(qa) > 1e-12 * (np.abs(qb) + np.abs(qc))
+        first = np.where(quadratic, q / qa, -qc / qb)
+        second = np.where(quadratic, qc / q, np.nan)
+    best_t = np.full(c0.shape, np.nan)
+    best_value = np.full(c0.shape, np.inf)
+    for t in (first, second):
+        t = np.where((t >= 0) & (t <= width), t, np.nan)
+        value = ((c3 * t + c2) * t + c1) * t + c0
+        better = value < best_value  # False where t is NaN
+        best_t = np.where(better, t, best_t)
+        best_value = np.where(better, value, best_value)
+    piece = np.argmin(best_value, axis=0)
+    rows = np.arange(log_losses.shape[0])
+    value = best_value[piece, rows]
+    # Inside only where strictly below both ends (an end wins ties).
+    inside = (value < log_losses[:, 0]) & (value < log_losses[:, -1])
+    found_x[inside] = (x[piece] + best_t[piece, rows])[inside]
+    found_loss[inside] = np.exp(value[inside])
 
 
 def _power_law(log_c, log_opt, resampled, confidence, rng):
@@ -1171,7 +1614,7 @@ def _confidence(confidence):
 # -- one entry point ---------------------------------------------------------------------
 
 #: The approaches :func:`fit_compute_optimal` runs, by Hoffmann et al.'s numbering.
-APPROACHES = (2, 3)
+APPROACHES = (1, 2, 3)
 
 
 @dataclass(frozen=True)
@@ -1182,7 +1625,8 @@ class ComputeOptimalFit:
     Attributes
     ----------
     approach : int
-        2 (IsoFLOP profiles) or 3 (the parametric loss).
+        1 (the envelope of training curves), 2 (IsoFLOP profiles) or 3 (the
+        parametric loss).
     a, b : float
         :math:`N_{opt} \propto C^a`, :math:`D_{opt} \propto C^b`.
     a_interval, b_interval : tuple of float
@@ -1190,9 +1634,9 @@ class ComputeOptimalFit:
         determine the exponent.
     confidence : float
     left_out : tuple of (str, str)
-        What the fit could not use or determine, and why: budgets (approach 2) or
-        parameters (approach 3).
-    fit : IsoFlopFit or ParametricLossFit
+        What the fit could not use or determine, and why: stretches of budgets
+        (approach 1), budgets (approach 2) or parameters (approach 3).
+    fit : EnvelopeFit, IsoFlopFit or ParametricLossFit
         The approach's own result, with everything else it found.
     """
 
@@ -1223,23 +1667,32 @@ def _bracket(interval):
     return f"[{low:.3f}, {high:.3f}]"
 
 
-def fit_compute_optimal(compute, n, d, loss, *, approach=2, **options):
+def fit_compute_optimal(compute, n, d, loss, *, approach=2, run=None, **options):
     r"""How a compute budget should be split between parameters and tokens, from runs.
 
-    One door to Hoffmann et al.'s approaches, returning one result type whatever the
-    approach: approach 2 runs :func:`fit_isoflop` on every argument, approach 3 runs
-    :func:`fit_parametric_loss` on ``n``, ``d`` and ``loss`` (its compute-optimal
-    exponents follow from the fitted law, :math:`a = \beta/(\alpha+\beta)`).
+    One door to Hoffmann et al.'s three approaches, returning one result type
+    whatever the approach:
+
+    * approach 1 runs :func:`fit_envelope`: the rows are checkpoints of training
+      curves, and ``run`` says which run each belongs to;
+    * approach 2 runs :func:`fit_isoflop`: the rows are runs, grouped by budget;
+    * approach 3 runs :func:`fit_parametric_loss` on ``n``, ``d`` and ``loss`` (its
+      compute-optimal exponents follow from the fitted law,
+      :math:`a = \beta/(\alpha+\beta)`).
 
     Parameters
     ----------
     compute, n, d, loss : array_like, 1-D
-        Each run's budget, parameters, training tokens and final loss.
-    approach : {2, 3}, optional
+        Each row's compute, parameters, training tokens and loss: one per run's
+        end (approaches 2 and 3), or one per checkpoint (approach 1).
+    approach : {1, 2, 3}, optional
+    run : array_like, optional
+        Approach 1 only, and required there: the run of each checkpoint.
     **options
-        Passed to the approach's function (``loss_std``, ``optimum``,
-        ``budget_tolerance``, ... for approach 2; ``irreducible``, ``delta``, ... for
-        approach 3; ``confidence``, ``n_bootstrap`` and ``seed`` for both).
+        Passed to the approach's function (``loss_std``, ``confidence``,
+        ``n_bootstrap`` and ``seed`` for all three; ``optimum``,
+        ``budget_tolerance``, ... for approach 2; ``irreducible``, ``delta``, ...
+        for approach 3; ``points`` for approach 1).
 
     Returns
     -------
@@ -1248,9 +1701,8 @@ def fit_compute_optimal(compute, n, d, loss, *, approach=2, **options):
     Raises
     ------
     ArgumentError
-        For an approach other than 2 or 3 (approach 1, the envelope of training
-        curves, needs each run's curve, which this table does not hold), and as the
-        approach's function raises.
+        For an approach other than 1, 2 or 3, ``run`` missing for approach 1 or
+        given for another, and as the approach's function raises.
 
     Examples
     --------
@@ -1265,9 +1717,25 @@ def fit_compute_optimal(compute, n, d, loss, *, approach=2, **options):
     (2, 0.5)
     """
     if approach not in APPROACHES or isinstance(approach, bool):
+        raise ArgumentError(f"approach must be one of {APPROACHES}, got {approach!r}")
+    if (run is None) != (approach != 1):
         raise ArgumentError(
-            f"approach must be one of {APPROACHES}, got {approach!r} (approach 1, the "
-            "envelope of training curves, needs each run's curve, not its final loss)"
+            "approach 1 reads the envelope of training curves: give run, the run of each checkpoint"
+            if approach == 1
+            else f"run labels checkpoints of training curves, for approach 1 only (got approach "
+            f"{approach}, whose rows are runs)"
+        )
+    if approach == 1:
+        fit = fit_envelope(run, compute, n, d, loss, **options)
+        return ComputeOptimalFit(
+            approach=1,
+            a=fit.a,
+            b=fit.b,
+            a_interval=fit.a_interval,
+            b_interval=fit.b_interval,
+            confidence=fit.confidence,
+            left_out=fit.left_out,
+            fit=fit,
         )
     if approach == 2:
         fit = fit_isoflop(compute, n, d, loss, **options)

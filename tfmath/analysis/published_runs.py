@@ -1,10 +1,15 @@
 """Published training runs, shipped with tfmath for refitting: their C, N, D and loss,
 and the authors' own numbers to compare a refit with.
 
-:func:`porian2024` gives the IsoFLOP runs of Porian et al. (2024), 15 configurations
-of one sweep that move from Kaplan et al.'s setup to Hoffmann et al.'s one choice at a
-time, each with the exponent of :math:`N_{opt} \\propto C^a` the authors found. The
-data, their provenance and licence are in ``tfmath/analysis/data/porian2024/``.
+* :func:`porian2024` gives the IsoFLOP runs of Porian et al. (2024), 15 configurations
+  of one sweep that move from Kaplan et al.'s setup to Hoffmann et al.'s one choice at
+  a time, each with the exponent of :math:`N_{opt} \\propto C^a` the authors found
+  (approach 2 applies).
+* :func:`gadre2024` gives the runs of Gadre et al. (2024) on three datasets, a grid of
+  sizes and tokens per parameter (no two runs share a budget, so approach 3 applies),
+  with the loss law the authors fitted to five of them and the larger runs it predicts.
+
+The data, their provenance and licences are in ``tfmath/analysis/data/<source>/``.
 """
 
 import csv
@@ -14,8 +19,17 @@ from importlib import resources
 import numpy as np
 
 from tfmath._contract.checks import choice
+from tfmath.formulas.scaling import ChinchillaLaw
 
-__all__ = ["PORIAN2024_CONFIGURATIONS", "PublishedFit", "PublishedRuns", "porian2024"]
+__all__ = [
+    "GADRE2024_DATASETS",
+    "PORIAN2024_CONFIGURATIONS",
+    "PublishedFit",
+    "PublishedLaw",
+    "PublishedRuns",
+    "gadre2024",
+    "porian2024",
+]
 
 
 @dataclass(frozen=True)
@@ -40,6 +54,25 @@ class PublishedFit:
 
 
 @dataclass(frozen=True)
+class PublishedLaw:
+    """The loss law the authors fitted to some of the runs (approach 3's form).
+
+    Attributes
+    ----------
+    law : ChinchillaLaw
+        :math:`L = E + A/N^\\alpha + B/D^\\beta`.
+    fitted : numpy.ndarray of bool
+        The runs they fitted it to; the others are what it predicts.
+    method : str
+        How they fitted it.
+    """
+
+    law: ChinchillaLaw
+    fitted: np.ndarray
+    method: str
+
+
+@dataclass(frozen=True)
 class PublishedRuns:
     """One table of published runs.
 
@@ -52,10 +85,12 @@ class PublishedRuns:
     citation : str
     compute, n, d, loss : numpy.ndarray
         Each run's budget :math:`C` (FLOPs), parameters, tokens and final loss (nats).
-    loss_std : float
-        The loss noise of one run the authors' bootstrap drew.
-    published : PublishedFit
-        The authors' fit, to set beside a refit.
+    loss_std : float or None
+        The loss noise of one run the authors' bootstrap drew (None where they drew
+        none).
+    published : PublishedFit or PublishedLaw
+        The authors' fit, to set beside a refit: their compute-optimal exponents, or
+        their loss law.
     """
 
     name: str
@@ -65,8 +100,8 @@ class PublishedRuns:
     n: np.ndarray
     d: np.ndarray
     loss: np.ndarray
-    loss_std: float
-    published: PublishedFit
+    loss_std: float | None
+    published: PublishedFit | PublishedLaw
 
 
 _PORIAN_CITATION = (
@@ -76,8 +111,8 @@ _PORIAN_CITATION = (
 )
 
 
-def _read(name):
-    path = resources.files("tfmath.analysis") / "data" / "porian2024" / name
+def _read(name, source="porian2024"):
+    path = resources.files("tfmath.analysis") / "data" / source / name
     with path.open(encoding="utf-8", newline="") as handle:
         return list(csv.DictReader(handle))
 
@@ -138,5 +173,71 @@ def porian2024(configuration):
             a_interval=(float(fit["a_low"]), float(fit["a_high"])),
             b_interval=(float(fit["b_low"]), float(fit["b_high"])),
             left_out=left_out,
+        ),
+    )
+
+
+_GADRE_CITATION = (
+    "S. Y. Gadre, G. Smyrnis, V. Shankar, S. Gururangan, M. Wortsman, R. Shao, J. Mercat, "
+    "A. Fang, J. Li, S. Keh et al., Language models scale reliably with over-training and "
+    "on downstream tasks, arXiv:2403.08540 (2024); runs from github.com/mlfoundations/scaling, "
+    "MIT licence"
+)
+#: The training sets of :func:`gadre2024`, and their names in the authors' files.
+_GADRE_NAMES = {"c4": "c4_original", "redpajama": "rpj", "refinedweb": "rw_original"}
+GADRE2024_DATASETS = tuple(_GADRE_NAMES)
+
+
+def gadre2024(dataset):
+    """The runs of Gadre et al. (2024) trained on one dataset.
+
+    Parameters
+    ----------
+    dataset : {"c4", "redpajama", "refinedweb"}
+        The training set. Every loss is measured on C4's validation set, as the
+        authors fit it.
+
+    Returns
+    -------
+    PublishedRuns
+        34 or 35 runs: four small models (11M to 412M parameters, every parameter
+        counted) at 5 to 640 tokens per parameter, and the 1.4B and 6.9B models the
+        authors' law predicts; ``published`` is that law (a :class:`PublishedLaw`)
+        with the five runs it was fitted to.
+
+    Examples
+    --------
+    >>> from tfmath.analysis.published_runs import gadre2024
+    >>> runs = gadre2024("redpajama")
+    >>> runs.compute.size, int(runs.published.fitted.sum()), runs.published.law.alpha
+    (35, 5, 0.272851)
+    """
+    dataset = choice("dataset", dataset, GADRE2024_DATASETS)
+    name = _GADRE_NAMES[dataset]
+    rows = [row for row in _read("runs.csv", "gadre2024") if row["dataset"] == name]
+    fit = next(row for row in _read("fits.csv", "gadre2024") if row["dataset"] == name)
+    compute, n, d, loss = (
+        np.array([float(row[key]) for row in rows]) for key in ("compute", "n", "d", "loss")
+    )
+    return PublishedRuns(
+        name=f"gadre2024:{dataset}",
+        description=(
+            f"trained on {dataset}, C4 validation loss; sizes 11M to 6.9B parameters at 5 to "
+            "640 tokens per parameter"
+        ),
+        citation=_GADRE_CITATION,
+        compute=compute,
+        n=n,
+        d=d,
+        loss=loss,
+        loss_std=None,
+        published=PublishedLaw(
+            law=ChinchillaLaw(**{key: float(fit[key]) for key in ("e", "a", "b", "alpha", "beta")}),
+            fitted=np.array([row["in_fit"] == "1" for row in rows]),
+            method=(
+                "least squares on L with one exponent for N and D (alpha = beta), from 128 "
+                "starting points, on the four small models at 20 tokens per parameter and "
+                "the smallest at 320"
+            ),
         ),
     )

@@ -28,13 +28,18 @@ attention included). The design:
   (:attr:`IsoFlopPlan.seeded_budgets`), whose scatter is the loss noise the
   bootstrap resamples.
 
-Akima interpolants through each budget's losses give :math:`N_{opt}(C)` and
-:math:`D_{opt}(C)` (:func:`tfmath.analysis.compute_optimal.fit_isoflop`), with
-:math:`N` counted both as non-embedding parameters (Kaplan et al.) and as all
-parameters (Hoffmann et al.); approach 3 and Kaplan et al.'s pure power law
-:math:`L(N, D)` are fitted to the same runs; and the frontier fitted below the
-largest budget predicts that budget's optimal loss. Trained runs are kept in
-the sweep cache, so a re-run only fits and draws.
+A model of each budget's valley gives :math:`N_{opt}(C)` and
+:math:`D_{opt}(C)` (:func:`tfmath.analysis.compute_optimal.fit_isoflop`, Hoffmann
+et al.'s approach 2), with :math:`N` counted both as non-embedding parameters
+(Kaplan et al.) and as all parameters (Hoffmann et al.). Every run keeps its
+validation curve (:data:`CURVE_POINTS` evaluations), so the envelope of the
+curves gives approach 1 on the same runs
+(:func:`~tfmath.analysis.compute_optimal.fit_envelope`: each size's cosine ends
+at several budgets, as Hoffmann et al. trained four cycle lengths per size);
+approach 3 and Kaplan et al.'s pure power law :math:`L(N, D)` are fitted to the
+runs' final losses; and the frontier fitted below the largest budget predicts
+that budget's optimal loss. Trained runs are kept in the sweep cache, so a
+re-run only fits and draws.
 """
 
 import math
@@ -45,6 +50,7 @@ import numpy as np
 
 from tfmath.analysis.claims import Claim
 from tfmath.analysis.compute_optimal import (
+    fit_compute_optimal,
     fit_isoflop,
     fit_kaplan_loss,
     fit_parametric_loss,
@@ -55,10 +61,12 @@ from tfmath.formulas.accounting import flops_per_token
 from tfmath.formulas.scaling import BESIROGLU, CHINCHILLA, fit_scaling_law
 from tfmath.plotting import new_figure
 from tfmath.plotting.compute_optimal import (
+    envelope_sizes,
     frontier_prediction,
     isoflop_curves,
     optimal_allocation,
     tokens_per_parameter,
+    training_envelope,
 )
 from tfmath.report import ExperimentResult, Table, experiment
 from tfmath.training import TrainingConfig, language_model_config
@@ -79,6 +87,9 @@ FINAL_LEARNING_RATE_FRACTION = 0.1
 MIN_STEPS = 50
 #: Held-out sequences each loss is measured on (32768 bytes).
 VALIDATION_SEQUENCES = 1024
+#: Evaluations on them per run, evenly spaced, the last on the last step: the curves
+#: approach 1 reads its envelope from.
+CURVE_POINTS = 4
 #: Gopher's and Chinchilla's training budget (Hoffmann et al. 2022, table 3), FLOPs.
 GOPHER_COMPUTE = 5.76e23
 #: Widths added at most, one at a time, to a budget whose minimum is on an edge or
@@ -157,7 +168,8 @@ def budget_run(source, budget, width, seed, backend="cpu"):
         steps=steps, batch_size=batch, words_per_sequence=CONTEXT // source.tokens_per_word,
         warmup=max(1, round(WARMUP_FRACTION * steps)), learning_rate_scale=LEARNING_RATE_SCALE,
         schedule="cosine", final_learning_rate_fraction=FINAL_LEARNING_RATE_FRACTION,
-        eval_every=steps, validation_sequences=VALIDATION_SEQUENCES, seed=seed,
+        eval_every=math.ceil(steps / CURVE_POINTS), validation_sequences=VALIDATION_SEQUENCES,
+        seed=seed,
     )  # fmt: skip
     return TrainingRun(model, source, training, backend)
 
@@ -290,6 +302,14 @@ def compute_optimal(settings):
         )
     parametric = fit_parametric_loss(n, d, loss, seed=settings.seed)
     kaplan = fit_kaplan_loss(n, d, loss, seed=settings.seed)
+    curves = checkpoints(runs, results)
+    try:
+        envelope = fit_compute_optimal(
+            curves["compute"], curves["n"], curves["d"], curves["loss"],
+            approach=1, run=curves["run"], seed=settings.seed,
+        ).fit  # fmt: skip
+    except ArgumentError as error:
+        envelope = str(error)
     frontier_c = fit_scaling_law(budgets_of(isoflop), [c.loss_opt for c in isoflop.curves])
     # A held-out prediction needs a line through at least two other budgets.
     prediction = predict_largest_budget(isoflop) if len(isoflop.curves) >= 3 else None
@@ -297,11 +317,14 @@ def compute_optimal(settings):
         "isoflop": _isoflop_figure(isoflop, hoffmann, n, n_total, loss, budgets, prediction),
         "parametric_fit": _parametric_figure(parametric, n, d, loss),
     }
+    if not isinstance(envelope, str):
+        figures["envelope"] = _envelope_figure(envelope, isoflop, curves)
     seconds = sum(r.seconds for r in results)
     return ExperimentResult(
         caption=_caption(
             isoflop,
             hoffmann,
+            envelope,
             parametric,
             kaplan,
             frontier_c,
@@ -313,6 +336,7 @@ def compute_optimal(settings):
         figures=figures,
         tables={
             "optima": _optima_table(isoflop, hoffmann),
+            "approaches": _approaches_table(envelope, isoflop, parametric),
             "published_optima": _published_table(),
             "runs": runs_table,
         },
@@ -336,6 +360,7 @@ def compute_optimal(settings):
                     "intervals": {k: _finite(v) for k, v in kaplan.intervals.items()},
                 },
                 "prediction": prediction,
+                "approach1": _envelope_data(envelope),
                 "approach3": _law_data(parametric),
                 "budget_met": [float(x) for x in spent / budgets],
                 "runs": [
@@ -346,6 +371,28 @@ def compute_optimal(settings):
         },
         claims=_claims(kaplan, frontier_c, prediction, n, d),
     )
+
+
+def checkpoints(runs, results):
+    """Every evaluation of every run, as arrays by name: ``run`` (its key), ``compute``
+    (FLOPs spent so far, counted as the budgets are), ``n`` (non-embedding), ``d``
+    (tokens seen so far) and ``loss``."""
+    rows = []
+    for run, result in zip(runs, results, strict=True):
+        per_token = flops_per_token(run.model, n_ctx=CONTEXT).step_training
+        tokens_per_step = result.tokens_seen / result.steps
+        for step, loss in zip(result.curve_steps, result.curve_losses, strict=True):
+            tokens = step * tokens_per_step
+            rows.append((run.key, per_token * tokens, result.non_embedding_parameters,
+                         tokens, loss))  # fmt: skip
+    run, compute, n, d, loss = zip(*rows, strict=True)
+    return {
+        "run": np.array(run),
+        "compute": np.array(compute),
+        "n": np.array(n, dtype=float),
+        "d": np.array(d),
+        "loss": np.array(loss),
+    }
 
 
 def budgets_of(fit):
@@ -503,6 +550,56 @@ def _isoflop_figure(fit, hoffmann, n, n_total, loss, compute, prediction):
     return figure
 
 
+def _envelope_figure(envelope, isoflop, curves):
+    figure, axes = new_figure(13, 5, ncols=2)
+    training_envelope(envelope, curves["run"], curves["compute"], curves["loss"], curves["n"],
+                      ax=axes[0, 0])  # fmt: skip
+    envelope_sizes(envelope, isoflop=isoflop, ax=axes[0, 1])
+    return figure
+
+
+def _envelope_data(envelope):
+    if isinstance(envelope, str):
+        return {"not_fitted": envelope}
+    return {
+        "a": envelope.a,
+        "a_interval": _finite(envelope.a_interval),
+        "b": envelope.b,
+        "b_interval": _finite(envelope.b_interval),
+        "switches": {
+            "compute": envelope.compute.tolist(),
+            "n_opt": envelope.n_opt.tolist(),
+            "d_opt": envelope.d_opt.tolist(),
+        },
+        "loss_noise": {"std": envelope.loss_std, "source": envelope.noise_source},
+        "left_out": [list(item) for item in envelope.left_out],
+    }
+
+
+def _approaches_table(envelope, isoflop, parametric):
+    """Hoffmann et al.'s three approaches on the same runs, N non-embedding."""
+    rows = []
+    if not isinstance(envelope, str):
+        rows.append(("1: envelope of the training curves", envelope.a, envelope.a_interval,
+                     envelope.b, envelope.b_interval))  # fmt: skip
+    rows.append(("2: IsoFLOP profiles", isoflop.a, isoflop.a_interval, isoflop.b,
+                 isoflop.b_interval))  # fmt: skip
+    law, intervals = parametric.law, parametric.intervals
+    rows.append(("3: parametric loss E + A/N^alpha + B/D^beta", law.n_exponent,
+                 intervals["n_exponent"], law.d_exponent, intervals["d_exponent"]))  # fmt: skip
+    return Table(
+        {
+            "approach": [row[0] for row in rows],
+            "a": [row[1] for row in rows],
+            "a low": [row[2][0] for row in rows],
+            "a high": [row[2][1] for row in rows],
+            "b": [row[3] for row in rows],
+            "b low": [row[4][0] for row in rows],
+            "b high": [row[4][1] for row in rows],
+        }
+    )
+
+
 def _parametric_figure(fit, n, d, loss):
     figure, axes = new_figure(6.5, 5)
     ax = axes[0, 0]
@@ -562,7 +659,9 @@ def _interval(values, digits=2):
     return f"[{low:.{digits}f}, {high:.{digits}f}]"
 
 
-def _caption(isoflop, hoffmann, parametric, kaplan, frontier_c, prediction, source, met, seconds):
+def _caption(
+    isoflop, hoffmann, envelope, parametric, kaplan, frontier_c, prediction, source, met, seconds
+):
     a, b = isoflop.a, isoflop.b
     ratios = [c.d_opt / c.n_opt for c in hoffmann.curves]
     verdict = []
@@ -588,8 +687,8 @@ def _caption(isoflop, hoffmann, parametric, kaplan, frontier_c, prediction, sour
         f"{len(isoflop.curves)} budgets from {isoflop.curves[0].compute:.1e} to "
         f"{isoflop.curves[-1].compute:.1e} FLOPs (counted exactly, output head included; "
         f"every run within {100 * np.max(np.abs(met - 1)):.2f}% of its budget). Each "
-        f"budget's optimum is the lowest point, between its sizes, of an Akima interpolant "
-        f"through its runs in log-log{_left_out(isoflop)}. With N the non-embedding "
+        f"budget's optimum is the lowest point, between its sizes, of "
+        f"{_VALLEY_MODELS[isoflop.optimum]}{_left_out(isoflop)}. With N the non-embedding "
         f"parameters (Kaplan et al.'s count), N_opt ∝ C^{a:.2f} "
         f"{_interval(isoflop.a_interval)} (95%, resampling a loss noise of "
         f"{isoflop.loss_std:.3f} nats, {_NOISE_SOURCES[isoflop.noise_source]}) and "
@@ -599,7 +698,8 @@ def _caption(isoflop, hoffmann, parametric, kaplan, frontier_c, prediction, sour
         f"and the head are most of the model, so the count moves a, as Pearce and Song "
         f"(2024) and Porian et al. (2024) found between Kaplan's and Chinchilla's setups. "
         f"The optimum sits at {min(ratios):.0f} to {max(ratios):.0f} tokens per parameter, "
-        f"all parameters counted (Chinchilla: about 20). Approach 3 on the same runs gives "
+        f"all parameters counted (Chinchilla: about 20). {_approach1(envelope, isoflop)}"
+        f"Approach 3 on the same runs gives "
         f"a = {a3:.2f} "
         f"{_interval(parametric.intervals['n_exponent'])}{bounded}: {agree}; its E = "
         f"{parametric.law.e:.2f} {_interval(parametric.intervals['e'])} is where these sizes "
@@ -615,9 +715,42 @@ def _caption(isoflop, hoffmann, parametric, kaplan, frontier_c, prediction, sour
         text += (
             f"Fitted below the largest budget, the frontier predicts "
             f"{prediction['predicted']:.3f} [{low:.3f}, {high:.3f}] nats there; the runs give "
-            f"{prediction['measured']:.3f}. "
+            f"{prediction['measured']:.3f}"
+            + (
+                ""
+                if low <= prediction["measured"] <= high
+                else f", outside: a pure power law in C has no irreducible loss, and the "
+                f"frontier bends towards one (approach 3 puts E at {parametric.law.e:.2f})"
+            )
+            + ". "
         )
     return text + f"The runs took {seconds:.0f} s to train (re-runs load them from the cache)."
+
+
+#: How the caption names each model of the valleys (IsoFlopFit.optimum).
+_VALLEY_MODELS = {
+    "parabola": "one parabola in log N through its runs (it fits every budget within the "
+    "seeds' noise)",
+    "akima": "an Akima interpolant through its runs in log-log (one parabola does not fit "
+    "every budget within the seeds' noise)",
+    "local_parabola": "a parabola through its lowest run and two neighbours on each side",
+}
+
+
+def _approach1(envelope, isoflop):
+    """The caption's sentence on the envelope of the training curves."""
+    if isinstance(envelope, str):
+        return f"Approach 1 (the envelope of the training curves) could not be read: {envelope}. "
+    low, high = envelope.a_interval
+    overlap = max(low, isoflop.a_interval[0]) <= min(high, isoflop.a_interval[1])
+    return (
+        f"Approach 1, the envelope of the runs' validation curves, changes size "
+        f"{envelope.compute.size} times between C = {envelope.compute[0]:.1e} and "
+        f"{envelope.compute[-1]:.1e}; the line through those switches gives a = "
+        f"{envelope.a:.2f} {_interval(envelope.a_interval)} (resampling a loss noise of "
+        f"{envelope.loss_std:.3f} nats), "
+        f"{'in agreement with' if overlap else 'apart from'} approach 2. "
+    )
 
 
 #: How the caption names where the loss noise came from (IsoFlopFit.noise_source).

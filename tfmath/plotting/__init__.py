@@ -17,11 +17,13 @@ from tfmath.plotting._figure import axes_or_new, new_figure
 from tfmath.plotting.attention import attention_heatmap
 from tfmath.plotting.complexity import cost_against_length
 from tfmath.plotting.compute_optimal import (
+    envelope_sizes,
     frontier_prediction,
     isoflop_curves,
     optimal_allocation,
     published_refits,
     tokens_per_parameter,
+    training_envelope,
 )
 from tfmath.plotting.positional import (
     encoding_columns,
@@ -46,6 +48,7 @@ __all__ = [
     "cost_against_length",
     "encoding_columns",
     "encoding_heatmap",
+    "envelope_sizes",
     "frontier_prediction",
     "gradient_flow",
     "isoflop_curves",
@@ -61,6 +64,7 @@ __all__ = [
     "sweep_results",
     "temperature_sweep",
     "tokens_per_parameter",
+    "training_envelope",
     "variance_against_dk",
     "wavelengths",
 ]

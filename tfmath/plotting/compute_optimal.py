@@ -1,8 +1,9 @@
 """Figures of the compute-optimal frontier: IsoFLOP curves, N_opt(C) and D_opt(C), tokens
-per parameter, and the frontier with a held-out prediction.
+per parameter, the frontier with a held-out prediction, and the envelope of training
+curves.
 
-Each takes an :class:`tfmath.analysis.compute_optimal.IsoFlopFit` (and the runs
-it was fitted to, where it draws them) and an optional ``ax``, and returns the Axes.
+Each takes a fit from :mod:`tfmath.analysis.compute_optimal` (and the runs it was
+fitted to, where it draws them) and an optional ``ax``, and returns the Axes.
 """
 
 import numpy as np
@@ -10,11 +11,13 @@ import numpy as np
 from tfmath.plotting._figure import axes_or_new, plain_log_ticks, sparse_log_labels
 
 __all__ = [
+    "envelope_sizes",
     "frontier_prediction",
     "isoflop_curves",
     "optimal_allocation",
     "published_refits",
     "tokens_per_parameter",
+    "training_envelope",
 ]
 
 #: How the figure names each model of the valleys (IsoFlopFit.optimum).
@@ -168,4 +171,83 @@ def published_refits(labels, published, refitted, *, ax=None):
     ax.set_yticks(rows, labels, fontsize=8)
     ax.set_xlabel("a in N_opt ∝ C^a")
     ax.legend(fontsize=8, loc="lower right")
+    return ax
+
+
+def training_envelope(fit, run, compute, loss, n, *, ax=None):
+    """Every training curve, coloured by its size, and their envelope (approach 1): the
+    lowest loss any run reached at each compute, its switches of size marked.
+
+    Parameters
+    ----------
+    fit : EnvelopeFit
+    run, compute, loss, n : array_like
+        The checkpoints the fit was made from (run label, compute so far, loss, size).
+    ax : matplotlib.axes.Axes, optional
+
+    Returns
+    -------
+    matplotlib.axes.Axes
+    """
+    import matplotlib as mpl
+
+    ax = axes_or_new(ax)
+    run = np.asarray(run)
+    compute, loss, n = (np.asarray(x, dtype=float) for x in (compute, loss, n))
+    log_n = np.log(n)
+    shade = mpl.colormaps["viridis"]
+    span = max(np.ptp(log_n), 1e-12)
+    for label in np.unique(run):
+        rows = np.flatnonzero(run == label)
+        rows = rows[np.argsort(compute[rows])]
+        colour = shade((log_n[rows[0]] - log_n.min()) / span)
+        ax.loglog(compute[rows], loss[rows], color=colour, lw=0.8, alpha=0.6)
+    readable = fit.grid_readable
+    ax.loglog(fit.grid_compute, fit.grid_loss, color="0.6", lw=2.5, zorder=2,
+              label="envelope: lowest loss reached")  # fmt: skip
+    ax.loglog(fit.grid_compute[readable], fit.grid_loss[readable], color="k", lw=2.5, zorder=3,
+              label="envelope where it says where the optimum is")  # fmt: skip
+    at_switch = np.interp(np.log(fit.compute), np.log(fit.grid_compute), fit.grid_loss)
+    ax.plot(fit.compute, at_switch, "o", color="C3", ms=5, zorder=4,
+            label="the envelope changes size")  # fmt: skip
+    colour_bar = mpl.cm.ScalarMappable(norm=mpl.colors.LogNorm(n.min(), n.max()), cmap=shade)
+    ax.figure.colorbar(colour_bar, ax=ax, label="N of each curve")
+    sparse_log_labels(ax.xaxis)
+    plain_log_ticks(ax.yaxis)
+    ax.set(xlabel="compute spent C (FLOPs)", ylabel="validation loss (nats/token)")
+    ax.set_title("Approach 1: training curves and their envelope", fontsize=10)
+    ax.legend(fontsize=8)
+    return ax
+
+
+def envelope_sizes(fit, *, isoflop=None, ax=None):
+    """The size on the envelope at each compute (a staircase), the switches it is read
+    at, and the line through them; beside it, approach 2's optima and line when
+    ``isoflop`` (an IsoFlopFit of the same runs) is given.
+
+    Returns
+    -------
+    matplotlib.axes.Axes
+    """
+    ax = axes_or_new(ax)
+    readable = fit.grid_readable
+    shown = np.where(readable, fit.grid_n, np.nan)
+    ax.loglog(fit.grid_compute, shown, color="0.4", lw=1.5, drawstyle="steps-post",
+              label="size on the envelope")  # fmt: skip
+    ax.plot(fit.compute, fit.n_opt, "o", color="C3", ms=5, label="switches (geometric means)")
+    grid = np.geomspace(fit.grid_compute[0], fit.grid_compute[-1], 50)
+    low, high = fit.a_interval
+    ax.loglog(grid, fit.n_opt_at(grid), color="C3",
+              label=f"approach 1: N_opt ∝ C^{fit.a:.2f} [{low:.2f}, {high:.2f}]")  # fmt: skip
+    if isoflop is not None:
+        budgets = np.array([c.compute for c in isoflop.curves])
+        ax.plot(budgets, [c.n_opt for c in isoflop.curves], "*", color="C0", ms=11, mec="k",
+                mew=0.5)  # fmt: skip
+        low, high = isoflop.a_interval
+        label = f"approach 2: N_opt ∝ C^{isoflop.a:.2f} [{low:.2f}, {high:.2f}]"
+        ax.loglog(grid, isoflop.n_opt(grid), color="C0", ls="--", label=label)
+    sparse_log_labels(ax.xaxis)
+    ax.set(xlabel="compute C (FLOPs)", ylabel="N_opt (non-embedding parameters)")
+    ax.set_title("N_opt: the envelope's switches and the IsoFLOP minima", fontsize=10)
+    ax.legend(fontsize=8)
     return ax
