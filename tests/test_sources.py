@@ -194,6 +194,11 @@ def test_compute_optimal_experiment_on_a_text_file(tmp_path, monkeypatch):
     data = result.data.get("compute_optimal")
     assert data is None or data["source"]["kind"] == "bytes"
     assert "isoflop" in result.figures and str(corpus.name) in result.caption
+    if data is not None:
+        # The three approaches side by side, approach 1 fitted or its reason given.
+        assert len(result.tables["approaches"].columns["approach"]) in (2, 3)
+        assert "Approach 1" in result.caption
+        assert ("envelope" in result.figures) == ("not_fitted" not in data["approach1"])
 
 
 def test_command_line_refuses_a_missing_corpus(tmp_path):

@@ -276,35 +276,7 @@ def fit_envelope(
         max(log_c[rows[-1]] for _, rows in curves),
         points,
     )
-    # Each curve on the grid (NaN beyond its checkpoints): L, log D and the noise.
-    each = {
-        name: np.array(
-            [
-                np.interp(grid, log_c[rows], values[rows], left=np.nan, right=np.nan)
-                for _, rows in curves
-            ]
-        )
-        for name, values in (("loss", loss), ("log_d", np.log(d)), ("variance", row_std**2))
-    }
-    # Runs repeated over seeds (one size, one final budget) enter as their mean curve,
-    # as approach 2 takes the mean loss of each size: the envelope of the runs
-    # themselves would follow the luckiest seed.
-    repeats = {}
-    for k, (_, rows) in enumerate(curves):
-        repeats.setdefault((n[rows[0]], compute[rows[-1]]), []).append(k)
-    members = list(repeats.values())
-    on_grid = {
-        "loss": np.array([each["loss"][group].mean(axis=0) for group in members]),
-        "log_d": np.array([each["log_d"][group].mean(axis=0) for group in members]),
-        "std": np.array(
-            [np.sqrt(each["variance"][group].sum(axis=0)) / len(group) for group in members]
-        ),
-    }
-    labels = [
-        curves[group[0]][0] if len(group) == 1 else tuple(curves[k][0] for k in group)
-        for group in members
-    ]
-    sizes = np.array([n[curves[group[0]][1][0]] for group in members])
+    on_grid, sizes, group_labels = _mean_curves(grid, curves, log_c, n, compute, d, loss, row_std)
     reached = ~np.isnan(on_grid["loss"])
     smallest = np.where(reached, sizes[:, None], np.inf).min(axis=0)
     largest = np.where(reached, sizes[:, None], -np.inf).max(axis=0)
@@ -349,7 +321,7 @@ def fit_envelope(
     slopes = []
     for start in range(0, n_bootstrap, _ENVELOPE_CHUNK):
         count = min(_ENVELOPE_CHUNK, n_bootstrap - start)
-        shifts = rng.standard_normal((count, len(members), 1)) * on_grid["std"]
+        shifts = rng.standard_normal((count, sizes.size, 1)) * on_grid["std"]
         chosen, ok = envelope(loss_on_grid + shifts)
         for pick, keep in zip(chosen, ok, strict=True):
             found = _switches(grid, np.log(sizes), pick, keep, on_grid["log_d"][pick, columns])
@@ -372,7 +344,7 @@ def fit_envelope(
         grid_compute=np.exp(grid),
         grid_loss=loss_on_grid[winner, columns],
         grid_n=sizes[winner],
-        grid_run=tuple(labels[k] for k in winner),
+        grid_run=tuple(group_labels[k] for k in winner),
         grid_readable=readable,
         a=float(a),
         b=float(b),
@@ -386,6 +358,40 @@ def fit_envelope(
         n_bootstrap=len(slopes),
         left_out=tuple(left_out),
     )
+
+
+def _mean_curves(grid, curves, log_c, n, compute, d, loss, row_std):
+    """``(curves on the grid, their sizes, their labels)``: L, log D and the noise of
+    each curve at every grid point, NaN beyond its checkpoints. Runs repeated over
+    seeds (one size, one final budget) enter as their mean curve, as approach 2 takes
+    the mean loss of each size: the envelope of the runs themselves would follow the
+    luckiest seed."""
+    each = {
+        name: np.array(
+            [
+                np.interp(grid, log_c[rows], values[rows], left=np.nan, right=np.nan)
+                for _, rows in curves
+            ]
+        )
+        for name, values in (("loss", loss), ("log_d", np.log(d)), ("variance", row_std**2))
+    }
+    repeats = {}
+    for k, (_, rows) in enumerate(curves):
+        repeats.setdefault((n[rows[0]], compute[rows[-1]]), []).append(k)
+    members = list(repeats.values())
+    on_grid = {
+        "loss": np.array([each["loss"][group].mean(axis=0) for group in members]),
+        "log_d": np.array([each["log_d"][group].mean(axis=0) for group in members]),
+        "std": np.array(
+            [np.sqrt(each["variance"][group].sum(axis=0)) / len(group) for group in members]
+        ),
+    }
+    labels = [
+        curves[group[0]][0] if len(group) == 1 else tuple(curves[k][0] for k in group)
+        for group in members
+    ]
+    sizes = np.array([n[curves[group[0]][1][0]] for group in members])
+    return on_grid, sizes, labels
 
 
 def _switches(grid, log_sizes, winner, readable, log_d):

@@ -468,6 +468,15 @@ def _claims(kaplan, frontier_c, prediction, n, d):
             elsewhere=True,
             reason=how + reason,
         )
+        if np.all(np.isfinite(interval))
+        # Too few budgets (or runs) for an interval: no verdict, and the reason.
+        else Claim(
+            "003",
+            statement,
+            printed,
+            None,
+            reason=how + "The runs left too few budgets to bound it. " + reason,
+        )
         for statement, printed, value, interval, how in rows
     ]
     if prediction is None:
