@@ -682,9 +682,9 @@ def _caption(
     if "n_exponent" in parametric.unidentified:
         agree = "it cannot be compared"
     elif max(a3_low, isoflop.a_interval[0]) <= min(a3_high, isoflop.a_interval[1]):
-        agree = "the two agree within their intervals"
+        agree = "it agrees with approach 2 within their intervals"
     else:
-        agree = "the two intervals do not overlap"
+        agree = "its interval and approach 2's do not overlap"
     bounded = (
         f" (the runs leave {', '.join(parametric.unidentified)} undetermined: on a solver "
         f"bound, or in a term without effect)"
