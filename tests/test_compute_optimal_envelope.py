@@ -79,17 +79,47 @@ def test_budgets_where_the_envelope_is_on_an_edge_are_left_out():
     assert fit.compute.max() < fit.grid_compute[~fit.grid_readable].max()
 
 
-def test_the_noise_comes_from_seed_repeats_or_the_curves_roughness():
+def test_the_noise_comes_from_repeats_or_the_curves_roughness():
     run, compute, n, d, loss = planted_curves(noise=0.003)
     fit = fit_envelope(run, compute, n, d, loss, n_bootstrap=20)
     assert fit.noise_source == "curve roughness"
-    # Repeat every run with another seed: its final losses' scatter is the noise.
+    # Repeat every run with another seed: its final losses' scatter is the noise, and
+    # each configuration enters as the mean of its two curves.
     rng = np.random.default_rng(1)
     repeated = loss + 0.01 * np.repeat(rng.standard_normal(12), 40)
     both = (np.concatenate([run, run + 100]), *(np.tile(x, 2) for x in (compute, n, d)))
-    fit = fit_envelope(*both, np.concatenate([loss, repeated]), n_bootstrap=20)
+    fit = fit_envelope(*both, np.concatenate([loss, repeated]), repeats=np.tile(run, 2),
+                       n_bootstrap=20)  # fmt: skip
     assert fit.noise_source == "seed repeats"
     assert 0.003 < fit.loss_std < 0.02
+    assert all(isinstance(label, tuple) and len(label) == 2 for label in fit.grid_run)
+    # The mean of the two curves: half the second seed's shift above the first's.
+    alone = fit_envelope(run, compute, n, d, loss, loss_std=1e-3, n_bootstrap=20)
+    shift = 0.005 * np.random.default_rng(1).standard_normal(12)
+    readable = fit.grid_readable & alone.grid_readable & (fit.grid_n == alone.grid_n)
+    k = np.searchsorted(np.geomspace(2e3, 2e5, 12), fit.grid_n[readable])
+    np.testing.assert_allclose(fit.grid_loss[readable], alone.grid_loss[readable] + shift[k])
+
+
+def test_runs_that_are_not_repeats_are_each_on_the_envelope():
+    """Without repeats, two runs of one size and budget (two learning rates, say) are two
+    configurations, and the envelope takes the lower: it never averages them."""
+    run, compute, n, d, loss = planted_curves()
+    worse = loss + 0.05
+    both = (np.concatenate([run, run + 100]), *(np.tile(x, 2) for x in (compute, n, d)))
+    fit = fit_envelope(*both, np.concatenate([loss, worse]), loss_std=1e-3, n_bootstrap=20)
+    assert set(fit.grid_run) <= set(range(12))
+    reference = fit_envelope(run, compute, n, d, loss, loss_std=1e-3, n_bootstrap=20)
+    np.testing.assert_array_equal(fit.grid_loss, reference.grid_loss)
+    assert fit.a == reference.a
+
+
+def test_repeats_of_different_sizes_are_refused():
+    run, compute, n, d, loss = planted_curves(sizes=4, checkpoints=10)
+    with pytest.raises(ArgumentError, match="differ in size or final budget"):
+        fit_envelope(run, compute, n, d, loss, repeats=np.zeros(run.size), loss_std=1e-3)
+    with pytest.raises(ShapeError, match="repeats must give one label"):
+        fit_envelope(run, compute, n, d, loss, repeats=run[:-1], loss_std=1e-3)
 
 
 def test_one_door_runs_approach_1_with_labels_of_any_kind():

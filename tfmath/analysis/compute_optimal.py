@@ -106,9 +106,10 @@ class EnvelopeFit:
         The loss noise of one run the bootstrap drew (the root mean square over
         the checkpoints when it was given per checkpoint).
     noise_source : str
-        ``"given"``, ``"seed repeats"`` (the scatter of the final losses of runs
-        repeated with one size and budget) or ``"curve roughness"`` (the residuals
-        of parabolas through five neighbouring checkpoints of each curve).
+        ``"given"``, ``"seed repeats"`` (the scatter of the final losses of the
+        runs ``repeats`` marks as one configuration) or ``"curve roughness"`` (the
+        residuals of parabolas through five neighbouring checkpoints of each
+        curve).
     n_bootstrap : int
     left_out : tuple of (str, str)
         The stretches of :math:`C` where the envelope says nothing of the optimum,
@@ -164,6 +165,7 @@ def fit_envelope(
     d,
     loss,
     *,
+    repeats=None,
     loss_std=None,
     points=ENVELOPE_POINTS,
     confidence=0.95,
@@ -175,8 +177,10 @@ def fit_envelope(
     Each row is one checkpoint of one run: the run's label, the compute
     :math:`C` spent so far, the run's parameters :math:`N`, the tokens :math:`D`
     seen so far and the loss there. Each run's curve is interpolated linearly
-    in :math:`\log L` against :math:`\log C` between its checkpoints (never
-    beyond them). At ``points`` budgets log-spaced over the curves, the run with
+    in :math:`L` against :math:`\log C` between its checkpoints (never beyond
+    them); runs the caller marks as repeats of one configuration over seeds
+    (``repeats``) enter as their mean curve, so that the envelope does not follow
+    the luckiest seed. At ``points`` budgets log-spaced over the curves, the run with
     the lowest loss is on the envelope: its :math:`N` and its tokens at that
     :math:`C` are :math:`N_{opt}(C)` and :math:`D_{opt}(C)`, and straight lines
     through them in log-log give :math:`N_{opt} \propto C^a` and
@@ -191,10 +195,10 @@ def fit_envelope(
 
     The intervals come from the runs' noise: a run's seed moves its whole curve,
     so each resample shifts every curve by its own normal draw of ``loss_std``
-    (given, else the scatter of the final losses of runs repeated over seeds,
-    else the roughness of the curves), reads the envelope again and refits the
-    lines. The envelope's points are not independent (neighbouring budgets share
-    their run), so no interval is taken from the least-squares fit itself.
+    (given, else the scatter of the final losses of the ``repeats``, else the
+    roughness of the curves), reads the envelope again and refits the lines.
+    The switches are not independent (neighbouring ones share a size), so no
+    interval is taken from the least-squares fit itself.
 
     Parameters
     ----------
@@ -203,6 +207,12 @@ def fit_envelope(
     compute, n, d, loss : array_like, 1-D
         Each checkpoint's compute spent, the run's parameters (one value per
         run), the tokens seen and the loss.
+    repeats : array_like, 1-D, optional
+        The configuration each checkpoint's run repeats (any labels): runs with
+        one label are the same size and schedule trained with other seeds. None:
+        every run is a configuration of its own, and the envelope takes the lowest
+        of all (runs that differ in anything but the seed, a learning rate say,
+        must not share a label).
     loss_std : None, float, array_like or callable, optional
         The standard deviation of a run's loss over seeds: one number, one per
         checkpoint, or a function of the loss array returning one per
@@ -223,8 +233,8 @@ def fit_envelope(
         For arrays of different lengths, or not 1-D.
     ArgumentError
         For non-positive values, a run whose ``n`` changes between checkpoints,
-        noise that cannot be estimated, or an envelope on fewer than two sizes
-        once the budgets without an optimum are left out.
+        repeats of different sizes or budgets, noise that cannot be estimated, or
+        an envelope that changes size fewer than twice where it is read.
 
     Examples
     --------
@@ -245,6 +255,12 @@ def fit_envelope(
         raise ShapeError(
             f"run must give one label per checkpoint ({compute.size}), got shape {labels.shape}"
         )
+    repeated = labels if repeats is None else np.asarray(repeats)
+    if repeated.shape != compute.shape:
+        raise ShapeError(
+            f"repeats must give one label per checkpoint ({compute.size}), got shape "
+            f"{repeated.shape}"
+        )
     points = integer("points", points, minimum=2)
     confidence = _confidence(confidence)
     n_bootstrap = integer("n_bootstrap", n_bootstrap, minimum=2)
@@ -263,10 +279,11 @@ def fit_envelope(
             left_out.append((f"run {name!r}", "one checkpoint: no curve to read"))
             continue
         curves.append((name, rows))
+    configurations = _configurations(curves, repeated, n, compute)
     if len(curves) < 3:
         raise ArgumentError(f"fit_envelope needs curves of three runs at least, got {len(curves)}")
     if row_std is None:
-        noise_source, noise = _curve_noise(compute, n, loss, curves)
+        noise_source, noise = _curve_noise(compute, loss, curves, configurations)
         row_std = np.full(loss.size, noise)
     else:
         noise_source = "given"
@@ -276,7 +293,8 @@ def fit_envelope(
         max(log_c[rows[-1]] for _, rows in curves),
         points,
     )
-    on_grid, sizes, group_labels = _mean_curves(grid, curves, log_c, n, compute, d, loss, row_std)
+    on_grid, sizes, group_labels = _mean_curves(grid, curves, configurations, log_c, n, d, loss,
+                                                row_std)  # fmt: skip
     reached = ~np.isnan(on_grid["loss"])
     smallest = np.where(reached, sizes[:, None], np.inf).min(axis=0)
     largest = np.where(reached, sizes[:, None], -np.inf).max(axis=0)
@@ -360,12 +378,30 @@ def fit_envelope(
     )
 
 
-def _mean_curves(grid, curves, log_c, n, compute, d, loss, row_std):
+def _configurations(curves, repeated, n, compute):
+    """The curves grouped by the configuration they repeat: lists of indices into
+    ``curves``, each group of one size and one final budget."""
+    groups = {}
+    for k, (name, rows) in enumerate(curves):
+        labels = np.unique(repeated[rows])
+        if labels.size > 1:
+            raise ArgumentError(f"run {name!r} has more than one repeats label: {labels}")
+        groups.setdefault(labels[0].item(), []).append(k)
+    for label, group in groups.items():
+        ends = {(n[curves[k][1][0]], compute[curves[k][1][-1]]) for k in group}
+        if len(ends) > 1:
+            raise ArgumentError(
+                f"the runs repeating {label!r} differ in size or final budget ({sorted(ends)}); "
+                "repeats are one configuration trained with other seeds"
+            )
+    return list(groups.values())
+
+
+def _mean_curves(grid, curves, configurations, log_c, n, d, loss, row_std):
     """``(curves on the grid, their sizes, their labels)``: L, log D and the noise of
-    each curve at every grid point, NaN beyond its checkpoints. Runs repeated over
-    seeds (one size, one final budget) enter as their mean curve, as approach 2 takes
-    the mean loss of each size: the envelope of the runs themselves would follow the
-    luckiest seed."""
+    each configuration at every grid point, NaN beyond its checkpoints; the repeats of
+    a configuration enter as their mean, as approach 2 takes the mean loss of each
+    size: the envelope of the runs themselves would follow the luckiest seed."""
     each = {
         name: np.array(
             [
@@ -375,22 +411,18 @@ def _mean_curves(grid, curves, log_c, n, compute, d, loss, row_std):
         )
         for name, values in (("loss", loss), ("log_d", np.log(d)), ("variance", row_std**2))
     }
-    repeats = {}
-    for k, (_, rows) in enumerate(curves):
-        repeats.setdefault((n[rows[0]], compute[rows[-1]]), []).append(k)
-    members = list(repeats.values())
     on_grid = {
-        "loss": np.array([each["loss"][group].mean(axis=0) for group in members]),
-        "log_d": np.array([each["log_d"][group].mean(axis=0) for group in members]),
+        "loss": np.array([each["loss"][group].mean(axis=0) for group in configurations]),
+        "log_d": np.array([each["log_d"][group].mean(axis=0) for group in configurations]),
         "std": np.array(
-            [np.sqrt(each["variance"][group].sum(axis=0)) / len(group) for group in members]
+            [np.sqrt(each["variance"][group].sum(axis=0)) / len(group) for group in configurations]
         ),
     }
     labels = [
         curves[group[0]][0] if len(group) == 1 else tuple(curves[k][0] for k in group)
-        for group in members
+        for group in configurations
     ]
-    sizes = np.array([n[curves[group[0]][1][0]] for group in members])
+    sizes = np.array([n[curves[group[0]][1][0]] for group in configurations])
     return on_grid, sizes, labels
 
 
@@ -425,21 +457,19 @@ def _stretches(grid, mask, why):
     ]
 
 
-def _curve_noise(compute, n, loss, curves):
-    """``(source, std)`` of a run's loss: from runs repeated with one size and final
-    budget (their final losses' scatter) if any, else from the curves' roughness."""
-    finals = {}
-    for _, rows in curves:
-        finals.setdefault((n[rows[-1]], compute[rows[-1]]), []).append(loss[rows[-1]])
-    repeats = [np.asarray(group) for group in finals.values() if len(group) > 1]
+def _curve_noise(compute, loss, curves, configurations):
+    """``(source, std)`` of a run's loss: from the repeats' final losses if any
+    configuration was repeated, else from the curves' roughness."""
+    repeats = [np.array([loss[curves[k][1][-1]] for k in group]) for group in configurations]
+    repeats = [group for group in repeats if group.size > 1]
     if repeats:
         squares = sum(float(np.sum((g - g.mean()) ** 2)) for g in repeats)
         return "seed repeats", math.sqrt(squares / sum(g.size - 1 for g in repeats))
     std = _local_fit_noise([(np.log(compute[rows]), loss[rows]) for _, rows in curves])
     if std is None:
         raise ArgumentError(
-            "cannot estimate the loss noise: no run was repeated with one size and budget and "
-            f"no curve has {2 * _WINDOW_HALF_WIDTH + 1} checkpoints; give loss_std"
+            "cannot estimate the loss noise: no configuration was repeated (repeats) and no "
+            f"curve has {2 * _WINDOW_HALF_WIDTH + 1} checkpoints; give loss_std"
         )
     return "curve roughness", std
 
@@ -1698,7 +1728,7 @@ def fit_compute_optimal(compute, n, d, loss, *, approach=2, run=None, **options)
         Passed to the approach's function (``loss_std``, ``confidence``,
         ``n_bootstrap`` and ``seed`` for all three; ``optimum``,
         ``budget_tolerance``, ... for approach 2; ``irreducible``, ``delta``, ...
-        for approach 3; ``points`` for approach 1).
+        for approach 3; ``repeats`` and ``points`` for approach 1).
 
     Returns
     -------

@@ -302,11 +302,11 @@ def compute_optimal(settings):
         )
     parametric = fit_parametric_loss(n, d, loss, seed=settings.seed)
     kaplan = fit_kaplan_loss(n, d, loss, seed=settings.seed)
-    curves = checkpoints(runs, results)
+    curves = checkpoints(budgets, runs, results)
     try:
         envelope = fit_compute_optimal(
-            curves["compute"], curves["n"], curves["d"], curves["loss"],
-            approach=1, run=curves["run"], seed=settings.seed,
+            curves["compute"], curves["n"], curves["d"], curves["loss"], approach=1,
+            run=curves["run"], repeats=curves["repeats"], seed=settings.seed,
         ).fit  # fmt: skip
     except ArgumentError as error:
         envelope = str(error)
@@ -373,21 +373,23 @@ def compute_optimal(settings):
     )
 
 
-def checkpoints(runs, results):
-    """Every evaluation of every run, as arrays by name: ``run`` (its key), ``compute``
+def checkpoints(budgets, runs, results):
+    """Every evaluation of every run, as arrays by name: ``run`` (its key),
+    ``repeats`` (its width and budget, which its other seed shares), ``compute``
     (FLOPs spent so far, counted as the budgets are), ``n`` (non-embedding), ``d``
     (tokens seen so far) and ``loss``."""
     rows = []
-    for run, result in zip(runs, results, strict=True):
+    for budget, run, result in zip(budgets, runs, results, strict=True):
         per_token = flops_per_token(run.model, n_ctx=CONTEXT).step_training
         tokens_per_step = result.tokens_seen / result.steps
         for step, loss in zip(result.curve_steps, result.curve_losses, strict=True):
             tokens = step * tokens_per_step
-            rows.append((run.key, per_token * tokens, result.non_embedding_parameters,
-                         tokens, loss))  # fmt: skip
-    run, compute, n, d, loss = zip(*rows, strict=True)
+            rows.append((run.key, f"d{run.model.d_model}@{budget:.6g}", per_token * tokens,
+                         result.non_embedding_parameters, tokens, loss))  # fmt: skip
+    run, repeats, compute, n, d, loss = zip(*rows, strict=True)
     return {
         "run": np.array(run),
+        "repeats": np.array(repeats),
         "compute": np.array(compute),
         "n": np.array(n, dtype=float),
         "d": np.array(d),
