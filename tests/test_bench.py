@@ -98,3 +98,25 @@ def test_matrix_workload_names_are_unique():
 
     names = [w.name for w in MATRIX]
     assert len(names) == len(set(names))
+
+
+@pytest.mark.parametrize(
+    "name", ["causal", "window", "alibi", "sinks", "varlen", "flex score_mod", "flex block_mask"]
+)
+def test_each_variants_peer_computes_the_same_attention(name):
+    """The rows of ``tfmath bench attention --variants`` time like against like: the
+    SDPA call with the dense mask or bias gives the variant's output (float32)."""
+    torch = pytest.importorskip("torch")
+    from tfmath.tools.variant_workloads import variant
+
+    case = variant(name, length=320)(np.random.default_rng(0), torch)
+    expected = case.torch().numpy()
+    np.testing.assert_allclose(np.asarray(case.tfmath()), expected, rtol=2e-4, atol=2e-5)
+
+
+def test_variant_rows_without_a_peer_are_listed():
+    from tfmath.tools.variant_workloads import VARIANTS, has_peer
+
+    names = [w.name for w in VARIANTS]
+    assert len(names) == len(set(names))
+    assert [n for n in names if not has_peer(n)] == ["softcap fwd", "softcap fwd+bwd"]

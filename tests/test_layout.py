@@ -43,6 +43,7 @@ LAYERS = (
             "tfmath.variance",
             "tfmath.efficient",
             "tfmath.rnn",
+            "tfmath.variants",
             "tfmath.formulas",
             "tfmath.nn",
         ),
@@ -297,6 +298,10 @@ _CALLS = {
     ),
     "attention_grad": (lambda: tfmath.attention_grad(_q, _k, _v, _q), "tfmath.attention"),
     "softmax": (lambda: tfmath.softmax(_q), "tfmath.attention"),
+    "flash_attention with a window": (
+        lambda: tfmath.flash_attention(_q, _k, _v, causal=True, window_size=(4, 0)),
+        "tfmath.variants",
+    ),
     "linear attention": (lambda: tfmath.linear_attention(_q, _k, _v), "tfmath.efficient"),
     "layer_norm": (
         lambda: tfmath.training.layers.layer_norm(_q[0, 0], np.ones(8), np.zeros(8)),

@@ -22,6 +22,7 @@ from tfmath.plotting import (
     new_figure,
     power_law,
     sweep_results,
+    training_curves,
 )
 from tfmath.positional import sinusoidal_encoding
 
@@ -62,6 +63,15 @@ def test_attention_heatmap_draws_on_the_given_axes_and_leaves_large_matrices_unw
 def test_attention_heatmap_says_what_is_wrong(arguments, message):
     with pytest.raises(ValueError, match=message):
         attention_heatmap(**arguments)
+
+
+def test_training_curves_draw_one_line_per_run_from_step_one():
+    ax = training_curves({"a": [3.0, 2.0, 1.5], "b": [3.0, 2.5]}, reference=1.0,
+                         reference_label="floor")  # fmt: skip
+    runs = [line for line in ax.lines if line.get_label() in ("a", "b")]
+    np.testing.assert_array_equal(runs[0].get_xdata(), [1, 2, 3])
+    np.testing.assert_array_equal(runs[1].get_ydata(), [3.0, 2.5])
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["a", "b", "floor"]
 
 
 def test_encoding_helpers_draw_the_encoding_and_its_columns():

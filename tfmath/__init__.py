@@ -12,7 +12,7 @@ The package, from the top down (each layer imports only the layers below it):
   optimiser, loop, sweeps);
 - kernel-backed topics, which validate, dispatch and package results:
   :mod:`tfmath.attention`, :mod:`tfmath.positional`, :mod:`tfmath.variance`,
-  :mod:`tfmath.efficient`, :mod:`tfmath.rnn`; and closed forms with no
+  :mod:`tfmath.efficient`, :mod:`tfmath.rnn`, :mod:`tfmath.variants`; and closed forms with no
   kernels: :mod:`tfmath.formulas`;
 - the contract under the kernels (problem types, their builders, codes,
   layouts, argument checks): ``tfmath._contract``; the registry of
@@ -71,6 +71,17 @@ from tfmath.variance import (
     score_variance,
     softmax_row_statistics,
 )
+from tfmath.variants import (
+    BlockMask,
+    RelativePositionBias,
+    create_block_mask,
+    flash_attention,
+    flash_attention_grad,
+    flash_attention_varlen,
+    flash_attention_varlen_grad,
+    flex_attention,
+    flex_attention_grad,
+)
 from tfmath.view import AttentionView, attention_vectors, attention_view
 
 __all__ = [
@@ -79,10 +90,12 @@ __all__ = [
     "AttentionView",
     "BackendInfo",
     "BackendUnavailableError",
+    "BlockMask",
     "DTypeError",
     "FitWarning",
     "LayoutError",
     "ModelConfig",
+    "RelativePositionBias",
     "ShapeError",
     "TfmathError",
     "__version__",
@@ -96,12 +109,19 @@ __all__ = [
     "chinchilla_loss",
     "chinchilla_optimal",
     "count_parameters",
+    "create_block_mask",
     "critical_batch_size",
     "cross_entropy",
     "dot_product_variance",
     "elman_rnn",
     "embed",
     "fit_scaling_law",
+    "flash_attention",
+    "flash_attention_grad",
+    "flash_attention_varlen",
+    "flash_attention_varlen_grad",
+    "flex_attention",
+    "flex_attention_grad",
     "flops_per_token",
     "kaplan_joint_loss",
     "kaplan_loss",

@@ -40,6 +40,10 @@ ROUTINES = {
     "flash_attention": "flash_attention",
     "decode_attention": "decode",
     "attention_grad": "flash_attention",
+    # tfmath.variants
+    "variant_attention": "flash_variants",
+    "variant_attention_grad": "flash_variants",
+    "variant_weights": "flash_variants",
     # tfmath.efficient
     "linear_attention": "efficient",
     "sparse_attention": "efficient",
@@ -100,14 +104,18 @@ def implementation(routine, backend):
 #: drop-in's every call, whose checks the kernel plans itself); the fused training
 #: step's kernels and BLAS products (the step owns its buffers and calls dozens of
 #: kernels per step); the CUDA flash kernels, which the PTX tool compiles without
-#: running them. Modules above this one reach kernels only here or through :func:`run`
-#: (tests/test_layout.py holds them to it).
+#: running them; the classification of a block mask's blocks, compiled around the
+#: user's ``mask_mod`` before any problem exists; the tanh a user's ``score_mod`` may
+#: call from its own compiled code. Modules above this one reach kernels
+#: only here or through :func:`run` (tests/test_layout.py holds them to it).
 DIRECT = {
     "plain_flash": "tfmath.kernels.cpu.flash_attention:plain_flash",
     "training_step": "tfmath.kernels.cpu.training_step",
     "gemm": "tfmath.kernels.cpu.blas:gemm",
     "cuda_flash_attention": "tfmath.kernels.cuda.flash_attention",
     "cuda_tensor_core": "tfmath.kernels.cuda.tensor_core",
+    "classify_blocks": "tfmath.kernels.cpu.flash_variants:classify_blocks",
+    "score_tanh": "tfmath.kernels.cpu.flash_variants:score_tanh",
 }
 
 

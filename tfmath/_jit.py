@@ -59,7 +59,7 @@ def _configure_numba():
     return numba
 
 
-def cpu_kernel(function=None, *, parallel=False, inline=False):
+def cpu_kernel(function=None, *, parallel=False, inline=False, signatures=None, cached=True):
     """Compile ``function`` as a tfmath CPU kernel (``numba.njit`` with tfmath's options).
 
     Used bare (``@cpu_kernel``) for serial kernels and helpers, or as
@@ -75,6 +75,18 @@ def cpu_kernel(function=None, *, parallel=False, inline=False):
     LLVM inlines it into a freshly compiled caller but links the machine code of a
     callee loaded from the kernel cache, and vectorises the two reductions in
     different orders: the bits of a result would depend on what was cached.
+
+    ``signatures`` (a list of Numba signatures) compiles the kernel for those
+    signatures only, at once, from the kernel cache where it holds them, and no
+    other: the form for a kernel that takes a function among its arguments, which
+    Numba types by its signature (a first-class function, called through its
+    address) only where the kernel's signature says so. Typed as the function
+    itself, each function passed would compile the kernel again, and code so
+    compiled cannot be cached. A parallel kernel compiled this way has no serial twin.
+
+    ``cached=False`` keeps a function out of the kernel cache: one made in a
+    process around a user's function (a closure), whose machine code depends on
+    what the closure holds, which the cache's key does not cover.
     """
     numba = _configure_numba()
 
@@ -86,11 +98,17 @@ def cpu_kernel(function=None, *, parallel=False, inline=False):
             error_model="numpy",
             inline="always" if inline else "never",
         )(func)
-        attach_kernel_cache(dispatcher, variant)
+        if cached:
+            attach_kernel_cache(dispatcher, variant)
         return dispatcher
 
     def decorate(func):
         dispatcher = compile_(func, parallel, "")
+        if signatures is not None:
+            for signature in signatures:
+                dispatcher.compile(signature)
+            dispatcher.disable_compile()
+            return dispatcher
         if parallel:
             dispatcher.serial = compile_(func, False, "serial")
         return dispatcher

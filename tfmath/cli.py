@@ -86,6 +86,12 @@ def _parser():
         "in one process",
     )
     bench.add_argument(
+        "--variants",
+        action="store_true",
+        help="attention's variants (windows, ALiBi, sinks, soft cap, packed sequences, flex) "
+        "against PyTorch's SDPA with the equivalent dense mask, forward and backward",
+    )
+    bench.add_argument(
         "--backend",
         default="cpu",
         choices=("cpu", "cuda"),
@@ -135,15 +141,28 @@ def _bench(args):
         else:
             print_training_report(quick=args.quick, threads=args.threads, out=_flushed)
         return 0
-    from tfmath.tools.bench import print_attention_report, print_matrix_report, print_small_report
+    from tfmath.tools.bench import (
+        print_attention_report,
+        print_matrix_report,
+        print_small_report,
+        print_variants_report,
+    )
 
-    if args.matrix or args.small:
+    if args.matrix or args.small or args.variants:
         if args.backend != "cpu":
-            print("tfmath bench: --matrix and --small run on the CPU only", file=sys.stderr)
+            print(
+                "tfmath bench: --matrix, --small and --variants run on the CPU only",
+                file=sys.stderr,
+            )
             return 2
         _print_machine()
         _print_compilation_notice()
-        (print_matrix_report if args.matrix else print_small_report)()
+        if args.matrix:
+            print_matrix_report()
+        elif args.small:
+            print_small_report()
+        else:
+            print_variants_report()
         return 0
 
     if args.backend == "cuda":

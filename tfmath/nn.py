@@ -14,13 +14,32 @@ The public functions of :mod:`tfmath` take tensors as well (see
 :doc:`/torch`); these add PyTorch's argument names and order (``dim``,
 ``dropout_p``). Importing this module does not import torch: the tensors the
 caller passes do.
+
+Attention's variants (:func:`flash_attention`, :func:`flash_attention_varlen`,
+:func:`flex_attention` and :func:`create_block_mask`, from :mod:`tfmath.variants`)
+take tensors the same way: a CPU model can train with a sliding window, sinks, a
+soft cap or a score modification, with gradients for the sink logits and a
+relative position bias table where they require grad.
 """
 
 from tfmath.attention import scaled_dot_product_attention as _attention
 from tfmath.attention import softmax as _softmax
 from tfmath.errors import ArgumentError
+from tfmath.variants import (
+    create_block_mask,
+    flash_attention,
+    flash_attention_varlen,
+    flex_attention,
+)
 
-__all__ = ["scaled_dot_product_attention", "softmax"]
+__all__ = [
+    "create_block_mask",
+    "flash_attention",
+    "flash_attention_varlen",
+    "flex_attention",
+    "scaled_dot_product_attention",
+    "softmax",
+]
 
 
 def scaled_dot_product_attention(

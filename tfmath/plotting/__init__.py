@@ -33,6 +33,7 @@ from tfmath.plotting.positional import (
 )
 from tfmath.plotting.precision import accumulation_error, score_overflow, softmax_overflow
 from tfmath.plotting.scaling import power_law, sweep_results
+from tfmath.plotting.training import training_curves
 from tfmath.plotting.variance import (
     gradient_flow,
     saturation,
@@ -64,6 +65,7 @@ __all__ = [
     "sweep_results",
     "temperature_sweep",
     "tokens_per_parameter",
+    "training_curves",
     "training_envelope",
     "variance_against_dk",
     "wavelengths",

@@ -345,6 +345,37 @@ def print_small_report(out=print):
         out(" ".join(cells))
 
 
+def print_variants_report(out=print):
+    """``tfmath bench attention --variants``: every variant of
+    :data:`tfmath.tools.variant_workloads.VARIANTS` against PyTorch's SDPA with the
+    equivalent dense mask or bias, the sliding window's cost against L, and user
+    score_mods against the same modification built in."""
+    from tfmath.tools.variant_workloads import VARIANTS, user_against_built_in, window_scaling
+
+    out(
+        f"backend=cpu; best of {ROUNDS} rounds that take tfmath and torch in turn, "
+        "2 calls each; ratio = torch time / tfmath time (> 1: tfmath faster); the peer is "
+        "SDPA with the equivalent dense mask or bias (n/a: none exists)"
+    )
+    title = "variant (B=1 H=8 L=2048 d=64 float32)"
+    out(f"{title:<40} {'tfmath ms':>10} {'torch ms':>10} {'ratio':>6}")
+    for item, _, times in matrix_rows(VARIANTS):
+        seconds, torch_seconds = times["tfmath"], times.get("torch")
+        torch_text = "n/a" if torch_seconds is None else f"{torch_seconds * 1e3:.2f}"
+        ratio = "" if torch_seconds is None else f"{torch_seconds / seconds:.2f}"
+        out(f"{item.name:<40} {seconds * 1e3:>10.2f} {torch_text:>10} {ratio:>6}")
+    out("")
+    out("sliding window of 512 keys against full causal attention (H=1, d=64, float32)")
+    out(f"{'L':>6} {'causal ms':>10} {'window ms':>10} {'causal / window':>16}")
+    for length, causal, window in window_scaling():
+        out(f"{length:>6} {causal * 1e3:>10.1f} {window * 1e3:>10.2f} {causal / window:>16.1f}")
+    out("")
+    out("a score_mod written by the user against the same modification built in")
+    out(f"{'modification':<48} {'built-in ms':>12} {'score_mod ms':>13} {'ratio':>6}")
+    for name, built_in, user in user_against_built_in():
+        out(f"{name:<48} {built_in * 1e3:>12.1f} {user * 1e3:>13.1f} {user / built_in:>6.2f}")
+
+
 def _microseconds(times, name, width):
     return f"{times[name] * 1e6:>{width}.1f}" if name in times else f"{'n/a':>{width}}"
 

@@ -1,0 +1,604 @@
+"""tfmath.variants: FlashAttention's and FlexAttention's variants against their definitions.
+
+The ``reference`` backend is the definition, with whole score matrices in float64;
+it is itself checked against independent computations (tfmath's scaled dot-product
+attention with the equivalent dense mask or bias, PyTorch's autograd through a
+dense formula, and central differences). The ``cpu`` kernels are then held to the
+reference at the tolerances of :mod:`tests._tolerances`: a dot product of length
+E and a sum over S keys, in the operands' precision. The soft cap's tanh adds an
+absolute error of a few units of eps times the cap, covered by the same bound with
+``softcap`` <= 3.
+"""
+
+import math
+
+import numba
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import tfmath
+import tfmath.nn
+from tests._errors import assert_refused
+from tests._gradients import central_differences
+from tests._tolerances import assert_close, attention_tolerance, half_tolerance
+from tfmath import variants
+
+RNG = np.random.default_rng(2026)
+
+
+def _operands(shape_q, shape_k, value_dim, dtype=np.float64, seed=0):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal(shape_q).astype(dtype)
+    k = rng.standard_normal(shape_k).astype(dtype)
+    v = rng.standard_normal((*shape_k[:-1], value_dim)).astype(dtype)
+    return q, k, v
+
+
+OPTIONS = {
+    "plain": {},
+    "causal": {"causal": True},
+    "window": {"window_size": (9, 3)},
+    "causal window": {"causal": True, "window_size": (20, -1)},
+    "softcap": {"softcap": 2.0},
+    "alibi": {"alibi_slopes": np.array([0.5, 0.25, 0.125, 0.0625])},
+    "alibi per batch": {"alibi_slopes": RNG.random((2, 4))},
+    "sinks": {"sinks": np.array([0.3, -1.0, 2.0, 0.0])},
+    "everything": {
+        "causal": True,
+        "window_size": (30, -1),
+        "softcap": 1.5,
+        "alibi_slopes": RNG.random(4),
+        "sinks": RNG.standard_normal(4),
+    },
+}
+
+
+def _both(function, *args, **kwargs):
+    return function(*args, backend="cpu", **kwargs), function(*args, backend="reference", **kwargs)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("name", sorted(OPTIONS))
+@pytest.mark.parametrize("n_query", [100, 150])
+def test_flash_forward_and_gradients_match_the_definition(name, dtype, n_query):
+    # Grouped heads (4 query heads, 2 key/value heads), L != S both ways, rows not a
+    # multiple of the tiles.
+    q, k, v = _operands((2, 4, n_query, 16), (2, 2, 130, 16), 8, dtype)
+    options = OPTIONS[name]
+    (out, lse), (ref_out, ref_lse) = _both(
+        variants.flash_attention, q, k, v, return_lse=True, **options
+    )
+    tolerance = attention_tolerance(dtype, 16, 130)
+    assert out.dtype == dtype and out.shape == (2, 4, n_query, 8)
+    assert_close(out, ref_out, tolerance)
+    assert_close(lse, ref_lse, tolerance)
+    grad_output = RNG.standard_normal(out.shape).astype(dtype)
+    grad_lse = RNG.standard_normal(lse.shape).astype(dtype)
+    grads, ref_grads = _both(
+        variants.flash_attention_grad, q, k, v, grad_output, grad_lse=grad_lse, **options
+    )
+    for grad, ref in zip(grads, ref_grads, strict=True):
+        if ref is None:
+            assert grad is None
+            continue
+        assert grad.shape == ref.shape
+        scale = max(np.abs(ref).max(), 1.0)
+        assert_close(grad / scale, ref / scale, 4 * tolerance)
+
+
+def _dense_additive(options, n_heads, n_query, n_key):
+    """The equivalent dense (heads, L, S) additive mask of FlashAttention's causal,
+    window and ALiBi options, bottom-right aligned."""
+    rows, cols = np.arange(n_query)[:, None], np.arange(n_key)[None, :]
+    diagonal = rows + n_key - n_query
+    bias = np.zeros((n_heads, n_query, n_key))
+    if options.get("alibi_slopes") is not None:
+        bias -= np.asarray(options["alibi_slopes"])[:, None, None] * np.abs(diagonal - cols)
+    left, right = options.get("window_size", (-1, -1))
+    right = 0 if options.get("causal") else right
+    masked = np.zeros((n_query, n_key), bool)
+    if left >= 0:
+        masked |= cols < diagonal - left
+    if right >= 0:
+        masked |= cols > diagonal + right
+    return np.where(masked, -np.inf, bias)
+
+
+@pytest.mark.parametrize("name", ["plain", "causal", "window", "causal window", "alibi"])
+def test_the_reference_is_attention_with_the_equivalent_dense_mask(name):
+    q, k, v = _operands((3, 4, 40, 8), (3, 4, 56, 8), 8)
+    options = OPTIONS[name]
+    expected = tfmath.scaled_dot_product_attention(
+        q, k, v, attn_mask=_dense_additive(options, 4, 40, 56), backend="reference"
+    )
+    actual = variants.flash_attention(q, k, v, backend="reference", **options)
+    assert_close(actual, expected, attention_tolerance(np.float64, 8, 56))
+
+
+def test_the_reference_gradients_agree_with_central_differences():
+    """The chain rule of the reference (soft cap, ALiBi, window, sinks, the gradient
+    through the log-sum-exp) against central differences of its own forward."""
+    q, k, v = _operands((1, 2, 5, 3), (1, 1, 7, 3), 2)
+    sinks = np.array([0.4, -0.3])
+    options = {"causal": True, "window_size": (4, -1), "softcap": 1.7, "alibi_slopes": [0.3, 0.1]}
+    weights = np.random.default_rng(3).standard_normal((1, 2, 5, 2))
+    lse_weights = np.random.default_rng(4).standard_normal((1, 2, 5))
+
+    def loss(q, k, v, sinks):
+        out, lse = variants.flash_attention(
+            q, k, v, sinks=sinks, return_lse=True, backend="reference", **options
+        )
+        return (out * weights).sum() + (lse * lse_weights).sum()
+
+    expected = central_differences(loss, [q, k, v, sinks])
+    actual = variants.flash_attention_grad(
+        q, k, v, weights, sinks=sinks, grad_lse=lse_weights, backend="reference", **options
+    )
+    for grad, numeric in zip(actual, expected, strict=True):
+        np.testing.assert_allclose(grad, numeric, rtol=1e-7, atol=1e-8)
+
+
+def test_sink_gradients_of_the_kernels_agree_with_central_differences():
+    q, k, v = _operands((2, 3, 70, 8), (2, 3, 70, 8), 8)
+    sinks = np.array([0.5, -2.0, 1.0])
+    weights = np.random.default_rng(5).standard_normal((2, 3, 70, 8))
+
+    def loss(sinks):
+        return (variants.flash_attention(q, k, v, causal=True, sinks=sinks) * weights).sum()
+
+    (numeric,) = central_differences(loss, [sinks])
+    grads = variants.flash_attention_grad(q, k, v, weights, causal=True, sinks=sinks)
+    np.testing.assert_allclose(grads[3], numeric, rtol=1e-7)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_nan_behind_masked_positions_never_leaks(backend):
+    """Keys and values outside every row's window hold NaN: nothing attends them, so
+    neither the output nor any gradient may turn NaN."""
+    q, k, v = _operands((1, 2, 64, 8), (1, 2, 128, 8), 8)
+    options = {"causal": True, "window_size": (16, 0)}  # bottom-right: keys 48.. only
+    k[..., :40, :] = np.nan
+    v[..., :40, :] = np.nan
+    out = variants.flash_attention(q, k, v, backend=backend, **options)
+    clean = variants.flash_attention(
+        q, np.nan_to_num(k), np.nan_to_num(v), backend=backend, **options
+    )
+    assert np.isfinite(out).all()
+    # Equal up to rounding: a tile holding NaN is multiplied without BLAS.
+    assert_close(out, clean, attention_tolerance(np.float64, 8, 128))
+    grads = variants.flash_attention_grad(q, k, v, np.ones_like(out), backend=backend, **options)
+    for grad in grads[:3]:
+        assert np.isfinite(grad[..., 40:, :] if grad.shape[-2] == 128 else grad).all()
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_rows_with_nothing_to_attend(backend, with_sinks):
+    """L > S, causal and bottom-right aligned: the first L - S rows attend no key. They
+    give 0, a log-sum-exp of -inf (the sink's logit with a sink) and no gradient."""
+    q, k, v = _operands((1, 2, 20, 4), (1, 2, 12, 4), 4)
+    sinks = np.array([0.5, -0.5]) if with_sinks else None
+    out, lse = variants.flash_attention(
+        q, k, v, causal=True, sinks=sinks, return_lse=True, backend=backend
+    )
+    assert (out[..., :8, :] == 0).all()
+    expected_lse = (
+        np.broadcast_to(sinks[:, None], (2, 8)) if with_sinks else np.full((2, 8), -np.inf)
+    )
+    np.testing.assert_array_equal(lse[0, :, :8], expected_lse)
+    assert np.isfinite(lse[..., 8:]).all()
+    grads = variants.flash_attention_grad(
+        q, k, v, np.ones_like(out), causal=True, sinks=sinks, grad_lse=np.ones_like(lse),
+        backend=backend,
+    )  # fmt: skip
+    assert (grads[0][..., :8, :] == 0).all()
+    assert all(np.isfinite(g).all() for g in grads if g is not None)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    n_query=st.integers(1, 90),
+    n_key=st.integers(1, 90),
+    features=st.integers(1, 12),
+    groups=st.sampled_from([(1, 1), (2, 1), (4, 2)]),
+    left=st.integers(-1, 40),
+    right=st.integers(-1, 40),
+    causal=st.booleans(),
+    softcap=st.sampled_from([0.0, 0.5, 3.0]),
+    alibi=st.booleans(),
+    sinks=st.booleans(),
+    dtype=st.sampled_from([np.float32, np.float64]),
+)
+def test_random_shapes_and_options_match_the_definition(
+    n_query, n_key, features, groups, left, right, causal, softcap, alibi, sinks, dtype
+):
+    heads, kv_heads = groups
+    q, k, v = _operands((heads, n_query, features), (kv_heads, n_key, features), 3, dtype)
+    options = {
+        "causal": causal, "window_size": (left, right), "softcap": softcap,
+        "alibi_slopes": np.linspace(0.1, 0.5, heads) if alibi else None,
+        "sinks": np.linspace(-1, 1, heads) if sinks else None,
+    }  # fmt: skip
+    (out, lse), (ref_out, ref_lse) = _both(
+        variants.flash_attention, q, k, v, return_lse=True, **options
+    )
+    tolerance = attention_tolerance(dtype, features, n_key)
+    assert_close(out, ref_out, tolerance)
+    assert_close(lse, ref_lse, tolerance)
+    grad_output = np.ones_like(out)
+    grads, ref_grads = _both(variants.flash_attention_grad, q, k, v, grad_output, **options)
+    for grad, ref in zip(grads[:3], ref_grads[:3], strict=True):
+        scale = max(np.abs(ref).max(), 1.0)
+        assert_close(grad / scale, ref / scale, 4 * tolerance)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_precision_comes_back_in_its_dtype(dtype):
+    import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy)
+
+    q, k, v = (x.astype(dtype) for x in _operands((2, 2, 40, 8), (2, 2, 40, 8), 8))
+    out = variants.flash_attention(q, k, v, causal=True, softcap=2.0)
+    assert out.dtype == np.dtype(dtype)
+    expected = variants.flash_attention(
+        *(x.astype(np.float64) for x in (q, k, v)), causal=True, softcap=2.0, backend="reference"
+    )
+    assert_close(out.astype(np.float64), expected.astype(dtype).astype(np.float64),
+                 half_tolerance(dtype, 40))  # fmt: skip
+
+
+# --- Packed sequences -------------------------------------------------------------------
+
+
+def test_varlen_is_flash_attention_per_sequence():
+    rng = np.random.default_rng(7)
+    cu_q, cu_k = np.array([0, 1, 11, 40, 40]), np.array([0, 20, 21, 70, 75])
+    q = rng.standard_normal((40, 4, 8))
+    k, v = rng.standard_normal((75, 2, 8)), rng.standard_normal((75, 2, 5))
+    options = {"causal": True, "window_size": (12, -1), "sinks": rng.standard_normal(4),
+               "alibi_slopes": rng.random((4, 4))}  # fmt: skip
+    out, lse = variants.flash_attention_varlen(
+        q, k, v, cu_q, cu_k, 29, 49, return_lse=True, **options
+    )
+    grad_output = rng.standard_normal(out.shape)
+    grads = variants.flash_attention_varlen_grad(
+        q, k, v, grad_output, cu_q, cu_k, 29, 49, **options
+    )
+    grad_sinks = np.zeros(4)
+    for s in range(4):
+        rows, keys = slice(cu_q[s], cu_q[s + 1]), slice(cu_k[s], cu_k[s + 1])
+        if rows.start == rows.stop:
+            continue
+        one = {**options, "alibi_slopes": options["alibi_slopes"][s]}
+        per = [x.transpose(1, 0, 2) for x in (q[rows], k[keys], v[keys], grad_output[rows])]
+        expected, expected_lse = variants.flash_attention(
+            *per[:3], return_lse=True, backend="reference", **one
+        )
+        assert_close(out[rows], expected.transpose(1, 0, 2), attention_tolerance(np.float64, 8, 49))
+        assert_close(lse[rows], expected_lse.T, attention_tolerance(np.float64, 8, 49))
+        ref = variants.flash_attention_grad(*per, backend="reference", **one)
+        assert_close(grads[0][rows], ref[0].transpose(1, 0, 2), 1e-12)
+        assert_close(grads[1][keys], ref[1].transpose(1, 0, 2), 1e-12)
+        assert_close(grads[2][keys], ref[2].transpose(1, 0, 2), 1e-12)
+        grad_sinks += ref[3]
+    assert_close(grads[3], grad_sinks, 1e-12)
+
+
+def test_decoding_against_caches_of_different_lengths():
+    """One new token per sequence (cu_seqlens_q = 0, 1, 2, ...), caches of 5, 33 and 64
+    tokens: each token attends its whole cache (causal, bottom-right)."""
+    rng = np.random.default_rng(8)
+    lengths = [5, 33, 64]
+    cu_k = np.concatenate([[0], np.cumsum(lengths)])
+    q = rng.standard_normal((3, 2, 8))
+    k, v = rng.standard_normal((102, 2, 8)), rng.standard_normal((102, 2, 8))
+    out = variants.flash_attention_varlen(q, k, v, np.arange(4), cu_k, 1, 64, causal=True)
+    for s in range(3):
+        keys = slice(cu_k[s], cu_k[s + 1])
+        expected = tfmath.scaled_dot_product_attention(
+            q[s][:, None], k[keys].transpose(1, 0, 2), v[keys].transpose(1, 0, 2)
+        )
+        assert_close(out[s], expected[:, 0], attention_tolerance(np.float64, 8, 64))
+
+
+# --- FlexAttention ----------------------------------------------------------------------
+
+
+@numba.njit
+def _softcap(score, b, h, q_idx, kv_idx):
+    return 2.0 * math.tanh(score / 2.0)
+
+
+@numba.njit
+def _softcap_derivative(score, b, h, q_idx, kv_idx):
+    t = math.tanh(score / 2.0)
+    return 1.0 - t * t
+
+
+def _documents(b, h, q_idx, kv_idx):  # plain Python: compiled by tfmath
+    return q_idx // 24 == kv_idx // 24 and q_idx >= kv_idx
+
+
+@numba.njit
+def _alibi(score, b, h, q_idx, kv_idx):
+    return score - (h + 1) * 0.1 * abs(q_idx - kv_idx)
+
+
+def test_create_block_mask_classifies_blocks_as_the_dense_mask_says():
+    mask = variants.create_block_mask(_documents, None, None, 100, 90, BLOCK_SIZE=16)
+    rows, cols = np.arange(100)[:, None], np.arange(90)[None, :]
+    dense = (rows // 24 == cols // 24) & (rows >= cols)
+    padded = np.zeros((112, 96), bool)
+    padded[:100, :90] = dense
+    per_block = padded.reshape(7, 16, 6, 16).transpose(0, 2, 1, 3).reshape(7, 6, -1)
+    area = np.minimum(16, 100 - 16 * np.arange(7))[:, None] * np.minimum(16, 90 - 16 * np.arange(6))
+    full = per_block.sum(-1) == area
+    partial = per_block.any(-1) & ~full
+    np.testing.assert_array_equal(mask.to_dense()[0, 0], full | partial)
+    assert (mask.full_kv_num_blocks[0, 0] == full.sum(1)).all()
+    assert (mask.kv_num_blocks[0, 0] == partial.sum(1)).all()
+    assert mask.shape == (1, 1, 100, 90)
+    assert 0 < mask.sparsity() < 100
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize(
+    "score_mod, derivative",
+    [(None, None), (_softcap, _softcap_derivative), (_alibi, "unit"), ("bias", None)],
+    ids=["none", "softcap", "alibi", "relative bias"],
+)
+@pytest.mark.parametrize("masked", [False, True], ids=["all", "documents"])
+def test_flex_matches_the_definition(score_mod, derivative, masked, dtype):
+    q, k, v = _operands((2, 4, 100, 8), (2, 2, 100, 8), 8, dtype)
+    table = None
+    if score_mod == "bias":
+        table = np.random.default_rng(9).standard_normal((4, 9))
+        score_mod = variants.RelativePositionBias(table)
+    if derivative == "unit":
+        derivative = numba.njit(lambda score, b, h, q_idx, kv_idx: 1.0)
+    block_mask = (
+        variants.create_block_mask(_documents, None, None, 100, 100, BLOCK_SIZE=16)
+        if masked
+        else None
+    )
+    options = {"score_mod": score_mod, "block_mask": block_mask, "enable_gqa": True,
+               "score_mod_derivative": derivative}  # fmt: skip
+    (out, lse), (ref_out, ref_lse) = _both(
+        variants.flex_attention, q, k, v, return_lse=True, **options
+    )
+    tolerance = attention_tolerance(dtype, 8, 100)
+    assert_close(out, ref_out, tolerance)
+    assert_close(lse, ref_lse, tolerance)
+    grad_output = np.random.default_rng(10).standard_normal(out.shape).astype(dtype)
+    grads, ref_grads = _both(variants.flex_attention_grad, q, k, v, grad_output, **options)
+    for grad, ref in zip(grads, ref_grads, strict=True):
+        if ref is None:
+            assert grad is None
+            continue
+        scale = max(np.abs(ref).max(), 1.0)
+        assert_close(grad / scale, ref / scale, 4 * tolerance)
+
+
+def test_flex_block_mask_is_the_dense_mask():
+    """A document-causal block mask equals attention with the same dense boolean mask."""
+    q, k, v = _operands((1, 2, 100, 8), (1, 2, 100, 8), 8)
+    mask = variants.create_block_mask(_documents, 1, None, 100, 100, BLOCK_SIZE=32)
+    rows, cols = np.arange(100)[:, None], np.arange(100)[None, :]
+    dense = (rows // 24 == cols // 24) & (rows >= cols)
+    expected = tfmath.scaled_dot_product_attention(q, k, v, attn_mask=dense, backend="reference")
+    assert_close(variants.flex_attention(q, k, v, block_mask=mask), expected, 1e-13)
+
+
+def test_relative_bias_table_gradient_agrees_with_central_differences():
+    q, k, v = _operands((1, 2, 9, 3), (1, 2, 9, 3), 2)
+    table = np.random.default_rng(11).standard_normal((2, 5))
+    weights = np.random.default_rng(12).standard_normal((1, 2, 9, 2))
+
+    def loss(table):
+        return (
+            variants.flex_attention(q, k, v, variants.RelativePositionBias(table)) * weights
+        ).sum()
+
+    (numeric,) = central_differences(loss, [table])
+    grad = variants.flex_attention_grad(q, k, v, weights, variants.RelativePositionBias(table))[3]
+    np.testing.assert_allclose(grad, numeric, rtol=1e-7, atol=1e-9)
+
+
+def test_a_user_score_mod_matches_the_built_in_modification():
+    """FlashAttention's soft cap and ALiBi written as score_mods give the built-ins' results."""
+    q, k, v = _operands((1, 4, 64, 8), (1, 4, 64, 8), 8)
+    slopes = 0.1 * np.arange(1, 5)
+    from tfmath.variants import tanh
+
+    @numba.njit
+    def capped_alibi(score, b, h, q_idx, kv_idx):
+        return 2.0 * tanh(score / 2.0) - (h + 1) * 0.1 * abs(q_idx - kv_idx)
+
+    expected = variants.flash_attention(q, k, v, softcap=2.0, alibi_slopes=slopes)
+    assert_close(variants.flex_attention(q, k, v, capped_alibi), expected, 1e-13)
+
+
+# --- PyTorch ----------------------------------------------------------------------------
+
+
+def test_torch_autograd_matches_a_dense_torch_definition():
+    torch = pytest.importorskip("torch")
+    generator = torch.Generator().manual_seed(0)
+
+    def leaf(*shape):
+        return torch.randn(*shape, dtype=torch.float64, generator=generator).requires_grad_()
+
+    q, k, v, sinks = leaf(2, 4, 50, 16), leaf(2, 2, 60, 16), leaf(2, 2, 60, 8), leaf(4)
+
+    def dense(q, k, v, sinks):
+        k, v = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+        scores = 3.0 * torch.tanh(q @ k.transpose(-1, -2) / 4.0 / 3.0)
+        rows, cols = torch.arange(50)[:, None], torch.arange(60)[None]
+        scores = scores.masked_fill(cols > rows + 10, float("-inf"))
+        logits = torch.cat([scores, sinks[None, :, None, None].expand(2, 4, 50, 1)], -1)
+        lse = torch.logsumexp(logits, -1)
+        return torch.exp(logits - lse[..., None])[..., :-1] @ v, lse
+
+    out, lse = tfmath.nn.flash_attention(
+        q, k, v, causal=True, softcap=3.0, sinks=sinks, return_lse=True
+    )
+    (out.square().sum() + lse.sum()).backward()
+    copies = [t.detach().clone().requires_grad_() for t in (q, k, v, sinks)]
+    expected_out, expected_lse = dense(*copies)
+    (expected_out.square().sum() + expected_lse.sum()).backward()
+    torch.testing.assert_close(out, expected_out, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lse, expected_lse, rtol=1e-12, atol=1e-12)
+    for tensor, copy in zip((q, k, v, sinks), copies, strict=True):
+        torch.testing.assert_close(tensor.grad, copy.grad, rtol=1e-10, atol=1e-12)
+
+
+def test_torch_flex_trains_a_relative_bias_table():
+    torch = pytest.importorskip("torch")
+    q, k, v = (torch.from_numpy(x) for x in _operands((1, 2, 30, 4), (1, 2, 30, 4), 4))
+    table = torch.zeros(2, 7, dtype=torch.float64, requires_grad=True)
+    out = tfmath.nn.flex_attention(q, k, v, variants.RelativePositionBias(table))
+    out.square().sum().backward()
+    expected = variants.flex_attention_grad(
+        q.numpy(), k.numpy(), v.numpy(), 2 * out.detach().numpy(),
+        variants.RelativePositionBias(table.detach().numpy()),
+    )[3]  # fmt: skip
+    np.testing.assert_allclose(table.grad.numpy(), expected, rtol=1e-12)
+
+
+def test_torch_refuses_a_score_mod_without_a_derivative():
+    torch = pytest.importorskip("torch")
+    q, k, v = (
+        torch.from_numpy(x).requires_grad_() for x in _operands((1, 1, 8, 4), (1, 1, 8, 4), 4)
+    )
+    assert_refused(
+        lambda: tfmath.nn.flex_attention(q, k, v, _softcap),
+        tfmath.ArgumentError,
+        ["score_mod_derivative"],
+    )
+
+
+# --- Errors -----------------------------------------------------------------------------
+
+
+def _block_mask_of_other_lengths():
+    return variants.create_block_mask(_documents, None, None, 8, 16, 8)
+
+
+#: (call on q, k, v of shape (1, 4, 16, 8), the error, a word its message must hold)
+BAD_CALLS = {
+    "heads not a multiple": (
+        lambda q, k, v: variants.flash_attention(q, k[:, :3], v[:, :3]),
+        tfmath.ShapeError, "multiple",
+    ),
+    "window not a pair": (
+        lambda q, k, v: variants.flash_attention(q, k, v, window_size=3),
+        tfmath.ArgumentError, "pair",
+    ),
+    "window below -1": (
+        lambda q, k, v: variants.flash_attention(q, k, v, window_size=(-2, 0)),
+        tfmath.ArgumentError, "window_size[0]",
+    ),
+    "slopes of 3 heads": (
+        lambda q, k, v: variants.flash_attention(q, k, v, alibi_slopes=np.ones(3)),
+        tfmath.ShapeError, "alibi_slopes",
+    ),
+    "sinks of 2-d": (
+        lambda q, k, v: variants.flash_attention(q, k, v, sinks=np.ones((2, 4))),
+        tfmath.ShapeError, "sinks",
+    ),
+    "negative softcap": (
+        lambda q, k, v: variants.flash_attention(q, k, v, softcap=-1.0),
+        tfmath.ArgumentError, "softcap",
+    ),
+    "mixed dtypes": (
+        lambda q, k, v: variants.flash_attention(q, k, v.astype(np.float32)),
+        tfmath.DTypeError, "one dtype",
+    ),
+    "cuda": (
+        lambda q, k, v: variants.flash_attention(q, k, v, backend="cuda"),
+        tfmath.BackendUnavailableError, "CPU only",
+    ),
+    "gqa not enabled": (
+        lambda q, k, v: variants.flex_attention(q, k[:, :2], v[:, :2]),
+        tfmath.ShapeError, "enable_gqa",
+    ),
+    "block mask of other lengths": (
+        lambda q, k, v: variants.flex_attention(q, k, v, block_mask=_block_mask_of_other_lengths()),
+        tfmath.ShapeError, "Q_LEN",
+    ),
+    "score_mod without derivative": (
+        lambda q, k, v: variants.flex_attention_grad(q, k, v, q, _softcap),
+        tfmath.ArgumentError, "score_mod_derivative",
+    ),
+    "block size of 12": (
+        lambda q, k, v: variants.create_block_mask(_documents, None, None, 16, 16, BLOCK_SIZE=12),
+        tfmath.ArgumentError, "multiples of 8",
+    ),
+    "grad_output of the wrong shape": (
+        lambda q, k, v: variants.flash_attention_grad(q, k, v, q[..., :3]),
+        tfmath.ShapeError, "grad_output",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(BAD_CALLS))
+def test_bad_arguments_are_refused_with_what_to_fix(name):
+    call, error, words = BAD_CALLS[name]
+    q, k, v = _operands((1, 4, 16, 8), (1, 4, 16, 8), 8)
+    assert_refused(lambda: call(q, k, v), error, [words])
+
+
+@pytest.mark.parametrize(
+    "cu_q, cu_k, max_q, words",
+    [
+        ([0, 3, 2], [0, 4, 8], 3, "never decrease"),
+        ([0, 3, 5], [0, 4, 9], 3, "end at the 8"),
+        ([0, 3, 5], [0, 4, 8], 2, "max_seqlen_q"),
+        ([0, 5], [0, 4, 8], 5, "same number"),
+    ],
+)
+def test_bad_sequence_boundaries_are_refused(cu_q, cu_k, max_q, words):
+    q, k, v = _operands((5, 2, 4), (8, 2, 4), 4)
+    assert_refused(
+        lambda: variants.flash_attention_varlen(q, k, v, np.array(cu_q), np.array(cu_k), max_q, 8),
+        tfmath.ArgumentError,
+        [words],
+    )
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_weights_are_the_softmax_and_feed_the_attention_view(backend):
+    """return_weights: each row of P (and the sink's column) sums to 1, P V is the
+    output, and the view takes the weights with "<sink>" as the last token."""
+    q, k, v = _operands((1, 2, 12, 4), (1, 2, 12, 4), 4)
+    out, weights = variants.flash_attention(
+        q, k, v, causal=True, window_size=(4, 0), softcap=2.0, sinks=np.array([0.0, 1.0]),
+        return_weights=True, backend=backend,
+    )  # fmt: skip
+    assert weights.shape == (1, 2, 12, 13)
+    np.testing.assert_allclose(weights.sum(-1), 1.0, rtol=1e-12)
+    rows, cols = np.arange(12)[:, None], np.arange(12)[None, :]
+    assert (weights[..., :12][..., (cols > rows) | (cols < rows - 4)] == 0).all()
+    np.testing.assert_allclose(weights[..., :12] @ v, out, rtol=1e-12, atol=1e-14)
+    tokens = [f"t{i}" for i in range(12)]
+    view = tfmath.attention_view([*tokens, "<sink>"], weights[0], query_tokens=tokens)
+    assert view is not None
+    flex_out, flex_weights = variants.flex_attention(q, k, v, return_weights=True, backend=backend)
+    np.testing.assert_allclose(flex_weights @ v, flex_out, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize(
+    "shape_q, shape_k",
+    [((0, 2, 3, 4), (0, 2, 3, 4)), ((1, 2, 0, 4), (1, 2, 5, 4)), ((1, 2, 3, 4), (1, 2, 0, 4))],
+    ids=["no batch", "no query", "no key"],
+)
+def test_empty_dimensions_give_empty_or_zero_results(shape_q, shape_k):
+    """Nothing to attend gives 0 (or, with a sink, still 0: the sink has no value)."""
+    q, k, v = _operands(shape_q, shape_k, 3)
+    out, lse = variants.flash_attention(q, k, v, sinks=np.ones(2), return_lse=True)
+    assert out.shape == (*shape_q[:-1], 3) and (out == 0).all()
+    assert (lse == 1.0).all()  # the sink's logit alone
+    grads = variants.flash_attention_grad(q, k, v, np.ones_like(out), sinks=np.ones(2))
+    assert [g.shape for g in grads[:3]] == [q.shape, k.shape, v.shape]
+    assert all((g == 0).all() for g in grads)
