@@ -167,11 +167,68 @@ def test_half_flash_is_widened_on_a_gpu_older_than_the_kernel(monkeypatch):
                  half_tolerance(np.dtype(np.float16), 64))  # fmt: skip
 
 
+def _torch_on_a_gpu():
+    torch = pytest.importorskip("torch")
+    if not (torch.cuda.is_available() and _cuda.status().real_gpu):
+        pytest.skip("needs a CUDA GPU and a CUDA build of torch")
+    return torch
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("format_name", ["float16", "bfloat16"])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_cuda_tensors_take_the_short_path_with_the_general_paths_bits(format_name, is_causal):
+    """On a GPU only: plain CUDA tensors come back as CUDA tensors with the bits of the
+    general path (the same kernel on Numba device arrays), within rounding of the
+    float64 reference, on torch's current stream."""
+    torch = _torch_on_a_gpu()
+    dtype = getattr(torch, format_name)
+    generator = torch.Generator(device="cuda").manual_seed(5)
+    q, k, v = (torch.randn((2, 3, n, 64), generator=generator, device="cuda", dtype=dtype)
+               for n in (77, 130, 130))  # fmt: skip
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        output = tfmath.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
+    torch.cuda.current_stream().wait_stream(side)
+    assert isinstance(output, torch.Tensor)
+    assert output.device == q.device and output.dtype == dtype
+    bits = np.dtype(ml_dtypes.bfloat16) if format_name == "bfloat16" else np.dtype(np.float16)
+    host = [t.cpu().view(torch.int16).numpy().view(bits) for t in (q, k, v)]
+    problem = attention_problem(*host, is_causal=is_causal, backend="cuda")
+    general, _ = _cuda_tensor_core().flash_attention(problem)
+    np.testing.assert_array_equal(output.cpu().view(torch.int16).numpy(), general.view(np.int16))
+    reference = tfmath.scaled_dot_product_attention(
+        *(a.astype(np.float64) for a in host), is_causal=is_causal, backend="reference"
+    )
+    # The weights are rounded to the operands' format before P V, so the error is that
+    # rounding's, about one unit of it relative to the output (the tolerances of
+    # tools/gpu/check.py, which measured 2.7e-4 and 2.2e-3 on an H200).
+    error = np.linalg.norm(general.astype(np.float64) - reference) / np.linalg.norm(reference)
+    assert error <= {"float16": 5e-3, "bfloat16": 3e-2}[format_name]
+
+
+@pytest.mark.cuda
+def test_bfloat16_cuda_tensors_beyond_the_tensor_cores_are_refused_by_name():
+    """On a GPU only: Numba shares no bfloat16 with CUDA arrays, so a bfloat16 tensor the
+    tensor-core forward does not take (a head of 32) is refused, saying what to do."""
+    torch = _torch_on_a_gpu()
+    q = torch.ones((1, 2, 8, 32), device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(tfmath.DTypeError, match=r"query is a bfloat16 CUDA tensor.*query\.half"):
+        tfmath.scaled_dot_product_attention(q, q, q)
+
+
+def _cuda_tensor_core():
+    from tfmath.kernels.cuda import tensor_core
+
+    return tensor_core
+
+
 # -- PTX, compiled without a GPU ------------------------------------------------------------
 
 
 def _ptx_toolchain_missing():
-    needed = ("numba_cuda", "cffi", "cuda.bindings")
+    needed = ("numba_cuda", "cuda.bindings")
     missing = [name for name in needed if _find_spec(name) is None]
     return f"needs {', '.join(missing)}: pip install 'tfmath[ptx]'" if missing else None
 

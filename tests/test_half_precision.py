@@ -56,6 +56,28 @@ def test_widening_is_exact_and_narrowing_rounds_to_nearest_even(dtype):
     assert np.all(np.isnan(nan.astype(np.float32)))
 
 
+@pytest.mark.cuda
+def test_float16_device_arrays_convert_on_the_device_as_numpy_does():
+    """The CUDA conversions of contiguous device arrays (a kernel, no host copy) round
+    as NumPy does, specials included; a strided view takes the host's way, same bits."""
+    from tfmath import _cuda
+    from tfmath.kernels.cuda import half as cuda_half
+
+    rng = np.random.default_rng(2)
+    special = [0.0, -0.0, 1e-8, 6e-5, 1.0, 65504.0, 65520.0, 1e5, 3e38, 1e-40, np.inf, -np.inf]
+    values = np.concatenate([rng.standard_normal(2_000) * 300, special]).astype(np.float32)
+    with np.errstate(over="ignore"):
+        expected = values.astype(np.float16)
+    narrowed = cuda_half.narrow(_cuda.to_device(values.reshape(2, -1)), np.float16)
+    assert _cuda.is_device_array(narrowed) and narrowed.shape == (2, values.size // 2)
+    np.testing.assert_array_equal(narrowed.copy_to_host().reshape(-1).view(np.uint16),
+                                  expected.view(np.uint16))  # fmt: skip
+    widened = cuda_half.widen(narrowed)
+    np.testing.assert_array_equal(widened.copy_to_host().reshape(-1), expected.astype(np.float32))
+    strided = cuda_half.widen(_cuda.to_device(expected)[::3])
+    np.testing.assert_array_equal(strided.copy_to_host(), expected[::3].astype(np.float32))
+
+
 # -- every routine, against the float64 reference ------------------------------------------
 
 

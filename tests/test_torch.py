@@ -671,6 +671,55 @@ def test_the_tensor_short_path_declines_what_it_does_not_check(change):
     assert tfmath.attention._plain_attention_of_tensors(**arguments) is None
 
 
+def _refuse_to_be_asked(format_name, head_dim):
+    raise AssertionError("the CUDA short path asked about the tensor cores for host tensors")
+
+
+@pytest.mark.parametrize(
+    "tensors",
+    [
+        [torch.ones(2, 4, 64, dtype=torch.float16)] * 3,  # host half precision
+        [torch.ones(2, 4, 64, dtype=torch.bfloat16, device="meta")] * 3,  # not on a GPU
+        [torch.ones(2, 4, 64)] * 3,  # float32
+        [np.ones((2, 4, 64), np.float16)] * 3,  # NumPy arrays
+    ],
+)
+def test_the_cuda_short_path_declines_host_operands_before_asking_for_the_gpu(tensors):
+    from tfmath._contract.tensors import plain_cuda_call
+
+    assert plain_cuda_call(*tensors, _refuse_to_be_asked) is None
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"attn_mask": torch.ones(4, 4, dtype=torch.bool)},
+        {"enable_gqa": True},
+        {"return_weights": True},
+        {"return_log_sum_exp": True},
+        {"method": "naive"},
+        {"accumulate": "float32"},
+        {"backend": "cpu"},
+        {"backend": "reference"},
+    ],
+)
+def test_the_cuda_short_path_takes_only_plain_calls(change):
+    arguments = {
+        "attn_mask": None,
+        "enable_gqa": False,
+        "return_weights": False,
+        "return_log_sum_exp": False,
+        "method": "auto",
+        "accumulate": None,
+        "backend": "auto",
+    }
+    assert tfmath.attention._is_plain_device_call(**arguments)
+    assert tfmath.attention._is_plain_device_call(**{**arguments, "method": "flash"})
+    assert tfmath.attention._is_plain_device_call(**{**arguments, "backend": "cuda"})
+    arguments.update(change)
+    assert not tfmath.attention._is_plain_device_call(**arguments)
+
+
 def test_errors_of_calls_the_short_path_declines_are_the_general_paths():
     q = torch.ones(2, 4, 5)
     for bad_key, error, words in (

@@ -18,6 +18,7 @@ import functools
 import inspect
 import itertools
 import sys
+from typing import NamedTuple
 
 import numpy as np
 
@@ -61,6 +62,15 @@ def to_array(name, tensor):
         tensor = tensor.resolve_conj().resolve_neg()
     device = tensor.device.type
     if device == "cuda":
+        if tensor.dtype is torch.bfloat16:
+            # CUDA arrays share no bfloat16 with Numba: only the short path of plain
+            # calls (plain_cuda_call) reads such tensors, by their addresses.
+            raise DTypeError(
+                f"{name} is a bfloat16 CUDA tensor, which tfmath computes only in the "
+                "tensor-core forward: heads of 64 or 128 features, keys and values as "
+                "wide, no mask, no GQA, the output alone, no gradient; otherwise pass "
+                f"{name}.half() or {name}.float()"
+            )
         return _cuda.as_device_array(tensor)
     if device != "cpu":
         raise DTypeError(
@@ -109,6 +119,82 @@ def plain_cpu_arrays(*tensors):
             return None
         arrays.append(array)
     return tuple(arrays)
+
+
+class PlainCudaCall(NamedTuple):
+    """A plain attention call on CUDA tensors, ready for the tensor-core forward:
+    :func:`plain_cuda_call` made it."""
+
+    format_name: str  #: the operands' NumPy dtype name, float16 or bfloat16
+    shape: tuple  #: the query's ``(n_batch, L, d)``, batch dimensions flattened
+    key_rows: int  #: S
+    addresses: tuple  #: device addresses of query, key, value and the output
+    stream: int  #: the handle of torch's current stream on the operands' device
+    output: object  #: the output tensor, allocated by torch's caching allocator
+
+
+#: The formats of the CUDA short path, by torch dtype name.
+_HALF_FORMATS = {"torch.float16": "float16", "torch.bfloat16": "bfloat16"}
+
+
+def plain_cuda_call(query, key, value, serves):
+    """A :class:`PlainCudaCall` when query, key and value are plain CUDA tensors that
+    ``serves(format_name, head_dim)`` says the tensor-core forward takes; None for any
+    other call, which goes the general way and keeps its errors.
+
+    Plain: exactly ``torch.Tensor``, strided, C-contiguous, on Numba's current GPU, one
+    half-precision dtype, no pending negation, no gradient to record; the same batch
+    dimensions, no empty dimension, keys and values as wide as the queries. The output
+    is allocated on the operands' device by torch (its caching allocator, in stream
+    order) and the kernel is to run on torch's current stream, so the call is ordered
+    with the caller's other work on that stream and nothing waits for the GPU.
+    """
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    tensors = (query, key, value)
+    if not all(type(t) is torch.Tensor for t in tensors):
+        return None
+    format_name = _HALF_FORMATS.get(str(query.dtype))
+    device = query.device
+    if format_name is None or device.type != "cuda":
+        return None
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return None
+    query_shape, key_shape = query.shape, key.shape
+    if not (
+        len(query_shape) >= 2
+        and key_shape == value.shape
+        and key_shape[:-2] == query_shape[:-2]
+        and key_shape[-1] == query_shape[-1]
+        and 0 not in query_shape
+        and 0 not in key_shape
+    ):
+        return None
+    head_dim = query_shape[-1]
+    for t in tensors:
+        if (
+            t.dtype != query.dtype
+            or t.device != device
+            or t.layout is not torch.strided
+            or t.is_neg()
+            or not t.is_contiguous()
+        ):
+            return None
+    if device.index != _cuda.numba_cuda().get_current_device().id:
+        return None
+    if not serves(format_name, head_dim):
+        return None
+    output = torch.empty(query_shape, dtype=query.dtype, device=device)
+    n_batch = query.numel() // (query_shape[-2] * head_dim)
+    return PlainCudaCall(
+        format_name,
+        (n_batch, query_shape[-2], head_dim),
+        key_shape[-2],
+        (query.data_ptr(), key.data_ptr(), value.data_ptr(), output.data_ptr()),
+        torch.cuda.current_stream(device).cuda_stream,
+        output,
+    )
 
 
 def to_tensor(array, device):

@@ -15,14 +15,12 @@ tests first); on its own::
    forward + backward of each dtype, tfmath against
    ``torch.nn.functional.scaled_dot_product_attention`` (TF32 off for
    float32, on both sides: tfmath's float32 kernels use no tensor cores),
-   each the median of CUDA-event timings after warm-up. float16 and
-   bfloat16 forwards are timed at the kernel, on device copies of their
-   16-bit patterns (torch shares no bfloat16 tensor through
-   ``__cuda_array_interface__``, and the public API still rounds a device
-   result to half precision on the host); float16 also through the public
-   API on torch tensors, to show that cost. Half-precision backward passes
-   run on widened float32 copies (made on the host): float16's is timed as
-   it is; bfloat16's is not timed (its inputs would start on the host).
+   each the median of CUDA-event timings after warm-up, every forward through
+   the public API on the torch tensors (float16 and bfloat16 take the short
+   path of plain CUDA tensors to the tensor cores). The float16 backward runs
+   the float32 kernels on copies widened on the device; bfloat16's is not
+   timed (no CUDA array shares bfloat16 with Numba, so only the forward's
+   short path takes bfloat16 tensors).
 
 3. Resources: the registers, local and shared memory of each kernel, and the
    share of a multiprocessor's warps its blocks can hold at once (occupancy),
@@ -116,6 +114,10 @@ def check_case(dtype_name, case, rng):
         )
         for label, grad, want in zip(("dQ", "dK", "dV"), grads, expected, strict=True):
             rows.append((dtype_name, name, label, _relative_error(grad, want), 4 * tolerance))
+    # bfloat16 CUDA tensors take only the tensor cores' heads (others are refused).
+    if dtype_name == "float16" or (dtype_name == "bfloat16" and head in (64, 128)):
+        if not with_mask:
+            rows += _tensor_rows(dtype_name, name, q, k, v, causal, reference)
     if with_mask:
         # NaN where no row attends must not reach the output.
         garbage = v.copy()
@@ -129,6 +131,40 @@ def check_case(dtype_name, case, rng):
              tolerance)
         )  # fmt: skip
     return [(*row, bool(row[3] <= row[4])) for row in rows]
+
+
+def _tensor_rows(dtype_name, name, q, k, v, causal, reference):
+    """The public API on CUDA torch tensors (the short path of plain half-precision
+    tensors), on the default stream and on a side stream, whose work must be ordered
+    after the inputs' copy and before the result is read on it."""
+    import tfmath
+
+    torch = _torch()
+    tensors = [
+        torch.from_numpy(a.view(np.int16)).view(getattr(torch, dtype_name)).cuda()
+        for a in (q, k, v)
+    ]
+    tolerance = TOLERANCE[dtype_name]
+    rows = []
+    output = tfmath.scaled_dot_product_attention(*tensors, is_causal=causal)
+    rows.append((dtype_name, name, "tensors in, tensor out", _tensor_error(output, reference),
+                 tolerance))  # fmt: skip
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        # Inputs made on the side stream itself: only that stream's order protects them.
+        moved = [t.clone() for t in tensors]
+        output = tfmath.scaled_dot_product_attention(*moved, is_causal=causal)
+        result = output.float().cpu()
+    rows.append((dtype_name, name, "on a side stream", _relative_error(result, reference),
+                 tolerance))  # fmt: skip
+    return rows
+
+
+def _tensor_error(output, reference):
+    torch = _torch()
+    if not isinstance(output, torch.Tensor) or output.device.type != "cuda":
+        return float("nan")  # the result must stay on the device
+    return _relative_error(output.float().cpu().numpy(), reference)
 
 
 def run_checks(rng, dtypes=tuple(TOLERANCE)):
@@ -199,8 +235,14 @@ def _raw_kernel(q, k, v, dtype_name, is_causal, warps=None, max_registers=None):
     problem = attention_problem(*host, is_causal=is_causal, backend="cuda")
     bits = [_cuda.to_device(a.view(np.uint16)) for a in host]
     on_device = problem._replace(query=bits[0], key=bits[1], value=bits[2], on_device=True)
-    kernel, shape, arguments = tensor_core.launch(on_device, warps, max_registers)
-    return lambda: kernel[shape](*arguments)
+    kernel, shape, arguments, arrays = tensor_core.launch(on_device, warps, max_registers)
+
+    def call():
+        # ``arrays`` holds the memory the arguments point to.
+        kernel[shape](*arguments)
+        return arrays
+
+    return call
 
 
 #: Register caps tried per (head size, warps per block) by ``--block-shapes``: none, the
@@ -238,9 +280,8 @@ def time_issue_rows(torch, quick):
     ms per warps per block...)`` at L = 4096, H = 16: the issue's targets for the
     half-precision forward. The kernel's time is its launch alone (with the default warps
     per block, then with each of ``WARP_CHOICES``); the wrapper's adds the operands'
-    preparation; the public API's (float16 only: torch shares no bfloat16 through
-    ``__cuda_array_interface__``) is ``tfmath.scaled_dot_product_attention`` on the torch
-    tensors."""
+    preparation (on Numba device arrays); the public API's is
+    ``tfmath.scaled_dot_product_attention`` on the torch tensors."""
     import tfmath
     from tfmath.kernels.cuda import tensor_core
 
@@ -262,12 +303,11 @@ def time_issue_rows(torch, quick):
             torch_ms = median_ms(torch, theirs, 2, repeats)
             kernel_ms = median_ms(torch, _raw_kernel(q, k, v, dtype_name, causal), 2, repeats)
             wrapper_ms = median_ms(torch, _half_forward(q, k, v, dtype_name, causal), 2, repeats)
-            if dtype_name == "float16":
-                public = functools.partial(
-                    tfmath.scaled_dot_product_attention, q, k, v, is_causal=causal,
-                    method="flash", backend="cuda",
-                )  # fmt: skip
-                public_ms = median_ms(torch, public, 2, repeats)
+            public = functools.partial(
+                tfmath.scaled_dot_product_attention, q, k, v, is_causal=causal,
+                method="flash", backend="cuda",
+            )  # fmt: skip
+            public_ms = median_ms(torch, public, 2, repeats)
             by_warps = [
                 median_ms(torch, _raw_kernel(q, k, v, dtype_name, causal, w), 2, repeats)
                 for w in tensor_core.WARP_CHOICES
@@ -285,6 +325,40 @@ def time_issue_rows(torch, quick):
                         for w, ms in zip(tensor_core.WARP_CHOICES, by_warps, strict=True)),
               flush=True)  # fmt: skip
     return rows
+
+
+def profile_host(torch, calls=30):
+    """Where the host time of a call goes: ``cProfile`` over ``calls`` calls of the
+    kernel's launch, of the wrapper and of the public API (float16 and bfloat16) at
+    B = 1, H = 16, L = 4096, d = 64, each followed by a synchronisation, the functions
+    that take the most time of their own first."""
+    import cProfile
+    import pstats
+
+    import tfmath
+
+    n, heads, head = 4096, 16, 64
+    for dtype_name in ("float16", "bfloat16"):
+        q, k, v = (torch.randn((1, heads, n, head), device="cuda",
+                               dtype=getattr(torch, dtype_name)) for _ in range(3))  # fmt: skip
+        calls_by_path = {
+            "kernel launch": _raw_kernel(q, k, v, dtype_name, False),
+            "wrapper": _half_forward(q, k, v, dtype_name),
+            "public API": functools.partial(
+                tfmath.scaled_dot_product_attention, q, k, v, method="flash", backend="cuda"
+            ),
+        }
+        for path, call in calls_by_path.items():
+            call()
+            numba_cuda().synchronize()
+            profile = cProfile.Profile()
+            profile.enable()
+            for _ in range(calls):
+                call()
+                numba_cuda().synchronize()
+            profile.disable()
+            print(f"== host profile: {dtype_name} {path}, {calls} calls", flush=True)
+            pstats.Stats(profile, stream=sys.stdout).sort_stats("tottime").print_stats(18)
 
 
 def time_dtype(torch, dtype_name, n, quick):
@@ -312,12 +386,7 @@ def time_dtype(torch, dtype_name, n, quick):
         tfmath.scaled_dot_product_attention(q, k, v, method="flash", backend="cuda")
 
     add("forward", "torch sdpa", lambda: sdpa(q, k, v))
-    if dtype_name == "float32":
-        add("forward", "tfmath", tfmath_forward)
-    else:
-        add("forward", "tfmath", _half_forward(q, k, v, dtype_name))
-    if dtype_name == "float16" and n <= 2048:
-        add("forward (public API)", "tfmath", tfmath_forward)
+    add("forward", "tfmath", tfmath_forward)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
 
     def torch_step():
@@ -329,8 +398,9 @@ def time_dtype(torch, dtype_name, n, quick):
         )
         tfmath.attention_grad(q, k, v, grad, output=output, log_sum_exp=log_sum_exp, backend="cuda")
 
-    # Half-precision backward passes run on copies widened on the host: timed short.
-    if dtype_name == "float32" or (dtype_name == "float16" and n <= 2048):
+    # bfloat16 CUDA tensors reach only the short path (no CUDA array shares bfloat16
+    # with Numba), which has no backward.
+    if dtype_name != "bfloat16":
         add("forward+backward", "torch sdpa", torch_step)
         add("forward+backward", "tfmath", tfmath_step)
     return rows
@@ -479,7 +549,8 @@ def draw(ratio_lines, path):
 
 def draw_issue_rows(rows, path):
     """PyTorch's time over tfmath's at L = 4096 for each row of :func:`time_issue_rows`:
-    the kernel's launch alone and with its wrapper, against the issue's target of 0.5."""
+    the kernel's launch alone, the public API on the torch tensors, and the wrapper on
+    Numba device arrays, against the issue's target of 0.5."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -487,13 +558,16 @@ def draw_issue_rows(rows, path):
 
     short = {"float16": "f16", "bfloat16": "bf16"}
     labels = [f"{short[d]} d{h} B{b}" + (" causal" if c else "") for d, h, b, c, *_ in rows]
-    kernel = [row[4] / row[5] for row in rows]
-    wrapper = [row[4] / row[6] for row in rows]
+    bars = {
+        "kernel launch alone": [row[4] / row[5] for row in rows],
+        "public API on torch tensors": [row[4] / row[7] for row in rows],
+        "wrapper on Numba device arrays": [row[4] / row[6] for row in rows],
+    }
     figure = Figure(figsize=(9, 4.2), layout="constrained")
     ax = figure.add_subplot()
     x = np.arange(len(rows))
-    ax.bar(x - 0.2, kernel, 0.4, label="kernel launch alone")
-    ax.bar(x + 0.2, wrapper, 0.4, label="with the wrapper's preparation")
+    for offset, (label, ratios_of_rows) in zip((-0.27, 0.0, 0.27), bars.items(), strict=True):
+        ax.bar(x + offset, ratios_of_rows, 0.27, label=label)
     ax.axhline(0.5, color="grey", linewidth=1, linestyle=":", label="target 0.5")
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks(x, labels, rotation=60, ha="right", fontsize=8)
@@ -516,6 +590,11 @@ def main(argv=None):
         "--half", action="store_true", help="only half-precision checks and the issue's rows"
     )
     parser.add_argument(
+        "--host-profile",
+        action="store_true",
+        help="only cProfile's account of the wrapper's and the public API's host time",
+    )
+    parser.add_argument(
         "--block-shapes",
         action="store_true",
         help="only the tensor-core kernel's time per warps per block and register cap",
@@ -531,6 +610,9 @@ def main(argv=None):
         return 0
     if args.block_shapes:
         time_block_shapes(_torch())
+        return 0
+    if args.host_profile:
+        profile_host(_torch())
         return 0
     start = time.perf_counter()
     dtypes = ("float16", "bfloat16") if args.half else tuple(TOLERANCE)

@@ -6,8 +6,7 @@
 #   bash tools/gpu/check.sh --quick    # two lengths, fewer repeats
 #
 # 1. installs the wheels carried in .whl/ (tools/gpu/wheels.sh fetches them on a machine
-#    with pip and network: cffi, which that machine's image lacks, and a NumPy its
-#    numba-cuda can import), into /tmp/site, ahead of the image's own packages;
+#    with pip and network: a NumPy its numba-cuda can import), into /tmp/site, ahead of the image's own packages;
 # 2. prints the GPU, the driver and the versions that matter;
 # 3. runs tools/gpu/check.py: correctness of every dtype's flash kernels, the
 #    tensor-core forward's rows at L = 4096 (d = 64 and 128, B = 1 and 4, H = 16,
@@ -39,7 +38,7 @@ fi
         --format=csv 2>&1
     "$PYTHON" - <<'EOF'
 import importlib.metadata as m
-for name in ("numba", "numba-cuda", "cuda-bindings", "cffi", "torch", "numpy", "ml_dtypes"):
+for name in ("numba", "numba-cuda", "cuda-bindings", "torch", "numpy", "ml_dtypes"):
     try:
         print(f"{name} {m.version(name)}")
     except m.PackageNotFoundError:

@@ -633,11 +633,11 @@ def _tensor_cores_serve(problem):
     """Whether the tensor-core forward takes this half-precision problem: not turned off,
     on a real GPU that runs it (the simulator cannot run its CUDA C++), with heads it
     supports."""
-    if not (_cuda_switches.cuda_tensor_cores() and _cuda.status().real_gpu):
-        return False
     from tfmath.kernels.cuda import tensor_core
 
-    return tensor_core.supports(problem) and tensor_core.runs_here()
+    return tensor_core.supports(problem) and tensor_core.serves(
+        problem.dtype.name, problem.n_features
+    )
 
 
 def attention_grad(problem, grad_output, saved=None):

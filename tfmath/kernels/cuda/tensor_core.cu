@@ -31,7 +31,9 @@
 //  - Masked positions (causal, beyond the keys, a -inf bias) get weight
 //    exactly 0 and their values are never multiplied in: a value tile that
 //    holds a non-finite number takes a slower loop that skips zero weights,
-//    since 0 * inf is NaN on the tensor cores too.
+//    since 0 * inf is NaN on the tensor cores too. Only tiles with a masked
+//    position are scanned for such numbers (beyond the keys, the copies
+//    write zeros).
 // Head sizes D = 64 and 128 (the swizzle needs 8 or 16 chunks a row); the
 // shared memory, at most 48 KiB, is static.
 
@@ -290,9 +292,18 @@ __device__ void flash_forward(const unsigned short* query, const unsigned short*
             p_frag[k][3] = T::pack(s[2 * k + 1][2], s[2 * k + 1][3]);
         }
 
-        // The value tile has landed; every warp is done with the key tile.
+        // The value tile has landed; every warp is done with the key tile. Only a tile
+        // with a masked position can pair a weight of 0 with inf or NaN: elsewhere every
+        // weight is positive (one that underflows to 0 belongs to a row whose exact
+        // output is already inf or NaN), so the scan is skipped. The condition is the
+        // same on every thread of the block, as the barriers need.
         wait_copies();
-        const bool careful = __syncthreads_or(copied_non_finite<T, D, THREADS>(v_tile));
+        const bool may_mask = has_bias || (is_causal && start + BC - 1 > first_row);
+        bool careful = false;
+        if (may_mask)
+            careful = __syncthreads_or(copied_non_finite<T, D, THREADS>(v_tile));
+        else
+            __syncthreads();
         if (tile + 1 < n_tiles) copy_tile<D, BC, THREADS>(k_tile, key, start + BC, n_key);
         commit_copies();
 
@@ -359,7 +370,7 @@ __device__ void flash_forward(const unsigned short* query, const unsigned short*
         for (int j = 0; j < OTILES; ++j)
             out_row[(8 * j + pair) / 2] =
                 T::pack(acc[j][2 * r] * inverse, acc[j][2 * r + 1] * inverse);
-        if ((lane & 3) == 0)
+        if (log_sum_exp != nullptr && (lane & 3) == 0)
             log_sum_exp[row] = empty ? NEG_INF : (row_max[r] + log2f(total)) * LN2;
     }
 }
@@ -367,14 +378,20 @@ __device__ void flash_forward(const unsigned short* query, const unsigned short*
 }  // namespace
 
 // The entry points, one per format, head size and warps per block: Numba calls them
-// with the C ABI, every pointer at its batch entry's first row.
+// with the C ABI, each operand as the device address of its batch entry's first row
+// (integers, which Numba passes as they are; no output's log-sum-exp when 0).
 #define TFMATH_FLASH_FORWARD(T, SUFFIX, D, WARPS)                                            \
     extern "C" __device__ void tfmath_flash_forward_##SUFFIX##_##D##_w##WARPS(               \
-        const unsigned short* query, const unsigned short* key, const unsigned short* value, \
-        const float* bias, int has_bias, int n_query, int n_key, int is_causal, float scale, \
-        int row_tile, unsigned short* out, float* log_sum_exp) {                             \
-        flash_forward<T, D, WARPS>(query, key, value, bias, has_bias, n_query, n_key,        \
-                                   is_causal, scale, row_tile, out, log_sum_exp);            \
+        long long query, long long key, long long value, long long bias, int has_bias,      \
+        int n_query, int n_key, int is_causal, float scale, int row_tile, long long out,     \
+        long long log_sum_exp) {                                                             \
+        flash_forward<T, D, WARPS>(                                                          \
+            reinterpret_cast<const unsigned short*>(query),                                  \
+            reinterpret_cast<const unsigned short*>(key),                                    \
+            reinterpret_cast<const unsigned short*>(value),                                  \
+            reinterpret_cast<const float*>(bias), has_bias, n_query, n_key, is_causal,       \
+            scale, row_tile, reinterpret_cast<unsigned short*>(out),                         \
+            reinterpret_cast<float*>(log_sum_exp));                                          \
     }                                                                                        \
     TFMATH_CHECK_KERNEL(SUFFIX##_##D##_w##WARPS, WARPS)
 
@@ -386,8 +403,9 @@ __device__ void flash_forward(const unsigned short* query, const unsigned short*
         const unsigned short* q, const unsigned short* k, const unsigned short* v,          \
         const float* bias, int has_bias, int n_query, int n_key, int is_causal, float scale, \
         unsigned short* out, float* lse) {                                                   \
-        tfmath_flash_forward_##NAME(q, k, v, bias, has_bias, n_query, n_key, is_causal,      \
-                                    scale, blockIdx.x, out, lse);                            \
+        tfmath_flash_forward_##NAME((long long)q, (long long)k, (long long)v,               \
+                                    (long long)bias, has_bias, n_query, n_key, is_causal,    \
+                                    scale, blockIdx.x, (long long)out, (long long)lse);      \
     }
 #else
 #define TFMATH_CHECK_KERNEL(NAME, WARPS)

@@ -6,12 +6,15 @@ in registers across the key loop, the online softmax on every thread,
 asynchronous copies overlapping the two products, causal tiles above the
 diagonal skipped), linked into a Numba kernel with numba-cuda's ``link=`` and
 compiled by NVRTC: the Numba kernel maps its block to a batch entry and a tile
-of query rows and calls the C++ with pointers to that entry's rows. See
-docs/backends.rst for why this route.
+of query rows and calls the C++ with the device addresses of that entry's rows.
+See docs/backends.rst for why this route. :func:`flash_attention` serves the
+general path (validated problems, Numba device arrays or host arrays);
+:func:`plain_forward` the public short path of plain CUDA tensors, which passes
+their addresses and torch's stream.
 
 Heads of 64 or 128 features, with values as wide as keys, take this path;
 others, and every backward pass, use the float32 kernels of
-:mod:`.flash_attention` on widened operands. The output comes back in the
+:mod:`.flash_attention` on operands widened on the device. The output comes back in the
 operands' format, rounded on the device; the log-sum-exp in float32.
 
 The Numba simulator cannot run CUDA C++, so only a GPU runs this kernel; there it
@@ -29,7 +32,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from tfmath import _cuda
+from tfmath import _cuda, _cuda_switches
 from tfmath._contract.attention import dense_additive_mask
 
 cuda = _cuda.numba_cuda()
@@ -67,13 +70,8 @@ MIN_COMPUTE_CAPABILITY = (8, 0)
 
 @functools.cache
 def runs_here():
-    """Whether this machine's GPU and packages run the kernel: a compute capability of at
-    least :data:`MIN_COMPUTE_CAPABILITY`, and cffi (which hands Numba's arrays to the C++)
-    installed. Asked once per process, on a real GPU only."""
-    import importlib.util
-
-    if importlib.util.find_spec("cffi") is None:
-        return False
+    """Whether this machine's GPU runs the kernel: a compute capability of at least
+    :data:`MIN_COMPUTE_CAPABILITY`. Asked once per process, on a real GPU only."""
     return tuple(cuda.get_current_device().compute_capability) >= MIN_COMPUTE_CAPABILITY
 
 
@@ -86,6 +84,18 @@ def supports(problem):
     )
 
 
+def serves(format_name, head_dim):
+    """Whether the tensor-core forward takes operands of ``format_name`` (a NumPy dtype
+    name) and heads of ``head_dim`` here: the switch on, a real GPU that runs it."""
+    return (
+        format_name in FORMATS
+        and head_dim in HEAD_DIMS
+        and _cuda_switches.cuda_tensor_cores()
+        and _cuda.status().real_gpu
+        and runs_here()
+    )
+
+
 def entry_name(format_name, head_dim, warps):
     """The C++ entry point of one format, head size and number of warps per block."""
     return f"tfmath_flash_forward_{FORMATS[format_name]}_{head_dim}_w{warps}"
@@ -94,12 +104,10 @@ def entry_name(format_name, head_dim, warps):
 @functools.cache
 def _entry(format_name, head_dim, warps):
     """The C++ forward of one format, head size and warps per block, declared for Numba
-    (C ABI)."""
+    (C ABI): every operand a device address, as a 64-bit integer."""
     types = _cuda.numba_types()
-    u16p, f32p, i32 = types.CPointer(types.uint16), types.CPointer(types.float32), types.int32
-    signature = types.void(
-        u16p, u16p, u16p, f32p, i32, i32, i32, i32, types.float32, i32, u16p, f32p
-    )
+    i64, i32 = types.int64, types.int32
+    signature = types.void(i64, i64, i64, i64, i32, i32, i32, i32, types.float32, i32, i64, i64)
     return cuda.declare_device(
         entry_name(format_name, head_dim, warps), signature, link=[str(SOURCE)], abi="c"
     )
@@ -108,37 +116,44 @@ def _entry(format_name, head_dim, warps):
 def forward_function(format_name, head_dim, warps):
     """The forward kernel as a Python function, for :func:`_forward_kernel` and PTX checks.
 
+    Its operands are device addresses (integers) of C-contiguous arrays: query
+    ``(n_q, L, d)``, key and value ``(n_kv, S, d)``, an optional float32 bias
+    ``(n_mask, L, S)`` (address 0 without one), the output ``(n_batch, L, d)`` in the
+    operands' 16-bit format and the float32 log-sum-exp ``(n_batch, L)`` (address 0:
+    not written). Row ``b`` of ``index`` gives the entries of query, key, value and
+    bias that output entry ``b`` reads. Addresses keep the launch cheap: the
+    dispatcher types integers at once, where each array argument costs it a
+    descriptor, and any CUDA array (a torch tensor of bfloat16 too) has one.
+
     Block ``x`` takes query-row tile ``n_tiles - 1 - x // n_batch`` of batch entry
     ``x % n_batch``: under a causal mask the tiles with the most keys start first,
     so the short ones fill the GPU's tail.
     """
-    import cffi
-
-    ffi = cffi.FFI()
     forward = _entry(format_name, head_dim, warps)
-    i32 = _cuda.numba_types().int32
+    types = _cuda.numba_types()
+    i32, i64 = types.int32, types.int64
     block_rows = 16 * warps
+    row_bytes = 2 * head_dim
 
-    def kernel(query, key, value, mask, index, is_causal, scale, out, log_sum_exp):
-        n_batch, n_query, n_key = index.shape[0], query.shape[1], key.shape[1]
+    def kernel(query, key, value, bias, index, n_query, n_key, is_causal, scale, out, lse):
+        n_batch = index.shape[0]
         n_tiles = (n_query + block_rows - 1) // block_rows
         b = cuda.blockIdx.x % n_batch
         row_tile = n_tiles - 1 - cuda.blockIdx.x // n_batch
-        has_mask = mask.shape[0] != 0
-        mask_start = index[b, 3] * n_query * n_key if has_mask else 0
+        query_bytes, key_bytes = i64(n_query * row_bytes), i64(n_key * row_bytes)
         forward(
-            ffi.from_buffer(query[index[b, 0]]),
-            ffi.from_buffer(key[index[b, 1]]),
-            ffi.from_buffer(value[index[b, 2]]),
-            ffi.from_buffer(mask[mask_start:]),
-            i32(1) if has_mask else i32(0),
+            query + index[b, 0] * query_bytes,
+            key + index[b, 1] * key_bytes,
+            value + index[b, 2] * key_bytes,
+            bias + index[b, 3] * i64(4 * n_query * n_key) if bias != 0 else i64(0),
+            i32(1) if bias != 0 else i32(0),
             i32(n_query),
             i32(n_key),
             i32(1) if is_causal else i32(0),
             scale,
             i32(row_tile),
-            ffi.from_buffer(out[b]),
-            ffi.from_buffer(log_sum_exp[b]),
+            out + b * query_bytes,
+            lse + b * i64(4 * n_query) if lse != 0 else i64(0),
         )
 
     return kernel
@@ -153,19 +168,17 @@ def _forward_kernel(format_name, head_dim, warps, max_registers=None):
 def forward_signature():
     """The Numba signature of the forward kernel (for compiling it ahead, to PTX)."""
     types = _cuda.numba_types()
-    u16 = types.Array(types.uint16, 3, "C")
-    f32_1 = types.Array(types.float32, 1, "C")
+    i64 = types.int64
     return types.void(
-        u16, u16, u16, f32_1, types.Array(types.int64, 2, "C"), types.boolean, types.float32,
-        u16, types.Array(types.float32, 2, "C"),
+        i64, i64, i64, i64, types.Array(types.int64, 2, "C"), i64, i64, types.boolean,
+        types.float32, i64, i64,
     )  # fmt: skip
 
 
-def _bits(array):
-    """A half-precision array's 16-bit patterns, as uint16, where it lives."""
-    if _cuda.is_device_array(array):
-        return _cuda.as_device_array(array).view(np.uint16)
-    return _cuda.to_device(np.ascontiguousarray(array).view(np.uint16))
+def address(array):
+    """The device address of a CUDA array's first element (any object with
+    ``__cuda_array_interface__``: Numba's and CuPy's arrays, torch tensors)."""
+    return array.__cuda_array_interface__["data"][0]
 
 
 @functools.cache
@@ -176,20 +189,30 @@ def _device_index(index_bytes, n_batch):
 
 
 @functools.cache
-def _no_mask():
-    return _cuda.to_device(np.zeros(1, np.float32))[:0]
+def _identity_index(n_batch):
+    """The device index of ``n_batch`` entries without broadcasting."""
+    index = np.zeros((n_batch, 4), np.int64)
+    index[:, :3] = np.arange(n_batch)[:, None]
+    return _device_index(index.tobytes(), n_batch)
+
+
+@functools.cache
+def _stream(handle):
+    """Numba's view of the CUDA stream ``handle`` (0: the default stream)."""
+    return cuda.external_stream(handle) if handle else cuda.default_stream()
 
 
 def launch(problem, warps=None, max_registers=None):
-    """The kernel, its grid, its block and its arguments for ``problem`` (the outputs
-    last: the output's 16-bit patterns and the log-sum-exp), with every operand on the
-    device: what :func:`flash_attention` launches. Without ``warps`` per block, the head
-    size's :data:`BLOCK_SHAPES` gives them and the register cap (``max_registers``,
-    else none)."""
+    """The kernel, its grid, its block, its arguments and the arrays they point to for
+    ``problem`` (the outputs last: the output's 16-bit patterns and the log-sum-exp),
+    with every operand on the device: what :func:`flash_attention` launches. Without
+    ``warps`` per block, the head size's :data:`BLOCK_SHAPES` gives them and the register
+    cap (``max_registers``, else none). The caller keeps the arrays alive until the
+    kernel has run."""
     query, key, value, mask, index = problem.kernel_operands()
     mask = dense_additive_mask(mask, problem.n_query, problem.n_key, np.float32)
     # One flat row of biases per mask batch entry: the kernel points into it.
-    mask = _no_mask() if mask is None else _cuda.to_device(_cuda.to_host(mask).reshape(-1))
+    mask = None if mask is None else _cuda.to_device(_cuda.to_host(mask).reshape(-1))
     n_batch, head_dim = index.shape[0], problem.n_features
     if warps is None:
         warps, max_registers = BLOCK_SHAPES[head_dim]
@@ -198,23 +221,54 @@ def launch(problem, warps=None, max_registers=None):
     kernel = _forward_kernel(problem.dtype.name, head_dim, warps, max_registers)
     n_blocks = n_batch * math.ceil(problem.n_query / (16 * warps))
     index = _device_index(np.ascontiguousarray(index, np.int64).tobytes(), n_batch)
+    query, key, value = (_on_device(array) for array in (query, key, value))
+    arrays = (query, key, value, mask, out, log_sum_exp)
     arguments = (
-        _bits(query), _bits(key), _bits(value), mask, index, problem.is_causal,
-        np.float32(problem.scale), out, log_sum_exp,
+        address(query), address(key), address(value), 0 if mask is None else address(mask),
+        index, problem.n_query, problem.n_key, bool(problem.is_causal),
+        np.float32(problem.scale), address(out), address(log_sum_exp),
     )  # fmt: skip
-    return kernel, (n_blocks, 32 * warps), arguments
+    return kernel, (n_blocks, 32 * warps), arguments, arrays
+
+
+def _on_device(array):
+    """A half-precision operand on the device (copied there from the host)."""
+    if _cuda.is_device_array(array):
+        return array
+    return _cuda.to_device(np.ascontiguousarray(array).view(np.uint16))
 
 
 def flash_attention(problem):
     """Output and log-sum-exp of a validated half-precision ``problem`` that
     :func:`supports` accepts, on the tensor cores: the output in the operands' format
     (rounded on the device), the log-sum-exp in float32."""
-    kernel, shape, arguments = launch(problem)
+    kernel, shape, arguments, arrays = launch(problem)
     kernel[shape](*arguments)
-    bits, log_sum_exp = arguments[-2:]
+    bits, log_sum_exp = arrays[-2:]
     bits = bits.reshape(problem.output_shape())
     log_sum_exp = log_sum_exp.reshape((*problem.batch_shape, problem.n_query))
     if problem.on_device:
         # Device operands are float16 (no CUDA array shares bfloat16 with Numba).
         return bits.view(problem.dtype), log_sum_exp
     return bits.copy_to_host().view(problem.dtype), log_sum_exp.copy_to_host()
+
+
+def plain_forward(format_name, shape, key_rows, addresses, is_causal, scale, stream):
+    """The output of a plain call on C-contiguous device operands, launched on
+    ``stream`` (a CUDA stream handle; 0 for the default stream) and not waited for.
+
+    ``shape`` is the query's ``(n_batch, L, d)``, with key and value ``(n_batch,
+    key_rows, d)``; ``addresses`` those of query, key, value and the output (same
+    shape as the query, allocated by the caller, which keeps every operand alive
+    until the stream has run the kernel). Nothing is validated: the caller (the
+    public short path of device tensors) has. The log-sum-exp is not written.
+    """
+    n_batch, n_query, head_dim = shape
+    warps, max_registers = BLOCK_SHAPES[head_dim]
+    kernel = _forward_kernel(format_name, head_dim, warps, max_registers)
+    query, key, value, out = addresses
+    n_blocks = n_batch * ((n_query + 16 * warps - 1) // (16 * warps))
+    kernel[n_blocks, 32 * warps, _stream(stream)](
+        query, key, value, 0, _identity_index(n_batch), n_query, key_rows, is_causal,
+        np.float32(scale), out, 0,
+    )  # fmt: skip
