@@ -34,6 +34,7 @@ FLOAT_ORDER_MODULES = {
     "test_claims.py",
     "test_compute_optimal.py",
     "test_compute_optimal_design.py",
+    "test_compute_optimal_ladder.py",
     "test_pronouns.py",
     "test_scaling.py",
     "test_training_fused.py",

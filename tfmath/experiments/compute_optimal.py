@@ -57,7 +57,7 @@ from tfmath.analysis.compute_optimal import (
 )
 from tfmath.errors import ArgumentError
 from tfmath.experiments._sweeps import results_folder, scheduler
-from tfmath.formulas.accounting import flops_per_token
+from tfmath.formulas.accounting import count_parameters, flops_per_token
 from tfmath.formulas.scaling import BESIROGLU, CHINCHILLA, fit_scaling_law
 from tfmath.plotting import new_figure
 from tfmath.plotting.compute_optimal import (
@@ -118,12 +118,15 @@ class IsoFlopPlan:
         The centre of the lowest budget's widths (from a pilot on the corpus).
     seeded_budgets : int
         The lowest this many budgets train two seeds per width, the rest one.
+    widths : tuple of int
+        The widths the budgets choose from, in increasing N (default :data:`WIDTHS`).
     """
 
     budgets: tuple
     sizes: int
     first_width: int
     seeded_budgets: int
+    widths: tuple = WIDTHS
 
 
 PLANS = {
@@ -156,45 +159,129 @@ def batch_size(budget):
     return max(4, 2 ** math.floor(math.log2(4 * math.sqrt(budget / 1e9))))
 
 
-def budget_run(source, budget, width, seed, backend="cpu"):
+@dataclass(frozen=True)
+class RunSetup:
+    r"""How the runs of an IsoFLOP grid are sized, counted and trained.
+
+    The default is this experiment's own setup (Hoffmann et al.'s): every FLOP of
+    the step counted, a warm-up of 5% of each run and a cosine decay to its end.
+
+    Attributes
+    ----------
+    compute : {"exact", "kaplan"}
+        How a budget is turned into steps: ``"exact"`` counts every product of the
+        training step, output head and attention included
+        (``step_training`` of :func:`~tfmath.formulas.accounting.flops_per_token`);
+        ``"kaplan"`` counts :math:`6 N` per token with :math:`N` the non-embedding
+        parameters (Kaplan et al. 2020), which leaves out the head and attention.
+    schedule : {"cosine", "constant"}
+        A cosine decay to :data:`FINAL_LEARNING_RATE_FRACTION` of the peak on each
+        run's last step, or the peak held to the end.
+    warmup_tokens : int or None
+        A warm-up of this many training tokens for every run, however short (Kaplan
+        et al.'s 3000 steps of a fixed batch, 1.5e9 tokens); None:
+        :data:`WARMUP_FRACTION` of each run.
+    learning_rate_scale : float
+        The peak learning rate times :math:`\sqrt{d_{model}}`.
+    tuned : tuple of (int, float, float)
+        ``(width, learning_rate_scale, beta2)`` for widths tuned one by one; they
+        replace ``learning_rate_scale`` and ``beta2`` for those widths.
+    beta2 : float
+        Adam's :math:`\beta_2`.
+    aspect_ratio : int or None
+        Layers grow with the width: :math:`\max(1, \lfloor d / r \rfloor)` for
+        :math:`r` = ``aspect_ratio``; None keeps every model at one layer.
+    curve_points : int
+        Evaluations per run on the held-out text (:data:`CURVE_POINTS` for approach
+        1's envelope; 1 for the final loss alone).
+    """
+
+    compute: str = "exact"
+    schedule: str = "cosine"
+    warmup_tokens: int | None = None
+    learning_rate_scale: float = LEARNING_RATE_SCALE
+    tuned: tuple = ()
+    beta2: float = 0.98
+    aspect_ratio: int | None = None
+    curve_points: int = CURVE_POINTS
+
+    def layers(self, width):
+        """Layers of the model of ``width``."""
+        return 1 if self.aspect_ratio is None else max(1, width // self.aspect_ratio)
+
+    def model(self, source, width):
+        """The :class:`~tfmath.formulas.accounting.ModelConfig` of ``width``."""
+        return language_model_config(
+            width, self.layers(width), vocab_size=source.vocab_size, context=CONTEXT
+        )
+
+    def flops_per_token(self, model):
+        """The FLOPs a budget counts per training token of ``model``."""
+        if self.compute == "kaplan":
+            return 6 * count_parameters(model, include_embeddings=False)
+        return flops_per_token(model, n_ctx=CONTEXT).step_training
+
+    def optimiser(self, width):
+        """``(learning_rate_scale, beta2)`` of the model of ``width``."""
+        for tuned_width, scale, beta2 in self.tuned:
+            if tuned_width == width:
+                return scale, beta2
+        return self.learning_rate_scale, self.beta2
+
+
+#: The setup of this experiment's grid.
+HOFFMANN_SETUP = RunSetup()
+
+
+def budget_run(source, budget, width, seed, backend="cpu", setup=HOFFMANN_SETUP):
     """The run of one width at one budget, or None when it cannot take :data:`MIN_STEPS`."""
-    model = language_model_config(width, 1, vocab_size=source.vocab_size, context=CONTEXT)
-    per_token = flops_per_token(model, n_ctx=CONTEXT).step_training
+    model = setup.model(source, width)
     batch = batch_size(budget)
-    steps = round(budget / (per_token * batch * CONTEXT))
+    steps = round(budget / (setup.flops_per_token(model) * batch * CONTEXT))
     if steps < MIN_STEPS:
         return None
+    scale, beta2 = setup.optimiser(width)
+    if setup.warmup_tokens is None:
+        warmup = max(1, round(WARMUP_FRACTION * steps))
+    else:
+        warmup = math.ceil(setup.warmup_tokens / (batch * CONTEXT))
     training = TrainingConfig(
         steps=steps, batch_size=batch, words_per_sequence=CONTEXT // source.tokens_per_word,
-        warmup=max(1, round(WARMUP_FRACTION * steps)), learning_rate_scale=LEARNING_RATE_SCALE,
-        schedule="cosine", final_learning_rate_fraction=FINAL_LEARNING_RATE_FRACTION,
-        eval_every=math.ceil(steps / CURVE_POINTS), validation_sequences=VALIDATION_SEQUENCES,
+        warmup=warmup, learning_rate_scale=scale, schedule=setup.schedule,
+        final_learning_rate_fraction=FINAL_LEARNING_RATE_FRACTION, beta2=beta2,
+        eval_every=math.ceil(steps / setup.curve_points), validation_sequences=VALIDATION_SEQUENCES,
         seed=seed,
     )  # fmt: skip
     return TrainingRun(model, source, training, backend)
 
 
-def spent_compute(run, result):
-    """The FLOPs a finished run spent: its steps' tokens times the exact count per token."""
-    per_token = flops_per_token(run.model, n_ctx=CONTEXT).step_training
-    return per_token * result.tokens_seen
+def spent_compute(run, result, setup=HOFFMANN_SETUP):
+    """The FLOPs a finished run spent, as ``setup`` counts them: its tokens times the
+    count per token."""
+    return setup.flops_per_token(run.model) * result.tokens_seen
 
 
-def train_isoflop_grid(source, plan, *, seed=0, backend="cpu", sweep=None):
+def train_isoflop_grid(source, plan, *, seed=0, backend="cpu", sweep=None,
+                       setup=HOFFMANN_SETUP):  # fmt: skip
     """Train the plan's budgets in turn, each centred on the optimum the lower ones predict.
 
     Returns a list of ``(budget, TrainingRun, TrainingResult)``. ``sweep`` trains
     a list of runs (default :func:`~tfmath.training.sweep.run_sweep` in the
-    sweep cache).
+    sweep cache); ``setup`` (a :class:`RunSetup`) says how each run is sized and trained.
     """
+    widths = plan.widths
+    sizes_n = [count_parameters(setup.model(source, w), include_embeddings=False)
+               for w in widths]  # fmt: skip
     sweep = sweep or (lambda runs: run_sweep(runs, results_dir=results_folder()))
     seeds = (seed, seed + 1)
     rows, minima = [], []  # minima: (log budget, log N at the best width)
     for k, budget in enumerate(plan.budgets):
-        centre = _expected_centre(plan, budget, minima)
+        centre = _expected_centre(plan, budget, minima, sizes_n)
         # The widest model that can still take MIN_STEPS at this budget bounds the window.
         top = max(
-            i for i, w in enumerate(WIDTHS) if budget_run(source, budget, w, seed) is not None
+            i
+            for i, w in enumerate(widths)
+            if budget_run(source, budget, w, seed, setup=setup) is not None
         )
         low = min(max(0, centre - plan.sizes // 2), top + 1 - plan.sizes)
         chosen = list(range(max(0, low), max(0, low) + plan.sizes))
@@ -202,7 +289,8 @@ def train_isoflop_grid(source, plan, *, seed=0, backend="cpu", sweep=None):
         trained = {}
         for _ in range(MAX_GROWTH + 1):
             todo = [(i, s) for i in chosen for s in budget_seeds if (i, s) not in trained]
-            runs = [(i, s, budget_run(source, budget, WIDTHS[i], s, backend)) for i, s in todo]
+            runs = [(i, s, budget_run(source, budget, widths[i], s, backend, setup))
+                    for i, s in todo]  # fmt: skip
             runs = [(i, s, run) for i, s, run in runs if run is not None]
             for (i, s, run), result in zip(runs, sweep([r for _, _, r in runs]), strict=True):
                 trained[i, s] = (run, result)
@@ -246,10 +334,14 @@ def _side_to_grow(mean, scatter, top):
     return min(flat, key=rises.get) if flat else None
 
 
-def _expected_centre(plan, budget, minima):
-    """The index in :data:`WIDTHS` nearest the optimum the lower budgets predict."""
+def _expected_centre(plan, budget, minima, sizes=None):
+    """The index in ``plan.widths`` nearest the optimum the lower budgets predict.
+
+    ``sizes``: the non-embedding N of each width (default: one layer, as
+    :func:`~tfmath.training.language_model_config` counts it).
+    """
     if not minima:
-        return WIDTHS.index(plan.first_width)
+        return plan.widths.index(plan.first_width)
     if len(minima) == 1:  # Chinchilla's a = 0.5 from the one minimum known
         log_n = minima[0][1] + 0.5 * (math.log(budget) - minima[0][0])
     else:
@@ -258,7 +350,8 @@ def _expected_centre(plan, budget, minima):
         log_c, log_n = np.array(minima).T
         slope = min(max(np.polyfit(log_c, log_n, 1)[0], 0.2), 1.0)
         log_n = log_n.mean() + slope * (math.log(budget) - log_c.mean())
-    sizes = [12 * w * w + 15 * w for w in WIDTHS]  # N of one layer (see language_model_config)
+    if sizes is None:
+        sizes = [12 * w * w + 15 * w for w in plan.widths]
     return int(np.argmin([abs(math.log(n) - log_n) for n in sizes]))
 
 

@@ -18,6 +18,7 @@ from tfmath.plotting.attention import attention_heatmap
 from tfmath.plotting.complexity import cost_against_length
 from tfmath.plotting.compute_optimal import (
     envelope_sizes,
+    exponent_ladder,
     frontier_prediction,
     isoflop_curves,
     optimal_allocation,
@@ -50,6 +51,7 @@ __all__ = [
     "encoding_columns",
     "encoding_heatmap",
     "envelope_sizes",
+    "exponent_ladder",
     "frontier_prediction",
     "gradient_flow",
     "isoflop_curves",

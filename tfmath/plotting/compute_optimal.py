@@ -12,6 +12,7 @@ from tfmath.plotting._figure import axes_or_new, plain_log_ticks, sparse_log_lab
 
 __all__ = [
     "envelope_sizes",
+    "exponent_ladder",
     "frontier_prediction",
     "isoflop_curves",
     "optimal_allocation",
@@ -158,19 +159,62 @@ def published_refits(labels, published, refitted, *, ax=None):
     -------
     matplotlib.axes.Axes
     """
+    return exponent_ladder(
+        labels,
+        [("authors", published), ("tfmath", refitted)],
+        ax=ax,
+        colours=("0.35", "C0"),
+        legend="lower right",
+    )
+
+
+def exponent_ladder(labels, series, *, ax=None, colours=None, legend="below"):
+    """Exponents ``a`` with their intervals, one row per label, a marker per series,
+    beside Kaplan's 0.73 and Chinchilla's 0.50.
+
+    Parameters
+    ----------
+    labels : sequence of str
+        One per row, top to bottom.
+    series : sequence of (str, sequence)
+        ``(name, values)``; each value ``(a, (low, high))`` for its row, or None where
+        the series has none.
+    ax : matplotlib.axes.Axes, optional
+    colours : sequence of str, optional
+        One per series (default: the colour cycle, the last series grey).
+    legend : str, optional
+        ``"below"`` the axes (default), or a matplotlib ``loc`` inside them.
+
+    Returns
+    -------
+    matplotlib.axes.Axes
+    """
     ax = axes_or_new(ax)
     rows = np.arange(len(labels))[::-1]
-    for values, offset, colour, name in ((published, 0.15, "0.35", "authors"),
-                                         (refitted, -0.15, "C0", "tfmath")):  # fmt: skip
-        a = np.array([v for v, _ in values])
-        low, high = np.array([interval for _, interval in values]).T
-        ax.errorbar(a, rows + offset, xerr=(a - low, high - a), fmt="o", ms=4, color=colour,
-                    capsize=2, label=f"{name} (95%)")  # fmt: skip
+    if colours is None:
+        colours = [f"C{k}" for k in range(len(series) - 1)] + ["0.45"]
+    offsets = np.linspace(0.2, -0.2, len(series)) if len(series) > 1 else [0.0]
+    markers = "osD^v"
+    for k, ((name, values), offset, colour) in enumerate(zip(series, offsets, colours,
+                                                             strict=True)):  # fmt: skip
+        kept = [(row, v) for row, v in zip(rows, values, strict=True) if v is not None]
+        if not kept:
+            continue
+        y = np.array([row for row, _ in kept]) + offset
+        a = np.array([v for _, (v, _) in kept])
+        low, high = np.array([interval for _, (_, interval) in kept], dtype=float).T
+        # An interval the fit left open at one end is drawn to the value.
+        low, high = np.where(np.isfinite(low), low, a), np.where(np.isfinite(high), high, a)
+        ax.errorbar(a, y, xerr=(a - low, high - a), fmt=markers[k % len(markers)], ms=4,
+                    color=colour, capsize=2, label=f"{name} (95%)")  # fmt: skip
     for name, value, style in PUBLISHED_A:
         ax.axvline(value, color="k", ls=style, lw=0.8, label=f"{name}: {value:.2f}")
     ax.set_yticks(rows, labels, fontsize=8)
     ax.set_xlabel("a in N_opt ∝ C^a")
-    ax.legend(fontsize=8, loc="lower right")
+    if legend == "below":
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
+    else:
+        ax.legend(fontsize=8, loc=legend)
     return ax
 
 

@@ -35,12 +35,12 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from tfmath import _blas_threads
-from tfmath._contract.checks import integer
+from tfmath._contract.checks import integer, real
 from tfmath.errors import ArgumentError, DTypeError
 from tfmath.formulas.accounting import ModelConfig, count_parameters
 from tfmath.training.layers import cross_entropy, cross_entropy_backward, cross_entropy_forward
 from tfmath.training.models import decoder_only_backward, decoder_only_forward, init_model
-from tfmath.training.optim import Adam, CosineSchedule, WarmupSchedule
+from tfmath.training.optim import Adam, ConstantSchedule, CosineSchedule, WarmupSchedule
 from tfmath.training.sources import TokenSource
 
 __all__ = [
@@ -126,13 +126,18 @@ class TrainingConfig:
         Warm-up steps :math:`w` of the schedule.
     learning_rate_scale : float
         Multiplies the schedule :math:`d^{-1/2} \min(t^{-1/2}, t\, w^{-3/2})`;
-        with ``schedule="cosine"``, the peak rate is ``learning_rate_scale / sqrt(d_model)``.
-    schedule : {"inverse_sqrt", "cosine"}
-        The transformer's :class:`~tfmath.training.optim.WarmupSchedule`, or a
+        with ``schedule="cosine"`` or ``"constant"``, the peak rate is
+        ``learning_rate_scale / sqrt(d_model)``.
+    schedule : {"inverse_sqrt", "cosine", "constant"}
+        The transformer's :class:`~tfmath.training.optim.WarmupSchedule`; a
         :class:`~tfmath.training.optim.CosineSchedule` whose decay ends on the
-        run's last step (``steps``), at ``final_learning_rate_fraction`` of the peak.
+        run's last step (``steps``), at ``final_learning_rate_fraction`` of the peak;
+        or a :class:`~tfmath.training.optim.ConstantSchedule`, the peak after the
+        warm-up to the end (its warm-up may be longer than the run).
     final_learning_rate_fraction : float
         :math:`f` of the cosine schedule, in [0, 1] (Hoffmann et al. 2022: 0.1).
+    beta2 : float
+        Adam's :math:`\beta_2`, in [0, 1) (default 0.98, Vaswani et al.'s).
     eval_every : int
         Steps between evaluations on the validation set.
     validation_sequences : int
@@ -157,6 +162,7 @@ class TrainingConfig:
     learning_rate_scale: float = 1.0
     schedule: str = "inverse_sqrt"
     final_learning_rate_fraction: float = 0.1
+    beta2: float = 0.98
     eval_every: int = 100
     validation_sequences: int = 256
     dataset_tokens: int | None = None
@@ -174,10 +180,11 @@ class TrainingConfig:
         scale = self.learning_rate_scale
         if isinstance(scale, bool) or not isinstance(scale, int | float) or not scale > 0:
             raise ArgumentError(f"learning_rate_scale must be a positive number, got {scale!r}")
-        if self.schedule not in ("inverse_sqrt", "cosine"):
+        if self.schedule not in ("inverse_sqrt", "cosine", "constant"):
             raise ArgumentError(
-                f"schedule must be 'inverse_sqrt' or 'cosine', got {self.schedule!r}"
+                f"schedule must be 'inverse_sqrt', 'cosine' or 'constant', got {self.schedule!r}"
             )
+        real("beta2", self.beta2, at_least=0, below=1)
         if self.schedule == "cosine":
             CosineSchedule(1.0, self.steps, self.warmup, self.final_learning_rate_fraction)
         if self.dtype not in ("float32", "float64"):
@@ -390,7 +397,7 @@ def _check_fits(config, source, training):
 def _train(config, source, training, backend):
     dtype = np.dtype(training.dtype)
     params = init_model(config, seed=training.seed, dtype=dtype)
-    adam = Adam(learning_rate=_learning_rate(config, training))
+    adam = Adam(learning_rate=_learning_rate(config, training), beta2=training.beta2)
     model = _Model(config, params, adam, backend)
     batches = _Batches(source, training)
     validation_rng = np.random.default_rng([training.seed, _STREAMS["validation"]])
@@ -449,6 +456,10 @@ def _learning_rate(config, training):
             training.learning_rate_scale / math.sqrt(config.d_model), training.steps,
             training.warmup, training.final_learning_rate_fraction,
         )  # fmt: skip
+    if training.schedule == "constant":
+        return ConstantSchedule(
+            training.learning_rate_scale / math.sqrt(config.d_model), training.warmup
+        )
     schedule = WarmupSchedule(config.d_model, training.warmup)
     return lambda step: training.learning_rate_scale * schedule(step)
 

@@ -28,7 +28,7 @@ from tfmath._contract.checks import integer, real
 from tfmath.errors import ArgumentError, DTypeError, ShapeError
 from tfmath.training.params import Parameters
 
-__all__ = ["Adam", "AdamState", "CosineSchedule", "WarmupSchedule"]
+__all__ = ["Adam", "AdamState", "ConstantSchedule", "CosineSchedule", "WarmupSchedule"]
 
 
 @dataclass(frozen=True)
@@ -152,6 +152,57 @@ class CosineSchedule:
             1 + np.cos(np.pi * progress)
         )
         rate = self.peak * np.where(t <= self.warmup, t / self.warmup, decay)
+        return rate if rate.ndim else float(rate)
+
+
+@dataclass(frozen=True)
+class ConstantSchedule:
+    r"""Linear warm-up to a peak, then the peak to the end: Kaplan et al.'s (2020) schedule
+    before its decay, and the one a run without decay keeps.
+
+    .. math::
+
+        \mathrm{lr}(t) = \eta \min(1, t / w).
+
+    The rate does not depend on the run's length, so the first :math:`s` steps of
+    a longer run are the run of :math:`s` steps. The warm-up may be longer than
+    the run, as a warm-up fixed in steps is for the shortest runs of a sweep: the
+    rate then never reaches the peak.
+
+    Parameters
+    ----------
+    peak : float
+        :math:`\eta > 0`.
+    warmup : int
+        :math:`w`, at least 1.
+
+    Examples
+    --------
+    >>> from tfmath.training.optim import ConstantSchedule
+    >>> schedule = ConstantSchedule(peak=0.01, warmup=100)
+    >>> schedule(50), schedule(100), schedule(5000)
+    (0.005, 0.01, 0.01)
+    """
+
+    peak: float
+    warmup: int
+
+    def __post_init__(self):
+        real("peak", self.peak, above=0)
+        integer("warmup", self.warmup, minimum=1)
+
+    def __call__(self, step):
+        """The learning rate at ``step`` (a number or an array, each at least 1)."""
+        if isinstance(step, int | float) and not isinstance(step, bool):
+            # The trainer's path, once a step: the same IEEE operations as the array
+            # path below, without its conversions.
+            if not step >= 1:
+                raise ArgumentError(f"step must be >= 1, got {step}")
+            return self.peak * min(1.0, step / self.warmup)
+        t = np.asarray(step, dtype=np.float64)
+        if t.size and not np.all(t >= 1):
+            raise ArgumentError(f"step must be >= 1, got {t.min()}")
+        rate = self.peak * np.minimum(1.0, t / self.warmup)
         return rate if rate.ndim else float(rate)
 
 
