@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from tfmath.errors import ArgumentError
+from tfmath.experiments import _sweeps as sweeps
 from tfmath.experiments import compute_optimal as grid_experiment
 from tfmath.experiments import compute_optimal_ladder as ladder
 from tfmath.formulas.accounting import count_parameters, flops_per_token
@@ -211,7 +212,7 @@ def test_the_experiment_fits_every_rung_and_judges_both_papers(monkeypatch):
     def sweep(runs, **kwargs):
         return [_planted_loss(run, lambda n: 1.0, beta2_gain=0.0) for run in runs]
 
-    monkeypatch.setattr(ladder, "run_sweep", sweep)
+    monkeypatch.setattr(sweeps, "run_sweep", sweep)
     result = ladder.compute_optimal_ladder(RunSettings(backend="cpu"))
     rungs = result.data["compute_optimal_ladder"]["rungs"]
     for letter in "bcde":

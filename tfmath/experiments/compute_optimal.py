@@ -43,7 +43,6 @@ re-run only fits and draws.
 """
 
 import math
-import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -56,7 +55,12 @@ from tfmath.analysis.compute_optimal import (
     fit_parametric_loss,
 )
 from tfmath.errors import ArgumentError
-from tfmath.experiments._sweeps import results_folder, scheduler
+from tfmath.experiments._sweeps import (
+    report_sweep,
+    results_folder,
+    training_backend,
+    training_source,
+)
 from tfmath.formulas.accounting import count_parameters, flops_per_token
 from tfmath.formulas.scaling import BESIROGLU, CHINCHILLA, fit_scaling_law
 from tfmath.plotting import new_figure
@@ -70,7 +74,7 @@ from tfmath.plotting.compute_optimal import (
 )
 from tfmath.report import ExperimentResult, Table, experiment
 from tfmath.training import TrainingConfig, language_model_config
-from tfmath.training.sources import ByteCorpus, ShakespeareCorpus
+from tfmath.training.sources import ShakespeareCorpus
 from tfmath.training.sweep import TrainingRun, run_sweep
 
 #: Targets (bytes) per training sequence.
@@ -308,6 +312,19 @@ def train_isoflop_grid(source, plan, *, seed=0, backend="cpu", sweep=None,
     return rows
 
 
+def grid_arrays(grid):
+    """The ``(budget, TrainingRun, TrainingResult)`` rows of a grid as arrays: budgets,
+    non-embedding parameters, all parameters, tokens and final validation loss."""
+    results = [result for _, _, result in grid]
+    return (
+        np.array([budget for budget, _, _ in grid]),
+        np.array([r.non_embedding_parameters for r in results], dtype=float),
+        np.array([r.parameters for r in results], dtype=float),
+        np.array([r.tokens_seen for r in results], dtype=float),
+        np.array([r.validation_loss for r in results]),
+    )
+
+
 def _seed_scatter(trained, sizes, seeds):
     """The scatter of one seed's loss, from the widths trained with two seeds; 0 with one."""
     differences = [
@@ -362,27 +379,16 @@ def _expected_centre(plan, budget, minima, sizes=None):
 )
 def compute_optimal(settings):
     """Train the IsoFLOP grid (or load it), fit approaches 2 and 3, compare with the papers."""
-    backend = "cpu" if settings.backend == "auto" else settings.backend
-    source = ShakespeareCorpus() if settings.corpus is None else ByteCorpus(settings.corpus)
+    source = training_source(settings)
     plan = PLANS[bool(settings.quick)]
-
-    def progress(line):
-        print(f"  compute_optimal: {line}", file=sys.stderr, flush=True)
-
-    def sweep(runs):
-        return run_sweep(
-            runs, results_dir=results_folder(), scheduler=scheduler(settings), progress=progress
-        )
-
-    grid = train_isoflop_grid(source, plan, seed=settings.seed, backend=backend, sweep=sweep)
-    budgets = np.array([budget for budget, _, _ in grid])
+    grid = train_isoflop_grid(
+        source, plan, seed=settings.seed, backend=training_backend(settings),
+        sweep=report_sweep(settings, "compute_optimal"),
+    )  # fmt: skip
+    budgets, n, n_total, d, loss = grid_arrays(grid)
     runs = [run for _, run, _ in grid]
     results = [result for _, _, result in grid]
     spent = np.array([spent_compute(run, r) for run, r in zip(runs, results, strict=True)])
-    n = np.array([r.non_embedding_parameters for r in results], dtype=float)
-    n_total = np.array([r.parameters for r in results], dtype=float)
-    d = np.array([r.tokens_seen for r in results], dtype=float)
-    loss = np.array([r.validation_loss for r in results])
     runs_table = _runs_table(budgets, spent, runs, results)
     try:
         isoflop = fit_isoflop(budgets, n, d, loss, seed=settings.seed)

@@ -32,7 +32,6 @@ with their width in ``--full`` (:data:`ASPECT_RATIO`), where the budgets reach
 
 import itertools
 import math
-import sys
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -41,12 +40,13 @@ from tfmath.analysis.claims import Claim
 from tfmath.analysis.compute_optimal import fit_isoflop, fit_parametric_loss
 from tfmath.analysis.published_runs import porian2024
 from tfmath.errors import ArgumentError
-from tfmath.experiments._sweeps import results_folder, scheduler
+from tfmath.experiments._sweeps import report_sweep, training_backend, training_source
 from tfmath.experiments.compute_optimal import (
     HOFFMANN_SETUP,
     WIDTHS,
     IsoFlopPlan,
     budget_run,
+    grid_arrays,
     spent_compute,
     train_isoflop_grid,
 )
@@ -54,8 +54,7 @@ from tfmath.formulas.accounting import count_parameters
 from tfmath.plotting import new_figure
 from tfmath.plotting.compute_optimal import exponent_ladder, isoflop_curves
 from tfmath.report import ExperimentResult, Table, experiment
-from tfmath.training.sources import ByteCorpus, ShakespeareCorpus
-from tfmath.training.sweep import run_sweep
+from tfmath.training.sources import ShakespeareCorpus
 
 #: Width per layer in ``--full``: a model of width d has max(1, d // 32) layers, so
 #: depth starts at d = 64. Kaplan et al. (2020, figure 5) found the loss within a few
@@ -233,16 +232,10 @@ def tune_optimiser(source, plan, widths, *, seed=0, backend="cpu", sweep=None):
 )
 def compute_optimal_ladder(settings):
     """Train an IsoFLOP grid per rung (or load them), fit each, set them beside Porian et al."""
-    backend = "cpu" if settings.backend == "auto" else settings.backend
-    source = ShakespeareCorpus() if settings.corpus is None else ByteCorpus(settings.corpus)
+    backend = training_backend(settings)
+    source = training_source(settings)
     plan = PLANS[bool(settings.quick)]
-
-    def sweep(runs):
-        return run_sweep(runs, results_dir=results_folder(), scheduler=scheduler(settings),
-                         progress=progress)  # fmt: skip
-
-    def progress(line):
-        print(f"  compute_optimal_ladder: {line}", file=sys.stderr, flush=True)
+    sweep = report_sweep(settings, "compute_optimal_ladder")
 
     setups = rung_setups(plan)
     grids, tuning = {}, None
@@ -287,12 +280,7 @@ def compute_optimal_ladder(settings):
 def _fit_rung(grid, seed):
     """Approach 2 with N counted both ways, and approach 3, on one rung's runs; each fit
     that the runs cannot give is its error's text instead."""
-    budgets = np.array([budget for budget, _, _ in grid])
-    results = [result for _, _, result in grid]
-    n = np.array([r.non_embedding_parameters for r in results], dtype=float)
-    n_all = np.array([r.parameters for r in results], dtype=float)
-    d = np.array([r.tokens_seen for r in results], dtype=float)
-    loss = np.array([r.validation_loss for r in results])
+    budgets, n, n_all, d, loss = grid_arrays(grid)
     fits = {"budgets": budgets, "n": n, "n_all": n_all, "d": d, "loss": loss}
     for name, count in (("non_embedding", n), ("all", n_all)):
         try:
