@@ -472,6 +472,20 @@ def test_worker_processes_train_what_this_process_trains(tmp_path):
         run_sweep(runs, workers=0)
 
 
+def test_worker_processes_are_kept_between_sweeps_until_closed():
+    """Spawning workers costs seconds (importing tfmath, loading its kernels); a grid
+    trained budget by budget calls run_sweep at every budget, so the pool is kept."""
+    from tfmath.training import sweep
+
+    sweep.close_workers()
+    run_sweep([_tiny_run(seed, steps=5) for seed in (11, 12)], workers=2)
+    kept = sweep._WORKERS
+    run_sweep([_tiny_run(seed, steps=5) for seed in (13, 14)], workers=2)
+    assert kept is not None and sweep._WORKERS is kept
+    sweep.close_workers()
+    assert sweep._WORKERS is None
+
+
 def test_dask_sweep_equals_the_in_process_one(tmp_path):
     distributed = pytest.importorskip("distributed")
     runs = [_tiny_run(seed, steps=40) for seed in (5, 6, 7)]

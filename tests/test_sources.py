@@ -4,6 +4,7 @@ sweeps on a text file from Python and from the command line."""
 
 import itertools
 import json
+import pickle
 import subprocess
 import sys
 
@@ -14,7 +15,7 @@ from tfmath._kernel_cache import cache_dir
 from tfmath.errors import ArgumentError, TfmathError
 from tfmath.training import TrainingConfig, language_model_config, train_language_model
 from tfmath.training.hierarchical import HierarchicalLanguage
-from tfmath.training.sources import ByteCorpus, TokenSource
+from tfmath.training.sources import ByteCorpus, ShakespeareCorpus, TokenSource
 from tfmath.training.sweep import TrainingRun, run_sweep
 from tfmath.training.synthetic import ZipfLexicon
 
@@ -138,6 +139,16 @@ def test_byte_corpus_refuses_what_it_cannot_use(tmp_path):
 def test_byte_corpus_refuses_a_path_it_cannot_read_as_a_tfmath_error(tmp_path, make, message):
     with pytest.raises(ArgumentError, match=message):
         ByteCorpus(make(tmp_path))
+
+
+def test_shakespeare_is_sent_to_a_worker_by_name_not_by_its_bytes():
+    corpus = ShakespeareCorpus(held_out=["hamlet", "othello"])
+    sent = pickle.dumps(corpus)
+    assert len(sent) < 1000  # its arrays would be 40 MB
+    received = pickle.loads(sent)
+    assert received.spec() == corpus.spec() and received.held_out == corpus.held_out
+    assert np.array_equal(received.train_bytes, corpus.train_bytes)
+    assert np.array_equal(received.validation_bytes, corpus.validation_bytes)
 
 
 def test_every_source_is_a_token_source():

@@ -22,6 +22,7 @@ results, and any figure drawn from them, are the same as those of an
 uninterrupted sweep. :func:`cache_dir` is the default home of such folders.
 """
 
+import atexit
 import hashlib
 import json
 import multiprocessing
@@ -39,7 +40,7 @@ from tfmath.formulas.accounting import ModelConfig
 from tfmath.training.loop import TrainingConfig, TrainingResult, train_language_model
 from tfmath.training.sources import TokenSource
 
-__all__ = ["TrainingRun", "cache_dir", "run_sweep", "run_training"]
+__all__ = ["TrainingRun", "cache_dir", "close_workers", "run_sweep", "run_training"]
 
 #: Part of every run's key: raise it when a change to the training code changes
 #: results, so that results saved by older code are not reused.
@@ -134,11 +135,15 @@ def run_sweep(runs, *, results_dir=None, scheduler=None, progress=None, workers=
         Called with one line of text per run as it is loaded or finished.
     workers : int, optional
         Without ``scheduler``: worker processes that train one run each at a time,
-        on one thread. Default: one per core available to this process (at most
-        one per run to train); 1 trains them one after another in this process. Worker
+        on one thread. Default: one per core available to this process; 1 trains
+        them one after another in this process. Worker
         processes are spawned, and import the main module: a script that calls
         this with more than one worker must do so under
-        ``if __name__ == "__main__":``, as with :mod:`multiprocessing`.
+        ``if __name__ == "__main__":``, as with :mod:`multiprocessing`. They are kept
+        for the next call, as joblib keeps its workers: starting two costs about 8 s
+        (importing tfmath and loading its compiled kernels; 2026-11-28, AMD EPYC
+        Zen 3), which a grid trained budget by budget would pay at every budget. They
+        end with this process, or at :func:`close_workers`.
 
     Returns
     -------
@@ -172,8 +177,8 @@ def run_sweep(runs, *, results_dir=None, scheduler=None, progress=None, workers=
         progress(f"trained {_describe(run, record)}")
 
     if scheduler is None:
-        workers = min(len(pending), _cores()) if workers is None else workers
-        if workers <= 1 or len(pending) <= 1:
+        workers = _cores() if workers is None else workers
+        if workers <= 1 or not pending:
             for run in pending:
                 finished(run_training(run), run)
         else:
@@ -199,28 +204,61 @@ def _cores():
     return len(affinity(0)) if affinity is not None else os.cpu_count() or 1
 
 
-def _run_in_processes(runs, workers, finished):
-    """Train ``runs`` in ``workers`` fresh processes (spawned: a forked child would
+#: The worker processes kept between sweeps: ``(count, executor)`` or None.
+_WORKERS = None
+
+
+def _worker_pool(workers):
+    """The kept pool of ``workers`` spawned processes (spawned: a forked child would
     inherit the parent's OpenMP thread pool, which is not safe to use after a fork),
-    one thread each, calling ``finished`` in this process as each run completes."""
-    context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
+    started when there is none of that size."""
+    global _WORKERS
+    if _WORKERS is None or _WORKERS[0] != workers:
+        close_workers()
+        context = multiprocessing.get_context("spawn")
+        _WORKERS = (workers, ProcessPoolExecutor(max_workers=workers, mp_context=context))
+    return _WORKERS[1]
+
+
+def close_workers():
+    """End the worker processes :func:`run_sweep` keeps between calls (if any); the next
+    sweep starts new ones."""
+    global _WORKERS
+    if _WORKERS is not None:
+        _, pool = _WORKERS
+        _WORKERS = None
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+atexit.register(close_workers)
+
+
+def _run_in_processes(runs, workers, finished):
+    """Train ``runs`` in the kept pool of ``workers`` processes, one thread each, calling
+    ``finished`` in this process as each run completes."""
+    pool = _worker_pool(workers)
+    futures = {}
+    try:
         futures = {pool.submit(run_training, run, 1): run for run in runs}
-        try:
-            remaining = set(futures)
-            while remaining:
-                done, remaining = wait(remaining, return_when=FIRST_COMPLETED)
-                for future in done:
-                    finished(future.result(), futures[future])
-        except BrokenProcessPool as error:
-            raise RuntimeError(
-                "a sweep's worker process died; if it could not start, call run_sweep under "
-                "'if __name__ == \"__main__\":' in a script (workers are spawned and import "
-                "the main module), or pass workers=1"
-            ) from error
-        finally:
-            for future in futures:
-                future.cancel()
+        remaining = set(futures)
+        while remaining:
+            done, remaining = wait(remaining, return_when=FIRST_COMPLETED)
+            for future in done:
+                finished(future.result(), futures[future])
+    except BrokenProcessPool as error:
+        close_workers()
+        raise RuntimeError(
+            "a sweep's worker process died; if it could not start, call run_sweep under "
+            "'if __name__ == \"__main__\":' in a script (workers are spawned and import "
+            "the main module), or pass workers=1"
+        ) from error
+    except BaseException:
+        # An error or an interrupt: the runs not yet started are dropped, and the pool,
+        # whose workers may still be training, is not kept for the next sweep.
+        for future in futures:
+            future.cancel()
+        close_workers()
+        raise
 
 
 def _run_on_dask(runs, scheduler, finished):
