@@ -23,6 +23,26 @@ settings.load_profile(os.environ.get("TFMATH_HYPOTHESIS_PROFILE", "default"))
 
 def pytest_configure(config):
     config.addinivalue_line("filterwarnings", "error::numba.NumbaWarning")
+    _share_the_cores_between_workers()
+
+
+def _share_the_cores_between_workers():
+    """Under pytest-xdist, BLAS in each worker runs on its share of the cores.
+
+    The workers already keep every core busy; BLAS's own threads on top only contend
+    with the other workers, and OpenBLAS's idle threads spin: a bootstrap of
+    scaling-law fits (small arrays, a few BLAS calls from SciPy's solver) took twice
+    its wall time in CPU time with two BLAS threads and its wall time with one
+    (scikit-learn's suite limits its workers' BLAS for the same reason). A test that
+    needs more threads sets them itself (``tfmath._blas_threads.blas_threads``).
+    """
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers <= 1:
+        return
+    import scipy.linalg.cython_blas  # noqa: F401  (loads SciPy's BLAS beside NumPy's)
+    from threadpoolctl import threadpool_limits
+
+    threadpool_limits(max(1, len(os.sched_getaffinity(0)) // workers), user_api="blas")
 
 
 #: The modules whose results depend on the order of floating-point sums in BLAS:

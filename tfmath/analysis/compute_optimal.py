@@ -1488,14 +1488,25 @@ def _minimise(data, log_e, delta, starts=None):
         bounds[2] = (log_e, log_e)
     low, high = np.array(bounds).T
     best_theta, best_value = None, math.inf
-    for start in starts:
-        result = minimize(
-            _objective, np.clip(start, low, high), args=(data, delta), jac=True,
-            method="L-BFGS-B", bounds=bounds, options=_SOLVER_OPTIONS,
-        )  # fmt: skip
-        if result.fun < best_value:
-            best_theta, best_value = result.x, float(result.fun)
+    with _one_blas_thread():
+        for start in starts:
+            result = minimize(
+                _objective, np.clip(start, low, high), args=(data, delta), jac=True,
+                method="L-BFGS-B", bounds=bounds, options=_SOLVER_OPTIONS,
+            )  # fmt: skip
+            if result.fun < best_value:
+                best_theta, best_value = result.x, float(result.fun)
     return best_theta, best_value
+
+
+def _one_blas_thread():
+    """A context in which BLAS runs on one thread, for the solvers: their BLAS calls are
+    on vectors of five numbers, and OpenBLAS's idle second thread spun through them, a
+    bootstrap of :func:`fit_parametric_loss` taking twice its wall time in CPU time
+    (taken from any other process on the machine) for no gain in speed."""
+    from tfmath._blas_threads import blas_threads
+
+    return blas_threads(1)
 
 
 # -- Kaplan et al.'s pure power law --------------------------------------------------------
@@ -1618,7 +1629,8 @@ def _kaplan_minimise(data, start):
         start = min(grid, key=lambda t: float((_kaplan_residuals(t, *data) ** 2).sum()))
     bounds = ([1e-4, 1e-4, -50.0, -50.0], [5.0, 5.0, 200.0, 200.0])
     start = np.clip(np.asarray(start, dtype=float), bounds[0], bounds[1])
-    return least_squares(_kaplan_residuals, start, args=data, bounds=bounds).x
+    with _one_blas_thread():
+        return least_squares(_kaplan_residuals, start, args=data, bounds=bounds).x
 
 
 # -- checks ------------------------------------------------------------------------------
