@@ -95,3 +95,19 @@ def kernel_backend(request):
 @pytest.fixture(params=ALL_BACKENDS)
 def any_backend(request):
     return request.param
+
+
+@pytest.fixture
+def fresh_results_cache(tmp_path, monkeypatch):
+    """``TFMATH_CACHE_DIR`` set to a new folder (saved runs and results start empty)
+    whose compiled kernels are the usual cache's: an empty kernel cache would have every
+    sweep worker compile the training step again, a minute of CPU time a test."""
+    from tfmath._kernel_cache import cache_dir
+
+    folder = tmp_path / "cache"
+    folder.mkdir()
+    kernels = cache_dir() / "kernels"
+    kernels.mkdir(parents=True, exist_ok=True)
+    (folder / "kernels").symlink_to(kernels)
+    monkeypatch.setenv("TFMATH_CACHE_DIR", str(folder))
+    return folder

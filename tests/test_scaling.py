@@ -520,7 +520,7 @@ def test_published_law_experiments():
     assert table["n_opt"][row] == pytest.approx(chinchilla_optimal(5.76e23).n, rel=1e-3)
 
 
-def test_reproduction_experiment_resumes_with_the_same_figures(tmp_path, monkeypatch):
+def test_reproduction_experiment_resumes_with_the_same_figures(fresh_results_cache, monkeypatch):
     import io
 
     from tfmath.experiments import scaling_laws
@@ -534,7 +534,6 @@ def test_reproduction_experiment_resumes_with_the_same_figures(tmp_path, monkeyp
     source = {"n_letters": 4, "word_length": 2, "n_words": 12, "zipf_exponent": 1.0}
     monkeypatch.setattr(scaling_laws, "SOURCE", source)
     monkeypatch.setattr(scaling_laws, "WORDS_PER_SEQUENCE", 4)
-    monkeypatch.setenv("TFMATH_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("TFMATH_SCHEDULER", raising=False)
 
     def svg(figure):
@@ -543,11 +542,11 @@ def test_reproduction_experiment_resumes_with_the_same_figures(tmp_path, monkeyp
         return buffer.getvalue()
 
     first = scaling_laws.scaling_reproduction(RunSettings())
-    saved = sorted((tmp_path / "scaling").glob("*.json"))
+    saved = sorted((fresh_results_cache / "scaling").glob("*.json"))
     assert len(saved) == 6
     assert "0 of 6 were loaded" in first.caption
     second = scaling_laws.scaling_reproduction(RunSettings())
-    assert sorted((tmp_path / "scaling").glob("*.json")) == saved
+    assert sorted((fresh_results_cache / "scaling").glob("*.json")) == saved
     assert "6 of 6 were loaded" in second.caption
     assert second.data == first.data
     assert second.tables["runs"].columns == first.tables["runs"].columns

@@ -11,7 +11,6 @@ import sys
 import numpy as np
 import pytest
 
-from tfmath._kernel_cache import cache_dir
 from tfmath.errors import ArgumentError, TfmathError
 from tfmath.training import TrainingConfig, language_model_config, train_language_model
 from tfmath.training.hierarchical import HierarchicalLanguage
@@ -187,7 +186,7 @@ def test_sweep_on_a_text_file_resumes_from_its_folder(tmp_path):
 
 
 @pytest.mark.slow
-def test_compute_optimal_experiment_on_a_text_file(tmp_path, monkeypatch):
+def test_compute_optimal_experiment_on_a_text_file(tmp_path, fresh_results_cache, monkeypatch):
     """The registered experiment, as ``--corpus FILE`` runs it, on a two-budget plan."""
     from tfmath.experiments import compute_optimal as experiment
     from tfmath.report import RunSettings
@@ -197,10 +196,6 @@ def test_compute_optimal_experiment_on_a_text_file(tmp_path, monkeypatch):
         budgets=(2e8, 3e8, 4.5e8), sizes=5, first_width=4, seeded_budgets=0
     )
     monkeypatch.setitem(experiment.PLANS, True, plan)
-    # Sweep results in a fresh folder, compiled kernels from the usual one.
-    (tmp_path / "cache").mkdir()
-    (tmp_path / "cache" / "kernels").symlink_to(cache_dir() / "kernels")
-    monkeypatch.setenv("TFMATH_CACHE_DIR", str(tmp_path / "cache"))
     result = experiment.compute_optimal(RunSettings(corpus=str(corpus)))
     data = result.data.get("compute_optimal")
     assert data is None or data["source"]["kind"] == "bytes"
