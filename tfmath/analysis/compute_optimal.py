@@ -40,6 +40,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from tfmath._blas_threads import blas_threads
 from tfmath._contract.checks import choice, integer, real
 from tfmath.errors import ArgumentError, FitWarning, ShapeError
 from tfmath.formulas.scaling import ChinchillaLaw, fit_scaling_law
@@ -1488,7 +1489,10 @@ def _minimise(data, log_e, delta, starts=None):
         bounds[2] = (log_e, log_e)
     low, high = np.array(bounds).T
     best_theta, best_value = None, math.inf
-    with _one_blas_thread():
+    # BLAS on one thread: the solver's BLAS calls are on vectors of five numbers, and
+    # OpenBLAS's idle second thread spins through them, taking a core from any other
+    # work for no gain (docs/benchmarks.rst, "Measurements behind constants").
+    with blas_threads(1):
         for start in starts:
             result = minimize(
                 _objective, np.clip(start, low, high), args=(data, delta), jac=True,
@@ -1497,16 +1501,6 @@ def _minimise(data, log_e, delta, starts=None):
             if result.fun < best_value:
                 best_theta, best_value = result.x, float(result.fun)
     return best_theta, best_value
-
-
-def _one_blas_thread():
-    """A context in which BLAS runs on one thread, for the solvers: their BLAS calls are
-    on vectors of five numbers, and OpenBLAS's idle second thread spun through them, a
-    bootstrap of :func:`fit_parametric_loss` taking twice its wall time in CPU time
-    (taken from any other process on the machine) for no gain in speed."""
-    from tfmath._blas_threads import blas_threads
-
-    return blas_threads(1)
 
 
 # -- Kaplan et al.'s pure power law --------------------------------------------------------
@@ -1629,7 +1623,7 @@ def _kaplan_minimise(data, start):
         start = min(grid, key=lambda t: float((_kaplan_residuals(t, *data) ** 2).sum()))
     bounds = ([1e-4, 1e-4, -50.0, -50.0], [5.0, 5.0, 200.0, 200.0])
     start = np.clip(np.asarray(start, dtype=float), bounds[0], bounds[1])
-    with _one_blas_thread():
+    with blas_threads(1):  # as in _minimise
         return least_squares(_kaplan_residuals, start, args=data, bounds=bounds).x
 
 
