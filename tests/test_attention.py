@@ -627,6 +627,32 @@ def test_plain_calls_give_the_bits_of_the_general_path(dtype, q_shape, kv_shape,
 
 
 @pytest.mark.parametrize(
+    ("q_shape", "kv_shape", "plan"),
+    [
+        ((1, 1, 16, 16), (1, 1, 16, 16), "PlainSmall"),  # below SERIAL_WORK
+        ((1, 8, 64, 32), (1, 8, 96, 32), "PlainFlash"),  # whole tiles
+        ((1, 8, 60, 32), (1, 8, 96, 32), None),  # rows that need padding
+        ((2, 1, 8), (2, 300, 8), None),  # decoding: "auto" picks another routine
+    ],
+)
+def test_a_plain_layout_is_planned_at_its_first_call(q_shape, kv_shape, plan):
+    from tfmath._dispatch import _PLANS
+    from tfmath.attention import _plain_plan
+
+    rng = np.random.default_rng(41)
+    query = rng.standard_normal(q_shape).astype(np.float32)
+    key, value = (rng.standard_normal(kv_shape).astype(np.float32) for _ in range(2))
+    _PLANS.clear()
+    first = _plain_plan(query, key, value, False, None)
+    assert type(first).__name__ == plan if plan else first is None
+    assert len(_PLANS) == 1
+    assert _plain_plan(query, key, value, False, None) is first
+    # Another layout of the same shapes (strides) is planned on its own.
+    _plain_plan(np.asfortranarray(query), key, value, False, None)
+    assert len(_PLANS) == 2
+
+
+@pytest.mark.parametrize(
     ("kwargs", "word"),
     [({"method": "fast"}, "method"), ({"method": "flash", "return_weights": True}, "naive")],
 )

@@ -226,6 +226,47 @@ def test_rms_norm_by_hand():
     assert_close(y, [[3 / math.sqrt(12.5), -4 / math.sqrt(12.5)]], 1e-15)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(32, 64), (2, 3, 5), (7,), (0, 4)])
+def test_plain_norm_calls_give_the_bits_of_the_general_path(dtype, shape):
+    # Plain host arrays skip the general checks (and the cache of the forward pass);
+    # the kernel and its operands are the same, so are the bits.
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal(shape).astype(dtype)
+    weight, bias = (rng.standard_normal(shape[-1]).astype(dtype) for _ in range(2))
+    short = L.layer_norm(x, weight, bias)
+    assert short.shape == x.shape and short.dtype == x.dtype
+    assert np.array_equal(short, L.layer_norm_forward(x, weight, bias)[0])
+    short = L.rms_norm(x, weight)
+    assert np.array_equal(short, L.rms_norm_forward(x, weight)[0])
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"x": np.ones((3, 4), np.float32).tolist()},  # not an array
+        {"x": np.ones((4, 3), np.float32).T},  # not C-contiguous
+        {"x": np.ones((3, 0), np.float32)},  # no features
+        {"x": np.ones((3, 4), np.float16)},  # half precision
+        {"weight": np.ones(4, np.float64)},  # another dtype
+        {"weight": np.ones(5, np.float32)},  # another width
+        {"weight": np.ones(8, np.float32)[::2]},  # strided
+        {"eps": 0},  # an int goes through real()
+        {"eps": -1e-5},
+        {"eps": math.inf},
+        {"backend": "cpu"},
+    ],
+)
+def test_the_norms_short_path_declines_what_it_does_not_check(change):
+    from tfmath._contract.checks import plain_rows
+
+    arguments = {"x": np.ones((3, 4), np.float32), "weight": np.ones(4, np.float32)}
+    arguments |= {"eps": 1e-5, "backend": "auto"}
+    arguments.update(change)
+    weight = arguments.pop("weight")
+    assert plain_rows(arguments["x"], (weight,), arguments["eps"], arguments["backend"]) is None
+
+
 def test_normalised_rows_have_zero_mean_and_unit_variance(any_backend):
     rng = np.random.default_rng(0)
     x = 3 * rng.standard_normal((4, 16)) + 7

@@ -409,14 +409,14 @@ def heads_of_a_projection(rng, batch, length, heads, features, dtype):
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("batch", [1, 2])
 def test_a_models_heads_take_the_layout_plan_with_the_general_paths_bits(dtype, is_causal, batch):
-    from tfmath._contract.attention import plain_attention_problem
-    from tfmath.kernels.cpu.flash_attention import plain_flash
+    from tfmath.attention import _plain_plan
+    from tfmath.kernels.cpu.flash_attention import PlainFlash
 
     rng = np.random.default_rng(batch)
     shape = (batch, 128, 3, 4, 16)  # above the one-thread forward's size, whole tiles
     _, heads = heads_of_a_projection(rng, *shape[:2], *shape[3:], dtype)
     arrays = [head.detach().numpy() for head in heads]
-    assert plain_flash(*arrays, is_causal, None, plain_attention_problem) is not None
+    assert isinstance(_plain_plan(*arrays, is_causal, None), PlainFlash)
     grad = torch.from_numpy(rng.standard_normal((batch, 4, 128, 16))).to(DTYPES[dtype])
     results = []
     for path in ("short", "general"):

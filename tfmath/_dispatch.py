@@ -100,16 +100,17 @@ def implementation(routine, backend):
 
 
 #: Kernels that their callers drive themselves, past the problem records, each with the
-#: reason it needs no routine of its own: the short path of plain host attention (a
-#: drop-in's every call, whose checks the kernel plans itself); the fused training
-#: step's kernels and BLAS products (the step owns its buffers and calls dozens of
-#: kernels per step); the CUDA flash kernels, which the PTX tool compiles without
-#: running them; the classification of a block mask's blocks, compiled around the
-#: user's ``mask_mod`` before any problem exists; the tanh a user's ``score_mod`` may
-#: call from its own compiled code. Modules above this one reach kernels
-#: only here or through :func:`run` (tests/test_layout.py holds them to it).
+#: reason it needs no routine of its own: the plans of plain host attention's layouts
+#: (small problems' and a drop-in's every call, checked once per layout, see
+#: :func:`layout_plan`); the fused training step's kernels and BLAS products (the step owns its
+#: buffers and calls dozens of kernels per step); the CUDA flash kernels, which the
+#: PTX tool compiles without running them; the classification of a block mask's
+#: blocks, compiled around the user's ``mask_mod`` before any problem exists; the tanh
+#: a user's ``score_mod`` may call from its own compiled code. Modules above this one
+#: reach kernels only here or through :func:`run` (tests/test_layout.py holds them to
+#: it).
 DIRECT = {
-    "plain_flash": "tfmath.kernels.cpu.flash_attention:plain_flash",
+    "plain_plan": "tfmath.kernels.cpu.flash_attention:plain_plan",
     "training_step": "tfmath.kernels.cpu.training_step",
     "gemm": "tfmath.kernels.cpu.blas:gemm",
     "cuda_flash_attention": "tfmath.kernels.cuda.flash_attention",
@@ -153,6 +154,33 @@ def run(routine, problem, *args):
         return implementation(routine, backend)(problem, *args)
     result = implementation(routine, "reference")(problem.on_host(), *_on_host(args))
     return _on_device(result) if problem.on_device else result
+
+
+#: Plans of the layouts plain calls have come in, by routine (see :func:`layout_plan`).
+_PLANS = {}
+_MAX_PLANS = 256
+
+
+def layout_plan(routine, layout, build, *operands):
+    """The kernels' plan of ``routine`` for calls of ``layout``, or None when the
+    general path must serve them.
+
+    ``layout`` holds all that a call's checks depend on (shapes, strides, dtypes,
+    options). At a layout's first call, ``build(*operands)`` checks the call and
+    returns the plan it gets from :func:`direct`, or None; later calls of the layout
+    reuse the verdict, so the checks run once per layout, still before any kernel.
+    Small problems come by the thousand, and for them the checks cost as much as the
+    kernel. At most ``_MAX_PLANS`` plans are kept.
+    """
+    try:
+        return _PLANS[routine, layout]
+    except KeyError:
+        pass
+    plan = build(*operands)
+    if len(_PLANS) >= _MAX_PLANS:
+        _PLANS.clear()
+    _PLANS[routine, layout] = plan
+    return plan
 
 
 def narrowed(problem, array):

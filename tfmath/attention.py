@@ -21,6 +21,7 @@ from tfmath._contract.attention import (
     group_query_heads,
     output_gradient,
     plain_attention_problem,
+    plain_layout,
     saved_forward,
     sum_to_shape,
 )
@@ -46,7 +47,7 @@ from tfmath._contract.tensors import (
     plain_cuda_call,
     to_tensor,
 )
-from tfmath._dispatch import direct, implementation, narrowed, run
+from tfmath._dispatch import direct, implementation, layout_plan, narrowed, run
 from tfmath.errors import ArgumentError, DTypeError
 
 __all__ = ["attention_grad", "scaled_dot_product_attention", "softmax"]
@@ -314,6 +315,9 @@ def scaled_dot_product_attention(
     if _is_plain_host_call(
         attn_mask, return_weights, return_log_sum_exp, method, accumulate, backend
     ):
+        plan = _plain_plan(query, key, value, is_causal, scale)
+        if plan is not None:
+            return plan.forward(query, key, value)[0]
         problem = plain_attention_problem(query, key, value, is_causal, scale)
         if problem is not None:
             # Non-empty float32/float64 host operands: nothing for run() to widen or
@@ -455,12 +459,12 @@ def _plain_attention_of_tensors(query, key, value, is_causal, scale):
         return None
     if type(is_causal) is bool and (scale is None or type(scale) is float):
         # The CPU flash kernels' plan of this layout: this path serves only host tensors.
-        flash = direct("plain_flash")(*arrays, is_causal, scale, plain_attention_problem)
-        if flash is not None:
+        plan = _plain_plan(*arrays, is_causal, scale)
+        if plan is not None:
             if not needs_grad(query, key, value):
-                return to_tensor(flash.forward(*arrays)[0], "cpu")
-            forward = functools.partial(flash.forward, *arrays)
-            rule = Rule(forward, flash.backward, reads_outputs=True)
+                return to_tensor(plan.forward(*arrays)[0], "cpu")
+            forward = functools.partial(plan.forward, *arrays)
+            rule = Rule(forward, plan.backward, reads_outputs=True)
             return differentiable_plain(rule, (query, key, value))
     problem = plain_attention_problem(*arrays, is_causal, scale)
     if problem is None:
@@ -482,6 +486,25 @@ def _plain_attention_of_tensors(query, key, value, is_causal, scale):
 
     rule = Rule(attention_forward, attention_backward, reads_outputs=True)
     return differentiable_plain(rule, (query, key, value))
+
+
+def _plain_plan(query, key, value, is_causal, scale):
+    """The CPU flash kernels' plan (``tfmath.kernels.cpu.flash_attention.plain_plan``)
+    of a plain call of host arrays, or None when the general path must serve it:
+    checked at its layout's first call (:func:`tfmath._dispatch.layout_plan`)."""
+    layout = plain_layout(query, key, value, is_causal, scale)
+    if layout is None:
+        return None
+    return layout_plan("attention", layout, _new_plain_plan, query, key, value, is_causal, scale)
+
+
+def _new_plain_plan(query, key, value, is_causal, scale):
+    """The plan of a call whose layout is new: one for a plain problem
+    (:func:`plain_attention_problem`) that ``"auto"`` gives to the flash routine."""
+    problem = plain_attention_problem(query, key, value, is_causal, scale)
+    if problem is None or _attention_routine(problem, "auto", False) != "flash_attention":
+        return None
+    return direct("plain_plan")(problem)
 
 
 def _is_plain_host_call(attn_mask, return_weights, return_log_sum_exp, method, accumulate, backend):

@@ -275,6 +275,27 @@ def _allocations(problem):
     return allocations
 
 
+def plain_layout(query, key, value, is_causal, scale):
+    """What the checks of a possibly plain call depend on, or None when it cannot be
+    one (an operand is not a NumPy array, ``is_causal`` not a bool, ``scale`` neither
+    None nor a float): the operands' shapes, strides and dtypes, ``is_causal`` and
+    ``scale``. Calls of one layout are all plain or all not
+    (:func:`plain_attention_problem`), so its verdict can be kept
+    (:func:`tfmath._dispatch.layout_plan`)."""
+    if not (
+        type(query) is np.ndarray
+        and type(key) is np.ndarray
+        and type(value) is np.ndarray
+        and type(is_causal) is bool
+        and (scale is None or type(scale) is float)
+    ):
+        return None
+    return (
+        query.shape, key.shape, value.shape, query.strides, key.strides, value.strides,
+        query.dtype, key.dtype, value.dtype, is_causal, scale,
+    )  # fmt: skip
+
+
 def plain_attention_problem(query, key, value, is_causal, scale):
     """The CPU problem of an unmasked call that :func:`attention_problem` would accept
     as it is, built without its general checks; None for any other call.

@@ -17,6 +17,7 @@ import os
 import numpy as np
 
 from tfmath import _cuda
+from tfmath._contract.backend import auto_stays_on_host
 from tfmath.errors import AllocationError, ArgumentError, DTypeError, ShapeError
 
 #: The floating dtypes the kernels are compiled for.
@@ -245,3 +246,38 @@ def check_allocations(allocations):
 
 def _gib(size):
     return f"{size / 2**30:.3g}"
+
+
+def plain_rows(x, parameters, eps, backend):
+    """``x`` as rows ``(n, d)`` when a normalisation's call is plain, or None.
+
+    Plain: C-contiguous float32 or float64 host arrays, ``x`` with at least one
+    feature and each parameter of shape ``(d,)`` in its dtype, a finite float
+    ``eps >= 0``, and ``backend="auto"`` on a machine without a GPU, so that the
+    general checks of :mod:`tfmath.training.layers` would pass every array as it is.
+    Any other call, every invalid one included, goes through
+    them and their errors. Small normalisations come by the thousand, and for them
+    the general checks cost as much as the kernel.
+    """
+    if not (type(x) is np.ndarray and type(eps) is float and type(backend) is str):
+        return None
+    dtype, shape = x.dtype, x.shape
+    if not (
+        backend == "auto"
+        and is_kernel_dtype(dtype)
+        and shape
+        and shape[-1]
+        and 0.0 <= eps < math.inf
+        and x.flags.c_contiguous
+    ):
+        return None
+    features = (shape[-1],)
+    for parameter in parameters:
+        if not (
+            type(parameter) is np.ndarray
+            and parameter.dtype == dtype
+            and parameter.shape == features
+            and parameter.flags.c_contiguous
+        ):
+            return None
+    return x.reshape(-1, shape[-1]) if auto_stays_on_host() else None

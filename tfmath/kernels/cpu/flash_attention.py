@@ -1136,31 +1136,61 @@ class PlainFlash:
         )
 
 
-#: Plans of the layouts plain calls have come in (see :func:`plain_flash`).
-_PLANS = {}
-_MAX_PLANS = 256
+class PlainSmall:
+    """The forward and backward of plain calls of one layout below ``SERIAL_WORK``,
+    without the general path's per-call work: :class:`PlainFlash`'s counterpart for
+    the one-thread row forward, which small problems (a sweep over d_k, a tiny model's
+    heads) call by the thousand. The backward is the general path's, on the problem
+    rebuilt around the call's operands.
+    """
+
+    __slots__ = ("_index", "_is_causal", "_key_rows", "_output_shape", "_problem",
+                 "_query_rows", "_scale", "_value_rows")  # fmt: skip
+
+    @classmethod
+    def of(cls, problem):
+        """The plan of a plain problem's layout below ``SERIAL_WORK`` whose operands
+        are C-contiguous (so that every reshape is a view), or None."""
+        if not (
+            _is_small(problem)
+            and problem.query.flags.c_contiguous
+            and problem.key.flags.c_contiguous
+            and problem.value.flags.c_contiguous
+        ):
+            return None
+        query, key, value, _, index = problem.kernel_operands()
+        plan = cls()
+        plan._query_rows, plan._key_rows, plan._value_rows = query.shape, key.shape, value.shape
+        plan._index = index
+        plan._is_causal, plan._scale = problem.is_causal, problem.scale
+        plan._output_shape = problem.output_shape()
+        # The plan outlives the call: it keeps the problem's settings, not its operands.
+        plan._problem = problem._replace(query=None, key=None, value=None)
+        return plan
+
+    def forward(self, query, key, value):
+        """``(output, saved)``: the output, ``batch + (L, Ev)``, and what
+        :meth:`backward` takes."""
+        output, log_sum_exp = _rows_forward(
+            query.reshape(self._query_rows), key.reshape(self._key_rows),
+            value.reshape(self._value_rows), None, self._index, self._is_causal, self._scale,
+        )  # fmt: skip
+        return output.reshape(self._output_shape), (query, key, value, output, log_sum_exp)
+
+    def backward(self, saved, grad_output):
+        """``(dq, dk, dv)``, shaped as the operands, from :meth:`forward`'s ``saved``
+        and the output's gradient."""
+        query, key, value, output, log_sum_exp = saved
+        problem = self._problem._replace(query=query, key=key, value=value)
+        return attention_grad(problem, grad_output, (output, log_sum_exp))
 
 
-def plain_flash(query, key, value, is_causal, scale, plain_problem):
-    """The :class:`PlainFlash` of arrays ``query``, ``key``, ``value`` with
-    ``is_causal`` (a bool) and ``scale`` (None or a float), or None when the general
-    path must serve the call; ``plain_problem(query, key, value, is_causal, scale)``
-    builds and checks the problem of a layout met for the first time (None if it is
-    not plain). Plans are kept per layout, at most ``_MAX_PLANS`` of them."""
-    layout = (
-        query.shape, key.shape, value.shape, query.strides, key.strides, value.strides,
-        query.dtype, key.dtype, value.dtype, is_causal, scale,
-    )  # fmt: skip
-    try:
-        return _PLANS[layout]
-    except KeyError:
-        pass
-    problem = plain_problem(query, key, value, is_causal, scale)
-    plan = None if problem is None else PlainFlash.of(problem)
-    if len(_PLANS) >= _MAX_PLANS:
-        _PLANS.clear()
-    _PLANS[layout] = plan
-    return plan
+def plain_plan(problem):
+    """The plan of a plain problem's layout (:class:`PlainSmall` or
+    :class:`PlainFlash`), or None when the general path must serve it. The caller
+    keeps plans per layout: :func:`tfmath.attention.scaled_dot_product_attention`
+    checks each layout once, and later calls of it go straight to the plan."""
+    return PlainSmall.of(problem) or PlainFlash.of(problem)
 
 
 def _untile(tiles, batch_shape, n_rows):

@@ -4,6 +4,7 @@ from tfmath._contract.backend import resolve_backend
 from tfmath._contract.checks import (
     choice,
     integer,
+    plain_rows,
 )
 from tfmath._contract.tensors import accepts_tensors
 from tfmath._dispatch import implementation
@@ -64,6 +65,9 @@ def layer_norm(x, weight, bias, eps=1e-5, *, backend="auto"):
     >>> np.round(y, 4)
     array([[-1.2247,  0.    ,  1.2247]])
     """
+    rows = plain_rows(x, (weight, bias), eps, backend)
+    if rows is not None:
+        return implementation("layer_norm", "cpu")(rows, weight, bias, eps)[0].reshape(x.shape)
     return layer_norm_forward(x, weight, bias, eps, backend=backend)[0]
 
 
@@ -154,6 +158,9 @@ def rms_norm(x, weight, eps=1e-6, *, backend="auto"):
     >>> rms_norm([[3.0, 4.0]], [1.0, 1.0], eps=0.0, backend="reference").round(4)
     array([[0.8485, 1.1314]])
     """
+    rows = plain_rows(x, (weight,), eps, backend)
+    if rows is not None:
+        return implementation("rms_norm", "cpu")(rows, weight, eps)[0].reshape(x.shape)
     return rms_norm_forward(x, weight, eps, backend=backend)[0]
 
 
