@@ -104,13 +104,19 @@ def blas_kernels(info=None):
     ]
 
 
-def describe_blas(kernels=None, cpu_level=None, environ=None):
+#: The default of :func:`describe_blas`'s ``cpu_level``: this machine's CPU (None there
+#: means a CPU whose vectors are unknown).
+THIS_CPU = "this CPU"
+
+
+def describe_blas(kernels=None, cpu_level=THIS_CPU, environ=None):
     """Lines for ``tfmath info`` and ``tfmath bench``: each BLAS library with its
     version, kernel and threads, then a warning, with the fix, for a kernel narrower
-    than the CPU's vectors or wider than the CPU runs. The arguments default to this
-    process's libraries, CPU and environment."""
+    than the CPU's vectors or wider than the CPU runs (none for a CPU whose vectors
+    are unknown, ``cpu_level=None``). The arguments default to this process's
+    libraries, CPU and environment."""
     kernels = blas_kernels() if kernels is None else kernels
-    cpu_level = cpu_vector_level() if cpu_level is None else cpu_level
+    cpu_level = cpu_vector_level() if cpu_level == THIS_CPU else cpu_level
     environ = os.environ if environ is None else environ
     pinned = {name: environ[name] for name in PINNING_VARIABLES if environ.get(name)}
     pin_note = "".join(f", {name}={value}" for name, value in pinned.items())
