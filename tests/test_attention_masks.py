@@ -162,6 +162,43 @@ def test_unmasked_kernels_give_the_bits_of_an_open_mask(dtype, is_causal):
         np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("kind", ["bool", "float", "float with -inf"])
+def test_a_mask_every_head_shares_gives_the_bits_of_one_per_head(dtype, is_causal, kind):
+    # A dense mask that heads share is transposed once into the kernels' layout
+    # (kernel_mask); one mask per head is transposed tile by tile. Same values, same bits.
+    rng = np.random.default_rng(9)
+    query = rng.standard_normal((2, 3, 40, 8)).astype(dtype)
+    key, value = (rng.standard_normal((2, 3, 50, 8)).astype(dtype) for _ in range(2))
+    if kind == "bool":
+        shared = rng.random((40, 50)) > 0.3
+    else:
+        shared = rng.standard_normal((40, 50)).astype(dtype)
+        if kind == "float with -inf":
+            shared[rng.random(shared.shape) < 0.3] = -np.inf
+    per_head = np.ascontiguousarray(np.broadcast_to(shared, (2, 3, 40, 50)))
+    grad = rng.standard_normal((2, 3, 40, 8)).astype(dtype)
+    results = []
+    for mask in (shared, per_head):
+        output = tfmath.scaled_dot_product_attention(
+            query, key, value, mask, is_causal, method="flash", backend="cpu"
+        )
+        grads = tfmath.attention_grad(query, key, value, grad, mask, is_causal, backend="cpu")
+        results.append((output, *grads))
+    assert flash_attention.kernel_mask(np.zeros((1, 40, 50), dtype), 6)[1]
+    assert not flash_attention.kernel_mask(np.zeros((6, 40, 50), dtype), 6)[1]
+    for got, want in zip(*results, strict=True):
+        np.testing.assert_array_equal(got, want)
+    assert_close(
+        results[0][0],
+        tfmath.scaled_dot_product_attention(
+            query, key, value, shared, is_causal, backend="reference"
+        ),
+        attention_tolerance(np.dtype(dtype), 8, 50),
+    )
+
+
 def test_masked_blocks_are_skipped_and_open_blocks_left_alone():
     # One block per (key tile, query tile): all False -> MASKED, all True -> OPEN,
     # mixed or a non-zero bias -> PARTIAL; a key-padding mask has one query block.

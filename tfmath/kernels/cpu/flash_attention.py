@@ -114,16 +114,24 @@ def tile_sizes(problem):
 
 
 @cpu_kernel
-def _mask_tile(scores, mask, m, kind, is_causal, first_key, first_row, n_key, n_query, block):
+def _mask_tile(
+    scores, mask, mask_transposed, m, kind, is_causal, first_key, first_row, n_key, n_query, block
+):  # fmt: skip
     """Mask a transposed tile of base-2 scores, ``scores[j, i]`` for key j and query i:
     add the mask of a ``PARTIAL`` block (``block``, of the tile's shape, is scratch
-    space), and write -inf where the key is beyond the sequence, above the causal
-    diagonal, or masked by -inf (even over a NaN score)."""
+    space; ``mask_transposed``: see :func:`kernel_mask`), and write -inf where the
+    key is beyond the sequence, above the causal diagonal, or masked by -inf (even
+    over a NaN score)."""
     key_tile, query_tile = scores.shape
     n_keys = min(key_tile, n_key - first_key)
     n_rows = min(query_tile, n_query - first_row)
     if mask is not None and kind == PARTIAL:
-        _add_mask(scores, mask, m, first_key, first_row, n_keys, n_rows, block)
+        if mask_transposed:
+            # Keys by rows, in base 2 already: each key's row of the block is an add.
+            for j in range(n_keys):
+                _add_row_bias(scores[j], mask[m, first_key + j, first_row : first_row + n_rows])
+        else:
+            _add_mask(scores, mask, m, first_key, first_row, n_keys, n_rows, block)
     for j in range(n_keys, key_tile):
         scores[j, :] = -np.inf
     if is_causal:
@@ -193,12 +201,15 @@ def _add_key_bias(scores, mask_row, first_key, n_keys, n_rows):
 @cpu_kernel
 def _score_tile(
     scores, key_rows, query_columns, score_scale,
-    mask, m, kind, is_causal, first_key, first_row, n_key, n_query, block,
+    mask, mask_transposed, m, kind, is_causal, first_key, first_row, n_key, n_query, block,
 ):  # fmt: skip
     """A transposed tile of base-2 scores, ``scores[j, i]`` for key j and query i,
     masked (see :func:`_mask_tile`)."""
     gemm(score_scale, key_rows, query_columns, 0.0, scores)
-    _mask_tile(scores, mask, m, kind, is_causal, first_key, first_row, n_key, n_query, block)
+    _mask_tile(
+        scores, mask, mask_transposed, m, kind, is_causal, first_key, first_row, n_key, n_query,
+        block,
+    )  # fmt: skip
 
 
 @cpu_kernel
@@ -278,6 +289,64 @@ def _classify_blocks(mask, is_boolean, key_tile, query_tile, additive, tile_kind
                 segment, out = mask[m, i, k0:k1], additive[m, i, k0:k1]
                 for j in range(segment.shape[0]):
                     out[j] = allowed if segment[j] else forbidden
+
+
+#: Rows and keys of a block that :func:`_transposed_base2` transposes at once: both
+#: blocks, read and written, stay in a core's L1 cache.
+TRANSPOSE_BLOCK = 64
+
+
+@cpu_kernel(parallel=True)
+def _transposed_base2(mask, out):
+    """``out[m, j, i] = log2(e) * mask[m, i, j]``, computed in float64 and rounded to
+    ``out``'s dtype as :func:`_add_mask` rounds it, one task per (mask, block of
+    ``TRANSPOSE_BLOCK`` rows and keys).
+
+    Eight rows at a time, each read along its keys and each key's eight values
+    written side by side, named one by one so that LLVM keeps the eight rows'
+    addresses in registers: a loop over the eight took three times as long (4.3
+    against 1.4 ms for a 2048 x 2048 float32 mask on two cores), and whole rows at
+    a time, each key's values a page apart, longer still."""
+    n_masks, n_rows, n_keys = mask.shape
+    row_blocks = -(-n_rows // TRANSPOSE_BLOCK)
+    key_blocks = -(-n_keys // TRANSPOSE_BLOCK)
+    for task in numba.prange(n_masks * row_blocks * key_blocks):
+        m = task // (row_blocks * key_blocks)
+        first_row = task // key_blocks % row_blocks * TRANSPOSE_BLOCK
+        first_key = task % key_blocks * TRANSPOSE_BLOCK
+        last_row = min(first_row + TRANSPOSE_BLOCK, n_rows)
+        last_key = min(first_key + TRANSPOSE_BLOCK, n_keys)
+        rows, columns = mask[m], out[m]
+        i = first_row
+        while i + 8 <= last_row:
+            r0, r1, r2, r3 = rows[i], rows[i + 1], rows[i + 2], rows[i + 3]
+            r4, r5, r6, r7 = rows[i + 4], rows[i + 5], rows[i + 6], rows[i + 7]
+            for j in range(first_key, last_key):
+                column = columns[j]
+                column[i], column[i + 1] = r0[j] * LOG2E, r1[j] * LOG2E
+                column[i + 2], column[i + 3] = r2[j] * LOG2E, r3[j] * LOG2E
+                column[i + 4], column[i + 5] = r4[j] * LOG2E, r5[j] * LOG2E
+                column[i + 6], column[i + 7] = r6[j] * LOG2E, r7[j] * LOG2E
+            i += 8
+        for j in range(first_key, last_key):
+            for r in range(i, last_row):
+                columns[j, r] = rows[r, j] * LOG2E
+
+
+def kernel_mask(mask, n_batch):
+    """``(mask, transposed)``: the additive mask of :func:`mask_operand` as the flash
+    kernels read it. A dense mask (``L x S``, L and S above 1) that fewer mask
+    entries than ``n_batch`` batch entries share (one bias for every head) comes
+    transposed, ``(mask_batch, S, L)``, and in base 2, in a copy made once: each
+    tile then adds it key by key, rather than transposing it for every head that
+    reads it (half the time a tile, see docs/flash_attention.rst), with the same
+    bits. Any other mask comes as it is."""
+    if mask is None or mask.shape[0] >= n_batch or mask.shape[1] == 1 or mask.shape[2] == 1:
+        return mask, False
+    n_masks, n_rows, n_keys = mask.shape
+    transposed = np.empty((n_masks, n_keys, n_rows), dtype=mask.dtype)
+    _transposed_base2(mask, transposed)
+    return transposed, True
 
 
 def mask_operand(mask, dtype, key_tile, query_tile):
@@ -436,7 +505,7 @@ def _accumulate_values(value_tile, check_values, weights, accumulator):
 
 @cpu_kernel(parallel=True)
 def _forward_kernel(
-    query_tiles, key_tiles, value_tiles, mask, tile_kinds,
+    query_tiles, key_tiles, value_tiles, mask, mask_transposed, tile_kinds,
     index, is_causal, n_query, n_key, scale, out, log_sum_exp,
 ):  # fmt: skip
     """One task per (batch entry, query tile).
@@ -490,8 +559,8 @@ def _forward_kernel(
                     continue
                 first_key = t * key_tile
                 _score_tile(
-                    scores, key_tiles[k, t], query_columns, score_scale,
-                    mask, m, kind, is_causal, first_key, first_row, n_key, n_query, mask_block,
+                    scores, key_tiles[k, t], query_columns, score_scale, mask, mask_transposed,
+                    m, kind, is_causal, first_key, first_row, n_key, n_query, mask_block,
                 )  # fmt: skip
                 if try_single_pass and _has_reference_maximum(running_max):
                     if _softmax_tile_against_reference(scores, running_max, running_sum, new_max):
@@ -500,8 +569,9 @@ def _forward_kernel(
                     # Refused, after the single pass overwrote the scores.
                     try_single_pass = False
                     _score_tile(
-                        scores, key_tiles[k, t], query_columns, score_scale,
-                        mask, m, kind, is_causal, first_key, first_row, n_key, n_query, mask_block,
+                        scores, key_tiles[k, t], query_columns, score_scale, mask,
+                        mask_transposed, m, kind, is_causal, first_key, first_row, n_key, n_query,
+                        mask_block,
                     )  # fmt: skip
                 _softmax_tile(scores, running_max, running_sum, rescale, new_max)
                 # A loop, not an array expression, which cost a sixth of the kernel.
@@ -684,8 +754,8 @@ def one_key_rows(mask, is_causal, n_query, n_key):
 @cpu_kernel(parallel=True)
 def _backward_kernel(
     query_tiles, key_tiles, value_tiles, grad_tiles, output_tiles, log_sum_exp,
-    mask, tile_kinds, one_key_rows, index, is_causal, n_query, n_key, scale, log2e,
-    grad_query_parts, grad_key, grad_value,
+    mask, mask_transposed, tile_kinds, one_key_rows, index, is_causal, n_query, n_key, scale,
+    log2e, grad_query_parts, grad_key, grad_value,
 ):  # fmt: skip
     """One task per (batch entry, part of its key sweeps); part ``c`` of
     ``n_parts = grad_query_parts.shape[0]`` takes sweeps ``c, c + n_parts, ...``
@@ -787,8 +857,8 @@ def _backward_kernel(
                     in_sweep = t - sweep_start
                     _score_tile(
                         probabilities, keys[in_sweep], query_columns[tile], score_scale,
-                        mask, m, kind, is_causal, t * key_tile, first_row, n_key, n_query,
-                        grad_scores,
+                        mask, mask_transposed, m, kind, is_causal, t * key_tile, first_row,
+                        n_key, n_query, grad_scores,
                     )  # fmt: skip
                     gemm(1.0, values[in_sweep], grad_columns[tile], 0.0, grad_scores)
                     clean = rows_clean[tile] and key_finite[in_sweep] and value_finite[in_sweep]
@@ -917,10 +987,12 @@ def flash_forward(problem):
     )
     log_sum_exp = np.empty((n_batch, n_query_tiles, query_tile), dtype=dtype)
     mask, tile_kinds = mask_operand(mask, dtype, key_tile, query_tile)
+    mask, mask_transposed = kernel_mask(mask, n_batch)
     with serial_blas():
         _forward_kernel(
-            query_tiles, _row_tiles(key, key_tile), value_tiles, mask, tile_kinds, index,
-            problem.is_causal, problem.n_query, problem.n_key, problem.scale, out, log_sum_exp,
+            query_tiles, _row_tiles(key, key_tile), value_tiles, mask, mask_transposed,
+            tile_kinds, index, problem.is_causal, problem.n_query, problem.n_key, problem.scale,
+            out, log_sum_exp,
         )  # fmt: skip
     n_query = problem.n_query
     padded_rows = n_query_tiles * query_tile
@@ -1013,13 +1085,16 @@ def attention_grad(problem, grad_output, saved=None):
     grad_key = np.empty((n_batch, n_key_tiles, key_tile, problem.n_features), dtype=dtype)
     grad_value = np.empty((n_batch, n_key_tiles, key_tile, problem.value_dim), dtype=dtype)
     mask, tile_kinds = mask_operand(mask, dtype, key_tile, query_tile)
+    # Rows with one attended key are found in the mask as given.
+    one_key = one_key_rows(mask, problem.is_causal, problem.n_query, problem.n_key)
+    mask, mask_transposed = kernel_mask(mask, n_batch)
     with serial_blas():
         _backward_kernel(
             query_tiles, key_tiles, _row_tiles(value, key_tile),
             _row_tiles(grad_output, query_tile), _row_tiles(output, query_tile), log_sum_exp,
-            mask, tile_kinds, one_key_rows(mask, problem.is_causal, problem.n_query, problem.n_key),
-            index, problem.is_causal, problem.n_query, problem.n_key,
-            problem.scale, dtype.type(LOG2E), grad_query_parts, grad_key, grad_value,
+            mask, mask_transposed, tile_kinds, one_key, index, problem.is_causal,
+            problem.n_query, problem.n_key, problem.scale, dtype.type(LOG2E),
+            grad_query_parts, grad_key, grad_value,
         )  # fmt: skip
     return (
         _untile(grad_query_parts[0], problem.batch_shape, problem.n_query),
@@ -1103,8 +1178,8 @@ class PlainFlash:
         log_sum_exp = np.empty((n_batch, self._n_query), self._dtype)
         with serial_blas():
             _forward_kernel(
-                query_tiles, key_tiles, value_tiles, None, None, self._index, self._is_causal,
-                self._n_query, self._n_key, self._scale, out,
+                query_tiles, key_tiles, value_tiles, None, False, None, self._index,
+                self._is_causal, self._n_query, self._n_key, self._scale, out,
                 log_sum_exp.reshape(n_batch, n_query_tiles, query_tile),
             )  # fmt: skip
         saved = (query_tiles, key_tiles, value_tiles, out, log_sum_exp)
@@ -1125,8 +1200,9 @@ class PlainFlash:
         with serial_blas():
             _backward_kernel(
                 query_tiles, key_tiles, value_tiles, grad_rows.reshape(self._output_tiles),
-                out, log_sum_exp, None, None, None, self._index, self._is_causal, self._n_query,
-                self._n_key, self._scale, self._log2e, grad_query_parts, grad_key, grad_value,
+                out, log_sum_exp, None, False, None, None, self._index, self._is_causal,
+                self._n_query, self._n_key, self._scale, self._log2e, grad_query_parts, grad_key,
+                grad_value,
             )  # fmt: skip
         query_shape, key_shape, value_shape = self._gradient_shapes
         return (
