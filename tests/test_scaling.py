@@ -486,6 +486,21 @@ def test_worker_processes_are_kept_between_sweeps_until_closed():
     assert sweep._WORKERS is None
 
 
+def test_kept_workers_follow_the_cache_folder(monkeypatch, tmp_path):
+    # Workers read TFMATH_CACHE_DIR when spawned: a pool spawned for another folder is
+    # replaced, not reused (no process starts before a run is submitted).
+    from tfmath.training import sweep
+
+    sweep.close_workers()
+    monkeypatch.setenv("TFMATH_CACHE_DIR", str(tmp_path / "first"))
+    first = sweep._worker_pool(2)
+    assert sweep._worker_pool(2) is first
+    monkeypatch.setenv("TFMATH_CACHE_DIR", str(tmp_path / "second"))
+    second = sweep._worker_pool(2)
+    assert second is not first and sweep._worker_pool(2) is second
+    sweep.close_workers()
+
+
 def test_dask_sweep_equals_the_in_process_one(tmp_path):
     distributed = pytest.importorskip("distributed")
     runs = [_tiny_run(seed, steps=40) for seed in (5, 6, 7)]

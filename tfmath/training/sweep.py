@@ -204,19 +204,23 @@ def _cores():
     return len(affinity(0)) if affinity is not None else os.cpu_count() or 1
 
 
-#: The worker processes kept between sweeps: ``(count, executor)`` or None.
+#: The worker processes kept between sweeps: ``((count, cache folder), executor)`` or
+#: None.
 _WORKERS = None
 
 
 def _worker_pool(workers):
     """The kept pool of ``workers`` spawned processes (spawned: a forked child would
     inherit the parent's OpenMP thread pool, which is not safe to use after a fork),
-    started when there is none of that size."""
+    started when there is none of that size for the current :func:`cache_dir`: workers
+    read the environment once, when spawned, and one spawned before ``TFMATH_CACHE_DIR``
+    changed would keep its compiled kernels in the old folder."""
     global _WORKERS
-    if _WORKERS is None or _WORKERS[0] != workers:
+    key = (workers, cache_dir())
+    if _WORKERS is None or _WORKERS[0] != key:
         close_workers()
         context = multiprocessing.get_context("spawn")
-        _WORKERS = (workers, ProcessPoolExecutor(max_workers=workers, mp_context=context))
+        _WORKERS = (key, ProcessPoolExecutor(max_workers=workers, mp_context=context))
     return _WORKERS[1]
 
 
