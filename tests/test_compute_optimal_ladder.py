@@ -225,6 +225,23 @@ def test_the_experiment_fits_every_rung_and_judges_both_papers(monkeypatch):
         assert f"{rung.letter}. " in result.caption
 
 
+def test_the_ledger_gives_no_verdict_on_an_undetermined_exponent():
+    # An interval wider than its estimate contains 0.73 and 0.50 alike: "holds" would
+    # be a verdict the runs do not support.
+    def fit(a, low, high):
+        return SimpleNamespace(a=a, a_interval=np.array([low, high]))
+
+    n = np.array([78.0, 5100.0])
+    fits = {
+        "a": {"non_embedding": fit(0.47, -0.21, 0.92), "all": fit(0.32, -0.37, 0.77), "n": n},
+        "e": {"non_embedding": fit(0.54, 0.44, 0.62), "all": fit(0.36, 0.29, 0.42), "n": n},
+    }
+    kaplan, chinchilla = ladder._claims(fits)
+    assert kaplan.measured is None and kaplan.verdict == "not computed"
+    assert "undetermined" in kaplan.reason and "0.47 [-0.21, 0.92]" in kaplan.reason
+    assert chinchilla.measured == 0.36 and chinchilla.verdict == "differs"
+
+
 def test_exponent_ladder_draws_missing_values_and_open_intervals():
     _, axes = new_figure(6, 3)
     ax = exponent_ladder(
