@@ -112,8 +112,8 @@ def _weighted_sum(weights, values, n_visible, out_row):
     Four positions at a time where all four weights are non-zero: each ``out_row[e]``
     takes the same four additions in the same order, so the result is the same to the
     bit, but it is loaded and stored once per four positions. Added one position at a
-    time, each addition waited on the store of the last (a (16, 16) row took 2.5 times
-    as long)."""
+    time, each addition waited on the store of the last: 1.4 times as long on (16, 16)
+    rows (docs/benchmarks.rst)."""
     out_row[:] = 0
     n_features = values.shape[1]
     j = 0

@@ -304,8 +304,8 @@ def _transposed_base2(mask, out):
 
     Eight rows at a time, each read along its keys and each key's eight values
     written side by side, named one by one so that LLVM keeps the eight rows'
-    addresses in registers: a loop over the eight took three times as long (4.3
-    against 1.4 ms for a 2048 x 2048 float32 mask on two cores)."""
+    addresses in registers: a loop over the eight took three times as long
+    (docs/benchmarks.rst)."""
     n_masks, n_rows, n_keys = mask.shape
     row_blocks = -(-n_rows // TRANSPOSE_BLOCK)
     key_blocks = -(-n_keys // TRANSPOSE_BLOCK)
