@@ -11,6 +11,7 @@ absolute error of a few units of eps times the cap, covered by the same bound wi
 """
 
 import math
+import warnings
 
 import numba
 import numpy as np
@@ -24,6 +25,10 @@ from tests._errors import assert_refused
 from tests._gradients import central_differences
 from tests._tolerances import assert_close, attention_tolerance, half_tolerance
 from tfmath import variants
+
+# Several tests write the soft cap with math.tanh on purpose (an exact reference);
+# the warning that it is slow is checked once, below.
+pytestmark = pytest.mark.filterwarnings("ignore::tfmath.errors.PerformanceWarning")
 
 RNG = np.random.default_rng(2026)
 
@@ -323,6 +328,41 @@ def _documents(b, h, q_idx, kv_idx):  # plain Python: compiled by tfmath
 @numba.njit
 def _alibi(score, b, h, q_idx, kv_idx):
     return score - (h + 1) * 0.1 * abs(q_idx - kv_idx)
+
+
+def _capped_with_python_tanh(score, b, h, q_idx, kv_idx):
+    return 30.0 * math.tanh(score / 30.0)
+
+
+@numba.njit
+def _capped_with_numpy_tanh(score, b, h, q_idx, kv_idx):
+    return 30.0 * np.tanh(score / 30.0)
+
+
+def _capped_with_vectorised_tanh(score, b, h, q_idx, kv_idx):
+    return 30.0 * variants.tanh(score / 30.0)
+
+
+@pytest.mark.parametrize(
+    ("score_mod", "warns"),
+    [
+        (_capped_with_python_tanh, True),
+        (_capped_with_numpy_tanh, True),  # a dispatcher: its Python function is read
+        (_capped_with_vectorised_tanh, False),
+        (_alibi, False),
+    ],
+)
+def test_a_score_mod_that_calls_libm_tanh_is_told_of_the_vectorised_one(score_mod, warns):
+    rng = np.random.default_rng(30)
+    q, k, v = (rng.standard_normal((1, 2, 16, 8)) for _ in range(3))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        variants.flex_attention(q, k, v, score_mod)
+    performance = [w for w in caught if issubclass(w.category, tfmath.PerformanceWarning)]
+    assert len(performance) == int(warns)
+    if warns:
+        assert "tfmath.variants.tanh" in str(performance[0].message)
+        assert performance[0].filename == __file__  # the user's line, not tfmath's
 
 
 def test_create_block_mask_classifies_blocks_as_the_dense_mask_says():

@@ -38,6 +38,7 @@ from tfmath.errors import (
     DTypeError,
     FitWarning,
     LayoutError,
+    PerformanceWarning,
     ShapeError,
     TfmathError,
 )
@@ -95,6 +96,7 @@ __all__ = [
     "FitWarning",
     "LayoutError",
     "ModelConfig",
+    "PerformanceWarning",
     "RelativePositionBias",
     "ShapeError",
     "TfmathError",

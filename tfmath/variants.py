@@ -746,6 +746,8 @@ def _flex_problem(query, key, value, score_mod, block_mask, scale, enable_gqa,
             raise ArgumentError(
                 f"score_mod must be a function (score, b, h, q_idx, kv_idx), got {score_mod!r}"
             )
+        contract.warn_of_scalar_tanh("score_mod", score_mod)
+        contract.warn_of_scalar_tanh("score_mod_derivative", score_mod_derivative)
         modification = contract.Modification(
             "flex", np.zeros(0), np.zeros(0, dtype=np.int64), 0, score_mod,
             score_mod_derivative, mask_mod,
