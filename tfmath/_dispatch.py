@@ -102,9 +102,9 @@ def implementation(routine, backend):
 #: Kernels that their callers drive themselves, past the problem records, each with the
 #: reason it needs no routine of its own: the plans of plain host attention's layouts
 #: (small problems' and a drop-in's every call, checked once per layout, see
-#: :func:`layout_plan`); the fused training step's kernels and BLAS products (the step owns its
-#: buffers and calls dozens of kernels per step); the CUDA flash kernels, which the
-#: PTX tool compiles without running them; the classification of a block mask's
+#: :func:`layout_plan`); the fused training step's kernels and BLAS products (the step
+#: owns its buffers and calls dozens of kernels per step); the CUDA flash kernels, which
+#: the PTX tool compiles without running them; the classification of a block mask's
 #: blocks, compiled around the user's ``mask_mod`` before any problem exists; the tanh
 #: a user's ``score_mod`` may call from its own compiled code. Modules above this one
 #: reach kernels only here or through :func:`run` (tests/test_layout.py holds them to

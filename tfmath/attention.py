@@ -457,15 +457,14 @@ def _plain_attention_of_tensors(query, key, value, is_causal, scale):
     arrays = plain_cpu_arrays(query, key, value)
     if arrays is None:
         return None
-    if type(is_causal) is bool and (scale is None or type(scale) is float):
-        # The CPU flash kernels' plan of this layout: this path serves only host tensors.
-        plan = _plain_plan(*arrays, is_causal, scale)
-        if plan is not None:
-            if not needs_grad(query, key, value):
-                return to_tensor(plan.forward(*arrays)[0], "cpu")
-            forward = functools.partial(plan.forward, *arrays)
-            rule = Rule(forward, plan.backward, reads_outputs=True)
-            return differentiable_plain(rule, (query, key, value))
+    # The CPU flash kernels' plan of this layout: this path serves only host tensors.
+    plan = _plain_plan(*arrays, is_causal, scale)
+    if plan is not None:
+        if not needs_grad(query, key, value):
+            return to_tensor(plan.forward(*arrays)[0], "cpu")
+        forward = functools.partial(plan.forward, *arrays)
+        rule = Rule(forward, plan.backward, reads_outputs=True)
+        return differentiable_plain(rule, (query, key, value))
     problem = plain_attention_problem(*arrays, is_causal, scale)
     if problem is None:
         return None

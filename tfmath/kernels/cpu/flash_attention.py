@@ -1219,8 +1219,8 @@ class PlainSmall:
     rebuilt around the call's operands.
     """
 
-    __slots__ = ("_index", "_is_causal", "_key_rows", "_output_shape", "_problem",
-                 "_query_rows", "_scale", "_value_rows")  # fmt: skip
+    __slots__ = ("_index", "_key_rows", "_output_shape", "_problem", "_query_rows",
+                 "_value_rows")  # fmt: skip
 
     @classmethod
     def of(cls, problem):
@@ -1237,7 +1237,6 @@ class PlainSmall:
         plan = cls()
         plan._query_rows, plan._key_rows, plan._value_rows = query.shape, key.shape, value.shape
         plan._index = index
-        plan._is_causal, plan._scale = problem.is_causal, problem.scale
         plan._output_shape = problem.output_shape()
         # The plan outlives the call: it keeps the problem's settings, not its operands.
         plan._problem = problem._replace(query=None, key=None, value=None)
@@ -1246,9 +1245,10 @@ class PlainSmall:
     def forward(self, query, key, value):
         """``(output, saved)``: the output, ``batch + (L, Ev)``, and what
         :meth:`backward` takes."""
+        problem = self._problem
         output, log_sum_exp = _rows_forward(
             query.reshape(self._query_rows), key.reshape(self._key_rows),
-            value.reshape(self._value_rows), None, self._index, self._is_causal, self._scale,
+            value.reshape(self._value_rows), None, self._index, problem.is_causal, problem.scale,
         )  # fmt: skip
         return output.reshape(self._output_shape), (query, key, value, output, log_sum_exp)
 
