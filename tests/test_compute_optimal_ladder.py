@@ -4,12 +4,14 @@ that each change one thing, the tuning sweep, and the experiment on planted runs
 import dataclasses
 import itertools
 import math
+import warnings
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from tfmath.errors import ArgumentError
+from tfmath.analysis.compute_optimal import fit_isoflop
+from tfmath.errors import ArgumentError, FitWarning
 from tfmath.experiments import _sweeps as sweeps
 from tfmath.experiments import compute_optimal as grid_experiment
 from tfmath.experiments import compute_optimal_ladder as ladder
@@ -103,9 +105,12 @@ def test_each_rung_changes_one_thing_from_the_last(quick):
         changed.append([k for k in first if first[k] != second[k] and k != "curve_points"])
     assert changed == [["compute"], ["warmup_tokens"], ["schedule"], ["tuned"]]
     assert setups["a"].compute == "kaplan" and setups["a"].schedule == "constant"
-    # Rung d is the compute_optimal experiment's setup, with depth growing in --full only.
-    assert dataclasses.replace(setups["d"], aspect_ratio=None) == grid_experiment.HOFFMANN_SETUP
-    assert all(setups[k].curve_points == 1 for k in "abce")
+    # Rung d is the compute_optimal experiment's setup, with depth growing in --full only,
+    # evaluated once, at the end.
+    assert dataclasses.replace(setups["d"], aspect_ratio=None) == dataclasses.replace(
+        grid_experiment.HOFFMANN_SETUP, curve_points=1
+    )
+    assert all(setups[k].curve_points == 1 for k in "abcde")
     assert (setups["d"].aspect_ratio is None) == quick
 
 
@@ -125,14 +130,25 @@ def test_rung_a_counts_six_n_per_token_and_warms_up_for_fixed_tokens(shakespeare
             assert exact.training.steps < run.training.steps / 1.5
 
 
-def test_rung_d_trains_the_runs_of_the_compute_optimal_experiment(shakespeare):
+def test_rung_d_trains_as_the_compute_optimal_experiment_does(shakespeare):
     setup = ladder.rung_setups(ladder.PLANS[True])["d"]
     for budget in ladder.PLANS[True].grid.budgets:
-        assert set(ladder.PLANS[True].grid.budgets) <= set(grid_experiment.PLANS[True].budgets)
         for width in (5, 12):
             ours = grid_experiment.budget_run(shakespeare, budget, width, 1, setup=setup)
             theirs = grid_experiment.budget_run(shakespeare, budget, width, 1)
-            assert ours.key == theirs.key
+            assert ours.training.eval_every == ours.training.steps
+            evaluated_alike = dataclasses.replace(
+                ours.training, eval_every=theirs.training.eval_every
+            )
+            assert (ours.model, evaluated_alike) == (theirs.model, theirs.training)
+
+
+def test_the_quick_plan_leaves_the_line_degrees_of_freedom_above_the_plateau():
+    # Three budgets left the scatter about the line one degree of freedom, and rungs
+    # with intervals wider than their estimates.
+    budgets = ladder.PLANS[True].grid.budgets
+    assert len(budgets) >= 8 and budgets[-1] / budgets[0] == pytest.approx(10.0)
+    assert budgets[0] >= 6e8
 
 
 def test_full_models_deepen_with_their_width(shakespeare):
@@ -147,6 +163,66 @@ def test_full_models_deepen_with_their_width(shakespeare):
     # The full plan reaches 1e12 FLOPs over 2.5 decades.
     budgets = ladder.PLANS[False].grid.budgets
     assert budgets[-1] == pytest.approx(1e12) and budgets[-1] / budgets[0] == pytest.approx(10**2.5)
+
+
+# -- the valleys' model -------------------------------------------------------------------
+
+#: A Chinchilla law of the size of approach 3's on the quick ladder's runs (rung d, seed 0:
+#: E = 2.26, A = 24.4, B = 289, alpha = 0.76, beta = 0.60), so that its valleys are as
+#: asymmetric as theirs; a = beta / (alpha + beta) = 0.441.
+PLANTED_LAW = {"e": 2.26, "a": 24.4, "b": 289.0, "alpha": 0.76, "beta": 0.60}
+
+
+def _planted_ladder_grid(rng, noise, plateau):
+    """The quick plan's budgets, seven sizes a factor 1.4 apart about each optimum (the
+    grid shifted up to 30% either way), two seeds, normal loss noise, and the loss held
+    at ``plateau`` where the law would go above it (the unigram plateau)."""
+    law = PLANTED_LAW
+    a_true = law["beta"] / (law["alpha"] + law["beta"])
+    scale = (law["alpha"] * law["a"] / (law["beta"] * law["b"])) ** (
+        1 / (law["alpha"] + law["beta"])
+    )
+    compute, n = [], []
+    for budget in ladder.PLANS[True].grid.budgets:
+        centre = scale * (budget / 6) ** a_true * math.exp(rng.uniform(-0.3, 0.3))
+        compute.append(np.full(14, budget))
+        n.append(np.repeat(centre * 1.4 ** np.arange(-3, 4), 2))
+    compute, n = np.concatenate(compute), np.concatenate(n)
+    d = compute / (6 * n)
+    loss = law["e"] + law["a"] / n ** law["alpha"] + law["b"] / d ** law["beta"]
+    loss = -0.02 * np.logaddexp(-loss / 0.02, -plateau / 0.02)  # a soft minimum
+    return a_true, (compute, n, d, loss + noise * rng.standard_normal(loss.size))
+
+
+def _ladder_coverage(optimum, noise, plateau, trials=100):
+    rng = np.random.default_rng(0)
+    estimates, covered, widths = [], 0, []
+    for k in range(trials):
+        a_true, runs = _planted_ladder_grid(rng, noise, plateau)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FitWarning)
+            fit = fit_isoflop(*runs, optimum=optimum, n_bootstrap=150, seed=k)
+        estimates.append(fit.a)
+        covered += fit.a_interval[0] <= a_true <= fit.a_interval[1]
+        widths.append(fit.a_interval[1] - fit.a_interval[0])
+    spread = np.subtract(*np.percentile(estimates, [97.5, 2.5]))
+    bias = float(np.mean(estimates)) - a_true
+    return covered / trials, float(np.median(widths)), float(np.median(widths)) / spread, bias
+
+
+@pytest.mark.parametrize(("noise", "plateau"), [(0.01, np.inf), (0.03, np.inf), (0.03, 2.70)])
+def test_the_ladders_parabolas_are_calibrated_and_narrower_than_akima(noise, plateau):
+    """On the quick plan's grids (planted): the parabolas' 95% intervals on a hold the
+    truth 90-99% of the time, as wide as the estimates' spread, their mean within 0.02 of
+    the truth, with the smallest sizes of the lowest budgets on a plateau too (2.70 nats
+    holds the two smallest at 6e8 FLOPs); Akima's interpolant, also calibrated, gives
+    intervals half as wide again or more (measured: 4.7x at noise 0.01, 2.2x at 0.03,
+    1.7x at 0.03 with the plateau; the parabolas' coverage 0.93 to 0.96)."""
+    coverage, width, ratio, bias = _ladder_coverage(ladder.VALLEY, noise, plateau)
+    assert 0.90 <= coverage <= 0.99
+    assert 0.5 <= ratio <= 1.5 and abs(bias) < 0.02
+    akima_coverage, akima_width, _, _ = _ladder_coverage("akima", noise, plateau)
+    assert akima_coverage >= 0.90 and akima_width > 1.5 * width
 
 
 # -- the tuning sweep ----------------------------------------------------------------------
@@ -217,6 +293,8 @@ def test_the_experiment_fits_every_rung_and_judges_both_papers(monkeypatch):
     rungs = result.data["compute_optimal_ladder"]["rungs"]
     for letter in "bcde":
         assert rungs[letter]["non_embedding"]["a"] == pytest.approx(0.5, abs=0.05)
+    assert {rungs[r.letter][count]["optimum"] for r in ladder.RUNGS
+            for count in ("non_embedding", "all")} == {ladder.VALLEY}  # fmt: skip
     assert rungs["a"]["non_embedding"]["a"] < rungs["b"]["non_embedding"]["a"] - 0.02
     assert [claim.printed for claim in result.claims] == ["0.73", "0.50"]
     assert all(claim.measured is not None for claim in result.claims)

@@ -18,7 +18,7 @@ b. every FLOP of the step counted: output head and attention (tfmath's exact
    count, ``step_training`` of :func:`~tfmath.formulas.accounting.flops_per_token`);
 c. the warm-up scaled to the run (5% of its steps);
 d. a cosine decay to 10% of the peak on each run's last step (the setup of the
-   ``compute_optimal`` experiment, whose runs it shares);
+   ``compute_optimal`` experiment);
 e. the peak learning rate and Adam's :math:`\beta_2` tuned per size, by a sweep
    at one budget (:func:`tune_optimiser`).
 
@@ -68,6 +68,15 @@ FULL_WIDTHS = (*WIDTHS, 112, 128, 160, 192)
 #: et al. found a larger beta2 needed at small batches).
 LEARNING_RATE_FACTORS = (0.5, 1.0, 2.0)
 BETA2_VALUES = (0.98, 0.999)
+#: The model of each budget's valley (``fit_isoflop``'s ``optimum``): one parabola
+#: through its sizes, as Hoffmann et al. read theirs. The grids' seven sizes span about 7x
+#: in N about each optimum, where a parabola's a is within 0.01 of a planted Chinchilla law's,
+#: even with the smallest sizes on a plateau; at the runs' noise (0.02 to 0.04
+#: nats between seeds) Akima's interpolant follows the lowest runs, and its intervals on
+#: a are 1.7 to 4.7 times as wide, both calibrated (``tests/test_compute_optimal_ladder.py``).
+#: ``"auto"`` would choose it wherever one budget's spiking seed fails the parabolas'
+#: chi-squared test, and a rung's interval would change width with that one run.
+VALLEY = "parabola"
 
 
 @dataclass(frozen=True)
@@ -79,9 +88,9 @@ class LadderPlan:
     grid : IsoFlopPlan
         The budgets and widths of each rung's grid.
     fixed_warmup : int
-        Rungs a and b's warm-up, in training tokens, the same for every run: about
-        the length of the smallest budget's runs near their optimum, and a small part
-        of the largest budget's (whose runs are longer, or take larger batches).
+        Rungs a and b's warm-up, in training tokens, the same for every run: half or
+        more of the smallest budget's runs near their optimum, and a small part of the
+        largest budget's (whose runs are longer, or take larger batches).
     tuning_budget : float
         The budget of rung e's tuning sweep, one of ``grid.budgets``.
     """
@@ -92,23 +101,30 @@ class LadderPlan:
 
 
 PLANS = {
-    # quick: three of the compute_optimal experiment's budgets (1 decade), whose rung d
-    # runs it shares; two seeds at each.
+    # quick: eight budgets over one decade, two seeds at each. The scatter of the optima
+    # about the line has budgets - 2 degrees of freedom: three budgets left it one, and
+    # intervals wider than their estimates. The decade starts at 6e8 FLOPs: below it the
+    # runs near the optimum take 100 to 300 steps, end barely off the unigram plateau,
+    # and two seeds differ by up to 0.1 nats (docs/scaling_laws.rst).
     True: LadderPlan(
         grid=IsoFlopPlan(
-            budgets=(3e8, 3e8 * 10**0.5, 3e9), sizes=7, first_width=5, seeded_budgets=3
+            budgets=tuple(6e8 * 10 ** (k / 7) for k in range(8)),
+            sizes=7,
+            first_width=6,
+            seeded_budgets=8,
         ),
         fixed_warmup=200 * 4 * 32,  # 200 steps of the batches of 4 sequences
-        tuning_budget=3e8 * 10**0.5,
+        tuning_budget=6e8 * 10 ** (3 / 7),
     ),
-    # full: 2.5 decades up to 1e12 FLOPs, models deepening with their width; two seeds
-    # on the three lower budgets, whose runs are the noisier and the cheaper.
+    # full: 2.5 decades up to 1e12 FLOPs, models deepening with their width; two seeds at
+    # every budget (with one at the upper three, rungs a and b lost the 3e11 budget's
+    # minimum to a seed's noise in a valley 0.01 nats deep on one side).
     False: LadderPlan(
         grid=IsoFlopPlan(
             budgets=tuple(1e12 * 10 ** (-k / 2) for k in range(5, -1, -1)),
             sizes=7,
             first_width=12,
-            seeded_budgets=3,
+            seeded_budgets=6,
             widths=FULL_WIDTHS,
         ),
         fixed_warmup=1000 * 4 * 32,  # 1000 steps at 4 sequences, 63 at 64 (1e12 FLOPs)
@@ -149,11 +165,11 @@ def rung_setups(plan, tuned=()):
     ``tuned``: rung e's ``(width, learning_rate_scale, beta2)`` triples.
     """
     aspect = None if plan.grid.widths == WIDTHS else ASPECT_RATIO
-    d = replace(HOFFMANN_SETUP, aspect_ratio=aspect)
-    # Rung d's runs are the compute_optimal experiment's, with its curves; the others
-    # keep their final loss alone (an evaluation costs as much as a few dozen steps).
-    e = replace(d, tuned=tuple(tuned), curve_points=1)
-    c = replace(d, schedule="constant", curve_points=1)
+    # Every run keeps its final loss alone (an evaluation costs as much as a few dozen
+    # steps); approach 2 reads no other.
+    d = replace(HOFFMANN_SETUP, aspect_ratio=aspect, curve_points=1)
+    e = replace(d, tuned=tuple(tuned))
+    c = replace(d, schedule="constant")
     b = replace(c, warmup_tokens=plan.fixed_warmup)
     a = replace(b, compute="kaplan")
     return {"a": a, "b": b, "c": c, "d": d, "e": e}
@@ -180,7 +196,7 @@ def tune_optimiser(source, plan, widths, *, seed=0, backend="cpu", sweep=None):
     table : dict
         The sweep: columns ``width``, ``N``, ``factor``, ``beta2``, ``loss``, ``seconds``.
     """
-    base = replace(rung_setups(plan)["d"], curve_points=1)
+    base = rung_setups(plan)["d"]
     budget = plan.tuning_budget
     trainable = [w for w in widths if budget_run(source, budget, w, seed, setup=base)]
     if len(trainable) < 2:
@@ -284,7 +300,7 @@ def _fit_rung(grid, seed):
     fits = {"budgets": budgets, "n": n, "n_all": n_all, "d": d, "loss": loss}
     for name, count in (("non_embedding", n), ("all", n_all)):
         try:
-            fits[name] = fit_isoflop(budgets, count, d, loss, seed=seed)
+            fits[name] = fit_isoflop(budgets, count, d, loss, optimum=VALLEY, seed=seed)
         except ArgumentError as error:
             fits[name] = str(error)
     fits["approach3"] = fit_parametric_loss(n, d, loss, seed=seed)
@@ -383,7 +399,7 @@ def _rung_data(fits):
             {"not_fitted": fit}
             if isinstance(fit, str)
             else {"a": fit.a, "a_interval": list(fit.a_interval), "b": fit.b,
-                  "b_interval": list(fit.b_interval),
+                  "b_interval": list(fit.b_interval), "optimum": fit.optimum,
                   "left_out": [list(item) for item in fit.left_out],
                   "loss_noise": {"std": fit.loss_std, "source": fit.noise_source}}
         )  # fmt: skip
@@ -446,7 +462,8 @@ def _caption(fits, plan, source, seconds):
         f"One IsoFLOP grid per rung on {_describe(source)}, budgets {budgets[0]:.1e} to "
         f"{budgets[-1]:.1e} FLOPs as each rung counts them, each rung one change from the "
         f"last (rungs a and b warm up for {plan.fixed_warmup} tokens, whatever the run's "
-        "length). The exponent a of N_opt ∝ C^a (approach 2, 95% intervals), N counted as "
+        "length). The exponent a of N_opt ∝ C^a (approach 2, a parabola through each "
+        "budget's sizes, 95% intervals), N counted as "
         "non-embedding parameters / as all parameters: "
     )
     parts = []

@@ -59,10 +59,18 @@ def isoflop_curves(fit, n, loss, compute, *, ax=None):
         grid = np.geomspace(curve.sizes[0], curve.sizes[-1], 200)
         ax.semilogx(grid, curve.loss_at(grid), color=colour, lw=1)
         ax.plot(curve.n_opt, curve.loss_opt, "*", color=colour, ms=13, mec="k", mew=0.5)
+    sparse_log_labels(ax.xaxis, plain=True)
     ax.set(xlabel="non-embedding parameters N", ylabel="validation loss (nats/token)")
     ax.set_title(f"IsoFLOP curves: runs (dots), {_VALLEY_NAMES[fit.optimum]}, minima (stars)",
                  fontsize=10)  # fmt: skip
-    ax.legend(fontsize=8)
+    if len(fit.curves) <= 4:
+        ax.legend(fontsize=8)
+    else:
+        # A legend of more budgets would cover the valleys: two columns in headroom above
+        # the runs, a row per two budgets.
+        low, high = ax.get_ylim()
+        ax.set_ylim(low, high + (high - low) * 0.08 * -(-len(fit.curves) // 2))
+        ax.legend(fontsize=7, ncol=2, loc="upper center")
     return ax
 
 
