@@ -114,6 +114,28 @@ def test_each_variants_peer_computes_the_same_attention(name):
     np.testing.assert_allclose(np.asarray(case.tfmath()), expected, rtol=2e-4, atol=2e-5)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_each_user_score_mod_computes_its_built_in_modification(dtype):
+    """The user-against-built-in rows of ``tfmath bench attention --variants`` time
+    like against like (outputs, and gradients for the fwd+bwd row)."""
+    from tfmath.tools.variant_workloads import user_and_built_in_pairs
+
+    pairs = user_and_built_in_pairs(dtype, np.random.default_rng(0), length=96)
+    assert len(pairs) == 4
+    # Attention tolerance for E = 64, S = 96 (tests/_tolerances.py), the soft cap's
+    # tanh being a few ulp.
+    tolerance = 8 * np.finfo(dtype).eps * (64 + 96 + 8)
+    for built_in, user in pairs.values():
+        expected, actual = built_in(), user()
+        if not isinstance(expected, tuple):  # a forward's output; else the gradients
+            expected, actual = (expected,), (actual,)
+        for a, e in zip(actual, expected, strict=True):
+            if e is None:  # a gradient neither has (sinks, a bias table)
+                assert a is None
+            else:
+                np.testing.assert_allclose(a, e, rtol=tolerance, atol=tolerance)
+
+
 def test_variant_rows_without_a_peer_are_listed():
     from tfmath.tools.variant_workloads import VARIANTS, has_peer
 

@@ -38,7 +38,6 @@ from tfmath.errors import (
     DTypeError,
     FitWarning,
     LayoutError,
-    PerformanceWarning,
     ShapeError,
     TfmathError,
 )
@@ -96,7 +95,6 @@ __all__ = [
     "FitWarning",
     "LayoutError",
     "ModelConfig",
-    "PerformanceWarning",
     "RelativePositionBias",
     "ShapeError",
     "TfmathError",

@@ -116,7 +116,7 @@ DIRECT = {
     "cuda_flash_attention": "tfmath.kernels.cuda.flash_attention",
     "cuda_tensor_core": "tfmath.kernels.cuda.tensor_core",
     "classify_blocks": "tfmath.kernels.cpu.flash_variants:classify_blocks",
-    "score_tanh": "tfmath.kernels.cpu.flash_variants:score_tanh",
+    "score_tanh": "tfmath.kernels.cpu.tanh:tanh_scalar",
 }
 
 

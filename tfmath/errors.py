@@ -36,8 +36,3 @@ class AllocationError(TfmathError, MemoryError):
 
 class FitWarning(UserWarning):
     """A fit left data out, or some of its resamples: the result stands on less than given."""
-
-
-class PerformanceWarning(UserWarning):
-    """A call computes the right answer more slowly than it could; the message says how
-    to get it faster."""

@@ -9,17 +9,13 @@ sequence) to its query entry, its key/value entry (fewer with grouped heads), th
 not compiled: the backend turns the description into code.
 """
 
-import builtins
-import dis
 import math
-import sys
-import warnings
 from typing import NamedTuple
 
 import numpy as np
 
 from tfmath._contract.checks import float_operand, integer, is_half, real
-from tfmath.errors import ArgumentError, DTypeError, PerformanceWarning, ShapeError
+from tfmath.errors import ArgumentError, DTypeError, ShapeError
 
 #: Query rows and keys per tile of FlashAttention's variants (a block mask sets its own).
 TILE = 64
@@ -274,52 +270,3 @@ def tile_for(n_rows):
     """Tile size for ``n_rows`` rows: :data:`TILE`, or fewer (a multiple of 8) for
     shorter sequences."""
     return int(min(TILE, max(8, -(-n_rows // 8) * 8)))
-
-
-def _reads_scalar_tanh(function):
-    """Whether ``function`` (a Python function, or a Numba dispatcher's) reads
-    ``math.tanh`` or ``numpy.tanh`` itself: as a global bound to one of them, or as
-    the ``tanh`` attribute of a global bound to the ``math`` or ``numpy`` module."""
-    python = getattr(function, "py_func", function)
-    code, namespace = getattr(python, "__code__", None), getattr(python, "__globals__", {})
-    if code is None:
-        return False
-    module = None
-    for instruction in dis.get_instructions(code):
-        name = instruction.argval
-        if instruction.opname == "LOAD_GLOBAL":
-            value = namespace.get(name, getattr(builtins, str(name), None))
-            if value is math.tanh or value is np.tanh:
-                return True
-            module = value if value is math or value is np else None
-        elif instruction.opname in ("LOAD_ATTR", "LOAD_METHOD") and module is not None:
-            if name == "tanh":
-                return True
-            module = None
-    return False
-
-
-def warn_of_scalar_tanh(name, function):
-    """Warn (:class:`~tfmath.errors.PerformanceWarning`) when the user's ``function``,
-    passed as ``name``, calls ``math.tanh`` or ``numpy.tanh``: Numba compiles either to
-    a libm call per score, which LLVM cannot vectorise, and the soft cap that needs it
-    has a vectorised tanh the user can call instead."""
-    if function is not None and _reads_scalar_tanh(function):
-        # Point at the user's line: the first frame outside tfmath.
-        level, frame = 2, sys._getframe(1)
-        while frame is not None and _in_tfmath(frame.f_globals.get("__name__", "")):
-            level, frame = level + 1, frame.f_back
-        warnings.warn(
-            f"{name} calls math.tanh (or numpy.tanh), which Numba compiles to a libm call "
-            "for every score that LLVM cannot vectorise: a soft cap written with it ran 3 to "
-            "6 times as long as the built-in one (docs/benchmarks.rst). "
-            "tfmath.variants.tanh computes tanh from the kernels' vectorised exponential, "
-            "to a few units of rounding in absolute terms; with constants in the scores' "
-            "dtype (np.float32(30.0) for float32) it runs as fast as the built-in.",
-            PerformanceWarning,
-            stacklevel=level,
-        )
-
-
-def _in_tfmath(module):
-    return module == "tfmath" or module.startswith("tfmath.")

@@ -14,18 +14,18 @@ no peer; the plain row compares the kernels with no mask at all.
 """
 
 import math
-import warnings
 
 import numba
 import numpy as np
 
-from tfmath.errors import PerformanceWarning
 from tfmath.tools.workloads import Case, Workload, _attention_flops
 from tfmath.variants import (
     create_block_mask,
     flash_attention,
+    flash_attention_grad,
     flash_attention_varlen,
     flex_attention,
+    flex_attention_grad,
 )
 
 BATCH, HEADS, LENGTH, HEAD_DIM = 1, 8, 2048, 64
@@ -227,11 +227,12 @@ def _bound(function, operands, *args, **kwargs):
     return lambda: function(*operands, *args, **kwargs)
 
 
-def user_against_built_in(rng=None):
-    """``(modification, built-in seconds, score_mod seconds)``: ALiBi and the soft cap
-    built in against the same written as a user's ``score_mod`` (the soft cap with
-    ``tfmath.variants.tanh``, with it and float32 constants, and with ``math.tanh``)."""
-    from tfmath.analysis.timing import interleaved_best_times
+def user_and_built_in_pairs(dtype, rng, length=LENGTH):
+    """``{modification: (built-in call, score_mod call)}`` on random ``dtype``
+    operands: ALiBi and the soft cap built in against the same written as a user's
+    ``score_mod`` with Python float constants (the soft cap with ``math.tanh`` and
+    with ``tfmath.variants.tanh``; with ``math.tanh`` also forward and backward, its
+    derivative written the same way)."""
     from tfmath.variants import tanh
 
     @numba.njit
@@ -239,40 +240,49 @@ def user_against_built_in(rng=None):
         return 30.0 * tanh(score / 30.0)
 
     @numba.njit
-    def capped_float32(score, b, h, q_idx, kv_idx):
-        # np.float32 constants: a Python float is float64 to Numba and widens the rest.
-        cap = np.float32(30.0)
-        return cap * tanh(score / cap)
-
-    @numba.njit
     def capped_libm(score, b, h, q_idx, kv_idx):
         return 30.0 * math.tanh(score / 30.0)
 
+    @numba.njit
+    def capped_libm_derivative(score, b, h, q_idx, kv_idx):
+        t = math.tanh(score / 30.0)
+        return 1.0 - t * t
+
+    shape = (BATCH, HEADS, length, HEAD_DIM)
+    *operands, grad_output = [rng.standard_normal(shape).astype(dtype) for _ in "qkvg"]
+    with_grad = [*operands, grad_output]
+    return {
+        "ALiBi": (
+            _bound(flash_attention, operands, alibi_slopes=SLOPES),
+            _bound(flex_attention, operands, _user_alibi),
+        ),
+        "soft cap, math.tanh": (
+            _bound(flash_attention, operands, softcap=30.0),
+            _bound(flex_attention, operands, capped_libm),
+        ),
+        "soft cap, tfmath.variants.tanh": (
+            _bound(flash_attention, operands, softcap=30.0),
+            _bound(flex_attention, operands, capped),
+        ),
+        "soft cap, math.tanh, fwd+bwd": (
+            _bound(flash_attention_grad, with_grad, softcap=30.0),
+            _bound(
+                flex_attention_grad,
+                with_grad,
+                capped_libm,
+                score_mod_derivative=capped_libm_derivative,
+            ),
+        ),
+    }
+
+
+def user_against_built_in(rng=None):
+    """``(modification, built-in seconds, score_mod seconds)`` for each pair of
+    :func:`user_and_built_in_pairs`, in float32 and float64."""
+    from tfmath.analysis.timing import interleaved_best_times
+
     rng = np.random.default_rng(0) if rng is None else rng
-    shape = (BATCH, HEADS, LENGTH, HEAD_DIM)
     for dtype in (np.float32, np.float64):
-        operands = [rng.standard_normal(shape).astype(dtype) for _ in "qkv"]
-        pairs = {
-            "ALiBi": (
-                _bound(flash_attention, operands, alibi_slopes=SLOPES),
-                _bound(flex_attention, operands, _user_alibi),
-            ),
-            "soft cap, tfmath.variants.tanh": (
-                _bound(flash_attention, operands, softcap=30.0),
-                _bound(flex_attention, operands, capped),
-            ),
-            "soft cap, tanh, np.float32 constants": (
-                _bound(flash_attention, operands, softcap=30.0),
-                _bound(flex_attention, operands, capped_float32),
-            ),
-            "soft cap, math.tanh": (
-                _bound(flash_attention, operands, softcap=30.0),
-                _bound(flex_attention, operands, capped_libm),
-            ),
-        }
-        for name, (built_in, user) in pairs.items():
-            with warnings.catch_warnings():
-                # The math.tanh row measures what the warning says.
-                warnings.simplefilter("ignore", PerformanceWarning)
-                times = interleaved_best_times({"built-in": built_in, "user": user}, 1, 5)
+        for name, (built_in, user) in user_and_built_in_pairs(dtype, rng).items():
+            times = interleaved_best_times({"built-in": built_in, "user": user}, 1, 5)
             yield f"{name} ({np.dtype(dtype).name})", times["built-in"], times["user"]

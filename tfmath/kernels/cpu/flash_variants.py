@@ -42,7 +42,6 @@ import math
 import numba
 import numpy as np
 from numba import types
-from numba.extending import overload
 
 from tfmath._blas_threads import serial_blas
 from tfmath._jit import cpu_kernel
@@ -57,6 +56,8 @@ from tfmath.kernels.cpu.flash_attention import (
     _is_finite_tile,
     _softmax_tile,
 )
+from tfmath.kernels.cpu.tanh import tanh_scalar
+from tfmath.kernels.cpu.user_functions import score_function_for
 from tfmath.kernels.cpu.vector_width import prefer_wide_vectors
 
 #: The dtypes the kernels compile for (half precision is widened to float32 first).
@@ -98,36 +99,6 @@ def _signatures(build):
 
 
 @cpu_kernel(inline=True)
-def tanh_scalar(x, minus_two_log2e, one):
-    """tanh from :func:`exp2_scalar`, which LLVM vectorises (``math.tanh`` is a libm
-    call per element): :math:`\\tanh|x| = (1 - e)/(1 + e)` with
-    :math:`e = 2^{-2|x| \\log_2 e}`, exact to a few units of :math:`\\epsilon` in
-    absolute terms. The constants come in the tile's dtype, so that float32 tiles
-    are computed in float32 (a float64 constant would widen every step)."""
-    e = exp2_scalar(minus_two_log2e * abs(x))
-    t = (one - e) / (one + e)
-    return t if x >= 0 else -t
-
-
-def score_tanh(x):
-    """tanh for a user's ``score_mod``, vectorised as the built-in soft cap's
-    (:func:`tanh_scalar`), in the precision of its argument (callable from
-    Numba-compiled code only): ``math.tanh`` in a ``score_mod`` is a libm call per
-    score, which made a soft cap written with it 3 times slower than the built-in
-    (docs/benchmarks.rst)."""
-    raise NotImplementedError("only callable from Numba-compiled code")
-
-
-@overload(score_tanh, inline="always")
-def _score_tanh_overload(x):
-    if x == types.float32:
-        minus_two_log2e, one = np.float32(-2.0 * LOG2E), np.float32(1.0)
-    else:
-        minus_two_log2e, one = -2.0 * LOG2E, 1.0
-    return lambda x: tanh_scalar(x, minus_two_log2e, one)
-
-
-@cpu_kernel(inline=True)
 def _flash_tile(
     scores, derivative, with_derivative, float_params, int_params,
     b, h, first_row, first_key, n_query, n_key, partial,
@@ -146,17 +117,17 @@ def _flash_tile(
     as_tile = scores.dtype.type
     if softcap > 0:
         cap_in, cap_out = as_tile(LN2 / softcap), as_tile(softcap * LOG2E)
-        k, one = as_tile(-2.0 * LOG2E), as_tile(1.0)
         if with_derivative:
+            one = as_tile(1.0)
             for j in range(key_tile):
                 for i in range(query_tile):
-                    t = tanh_scalar(scores[j, i] * cap_in, k, one)
+                    t = tanh_scalar(scores[j, i] * cap_in)
                     scores[j, i] = cap_out * t
                     derivative[j, i] = one - t * t
         else:
             for j in range(key_tile):
                 for i in range(query_tile):
-                    scores[j, i] = cap_out * tanh_scalar(scores[j, i] * cap_in, k, one)
+                    scores[j, i] = cap_out * tanh_scalar(scores[j, i] * cap_in)
     elif with_derivative:
         derivative[:] = 1.0
     offset = n_key - n_query
@@ -667,15 +638,19 @@ def _backward_parts(n_batch, n_key_tiles):
     return max(1, min(n_key_tiles, -(-threads // n_batch)))
 
 
-def _element_function(function, arity):
-    """A user's Numba function (or a plain Python one, compiled here) as an element
-    function of :func:`flex_modification`: ``arity`` 5 for ``score_mod`` and its
-    derivative, which get the parameters appended."""
-    if not isinstance(function, numba.core.registry.CPUDispatcher):
-        function = numba.njit(function)
-    if arity == 4:
+def _score_element(function, dtype):
+    """A user's ``score_mod`` (or its derivative) as an element function of
+    :func:`flex_modification` for ``dtype`` tiles (compiled by
+    :func:`~tfmath.kernels.cpu.user_functions.score_function_for`), which gets the
+    parameters appended."""
+    return adapt_score_mod(score_function_for(function, dtype))
+
+
+def _mask_element(function):
+    """A user's ``mask_mod``, a Numba function or a plain Python one compiled here."""
+    if isinstance(function, numba.core.registry.CPUDispatcher):
         return function
-    return adapt_score_mod(function)
+    return numba.njit(function)
 
 
 _FLEX_FUNCTIONS = {}
@@ -696,10 +671,10 @@ def modification_functions(modification, dtype):
         if score == "relative_bias":
             score, derivative = relative_bias_score, unit_derivative
         elif score is not None:
-            score = _element_function(score, 5)
-            derivative = None if derivative is None else _element_function(derivative, 5)
+            score = _score_element(score, dtype)
+            derivative = None if derivative is None else _score_element(derivative, dtype)
         mask_mod = modification.mask_mod
-        mask_mod = None if mask_mod is None else _element_function(mask_mod, 4)
+        mask_mod = None if mask_mod is None else _mask_element(mask_mod)
         forward, backward = flex_modification(score, derivative, mask_mod, dtype)
         gradient = (
             relative_bias_gradient
@@ -714,7 +689,7 @@ def classify_blocks(mask_mod, n_batch, n_heads, n_query, n_key, query_block, key
     """How many pairs of each block ``mask_mod(b, h, q_idx, kv_idx)`` lets attend:
     int64 ``(n_batch, n_heads, query blocks, key blocks)``, compiled around the
     user's function and run in parallel over blocks of query rows."""
-    mask = _element_function(mask_mod, 4)
+    mask = _mask_element(mask_mod)
 
     def count(out):
         n_query_blocks, n_key_blocks = out.shape[2], out.shape[3]
