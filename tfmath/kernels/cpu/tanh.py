@@ -58,29 +58,17 @@ _FLOAT64_COEFFICIENTS = _fitted_odd_part(8, 0.4, np.float64)
 
 
 @cpu_kernel(inline=True)
-def _tanh_float32(x):
+def _tanh(x, coefficients, threshold, minus_two_log2e, one):
+    """tanh with the constants of ``x``'s dtype (inlined, so LLVM folds them)."""
     z = x * x
-    odd = _FLOAT32_COEFFICIENTS[0]
-    for coefficient in _FLOAT32_COEFFICIENTS[1:]:
+    odd = coefficients[0]
+    for coefficient in coefficients[1:]:
         odd = odd * z + coefficient
     near_zero = x + x * z * odd
-    e = exp2_scalar(np.float32(_MINUS_TWO_LOG2E) * abs(x))
-    t = (np.float32(1.0) - e) / (np.float32(1.0) + e)
+    e = exp2_scalar(minus_two_log2e * abs(x))
+    t = (one - e) / (one + e)
     away = t if x >= 0 else -t
-    return near_zero if abs(x) < _FLOAT32_THRESHOLD else away
-
-
-@cpu_kernel(inline=True)
-def _tanh_float64(x):
-    z = x * x
-    odd = _FLOAT64_COEFFICIENTS[0]
-    for coefficient in _FLOAT64_COEFFICIENTS[1:]:
-        odd = odd * z + coefficient
-    near_zero = x + x * z * odd
-    e = exp2_scalar(_MINUS_TWO_LOG2E * abs(x))
-    t = (1.0 - e) / (1.0 + e)
-    away = t if x >= 0 else -t
-    return near_zero if abs(x) < _FLOAT64_THRESHOLD else away
+    return near_zero if abs(x) < threshold else away
 
 
 def tanh_scalar(x):
@@ -93,9 +81,13 @@ def tanh_scalar(x):
 @overload(tanh_scalar, inline="always")
 def _tanh_scalar_overload(x):
     if x == types.float32:
-        return lambda x: _tanh_float32(x)
+        coefficients, threshold = _FLOAT32_COEFFICIENTS, _FLOAT32_THRESHOLD
+        scale, one = np.float32(_MINUS_TWO_LOG2E), np.float32(1.0)
+        return lambda x: _tanh(x, coefficients, threshold, scale, one)
     if isinstance(x, (types.Float, types.Integer, types.Boolean)):
-        return lambda x: _tanh_float64(np.float64(x))
+        coefficients, threshold = _FLOAT64_COEFFICIENTS, _FLOAT64_THRESHOLD
+        scale, one = _MINUS_TWO_LOG2E, 1.0
+        return lambda x: _tanh(np.float64(x), coefficients, threshold, scale, one)
     return None
 
 
