@@ -14,6 +14,7 @@ from tfmath._blas_kernel import (
     blas_kernels,
     cpu_vector_level,
     describe_blas,
+    describe_half_precision,
 )
 
 
@@ -36,6 +37,23 @@ def _openblas(kernel):
 )  # fmt: skip
 def test_the_cpu_level_is_the_widest_vectors_openblas_can_use(features, level):
     assert cpu_vector_level(features) == level
+
+
+@pytest.mark.parametrize(
+    ("features", "unused"),
+    [
+        ({"avx512bf16": True, "amx-bf16": False}, "this CPU's AVX512_BF16 (vdpbf16ps) left unused"),
+        (
+            {"avx512bf16": True, "amx-bf16": True, "amx-fp16": True, "amx-tile": True},
+            "AVX512_BF16 (vdpbf16ps), AMX bfloat16 tiles, AMX float16 tiles left unused",
+        ),
+        ({"avx2": True}, "this CPU has no bfloat16 or float16 product instructions"),
+    ],
+)
+def test_the_half_precision_line_names_the_instructions_left_unused(features, unused):
+    line = describe_half_precision(features)
+    assert line.startswith("half-precision products: float32 (bfloat16 and float16 operands")
+    assert line.endswith(unused)
 
 
 def test_a_pinned_narrow_kernel_is_named_with_the_command_that_lifts_the_pin():

@@ -69,6 +69,32 @@ def cpu_vector_level(features=None):
     return "AVX" if features.get("avx", False) else "SSE"
 
 
+#: LLVM's names of the instructions that multiply bfloat16 or float16 operands with
+#: wider accumulation, and what each is.
+HALF_PRECISION_PRODUCTS = {
+    "avx512bf16": "AVX512_BF16 (vdpbf16ps)",
+    "avx512fp16": "AVX512_FP16",
+    "amx-bf16": "AMX bfloat16 tiles",
+    "amx-fp16": "AMX float16 tiles",
+}
+
+
+def describe_half_precision(features=None):
+    """The line for ``tfmath info`` and ``tfmath bench`` that says how products of
+    bfloat16 and float16 operands run: in float32, widened, on every CPU, and which
+    of this CPU's half-precision product instructions (LLVM's ``features``, the
+    host's by default) that leaves unused."""
+    if features is None:
+        import llvmlite.binding
+
+        features = llvmlite.binding.get_host_cpu_features()
+    unused = [name for key, name in HALF_PRECISION_PRODUCTS.items() if features.get(key, False)]
+    line = "half-precision products: float32 (bfloat16 and float16 operands widened)"
+    if unused:
+        return f"{line}; this CPU's {', '.join(unused)} left unused"
+    return f"{line}; this CPU has no bfloat16 or float16 product instructions"
+
+
 @dataclass(frozen=True)
 class BlasKernel:
     """One BLAS library loaded in the process, as threadpoolctl sees it."""

@@ -179,13 +179,15 @@ def _bench(args):
 
 
 def _print_machine():
-    """The header of every report of ``tfmath bench``: the CPU and the BLAS kernel the
-    timings ran on (:func:`tfmath._blas_kernel.describe_blas`)."""
-    from tfmath._blas_kernel import describe_blas
+    """The header of every report of ``tfmath bench``: the CPU, the BLAS kernel the
+    timings ran on (:func:`tfmath._blas_kernel.describe_blas`) and how half-precision
+    products run."""
+    from tfmath._blas_kernel import describe_blas, describe_half_precision
 
     _flushed(f"CPU: {_cpu_name()}")
     for line in describe_blas():
         _flushed(line)
+    _flushed(describe_half_precision())
 
 
 def _cpu_name():
@@ -253,7 +255,7 @@ def _info(args):
     import scipy
 
     from tfmath import _cuda, _jit, _kernel_cache
-    from tfmath._blas_kernel import describe_blas
+    from tfmath._blas_kernel import describe_blas, describe_half_precision
     from tfmath._dispatch import ROUTINES, backends
 
     print(f"tfmath {__version__}")
@@ -275,6 +277,7 @@ def _info(args):
     )
     for line in describe_blas():
         print(line)
+    print(describe_half_precision())
     print(f"kernel cache: {_kernel_cache.kernel_cache().describe()}")
     print(f"fast-math flags: {', '.join(sorted(_jit.FASTMATH_FLAGS))}")
     print(f"routines: {', '.join(sorted(ROUTINES))}")
