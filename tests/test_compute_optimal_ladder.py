@@ -293,6 +293,8 @@ def test_the_experiment_fits_every_rung_and_judges_both_papers(monkeypatch):
     rungs = result.data["compute_optimal_ladder"]["rungs"]
     for letter in "bcde":
         assert rungs[letter]["non_embedding"]["a"] == pytest.approx(0.5, abs=0.05)
+        # A power law, so no bend across the budgets.
+        assert abs(rungs[letter]["non_embedding"]["drift"]["per_decade"]) < 0.05
     assert {rungs[r.letter][count]["optimum"] for r in ladder.RUNGS
             for count in ("non_embedding", "all")} == {ladder.VALLEY}  # fmt: skip
     assert rungs["a"]["non_embedding"]["a"] < rungs["b"]["non_embedding"]["a"] - 0.02

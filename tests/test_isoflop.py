@@ -28,9 +28,10 @@ def n_opt(compute):
     return scale * (compute / 6) ** A_TRUE
 
 
-def planted(rng, noise, *, seeds=2, sizes=10, span=(0.1, 8.0)):
+def planted(rng, noise, *, seeds=2, sizes=10, span=(0.1, 8.0), uncounted=0.0):
     """``seeds`` runs at each of ``sizes`` sizes per budget, the grid shifted at random
-    (up to 30% either way) about each budget's optimum, with normal loss noise."""
+    (up to 30% either way) about each budget's optimum, with normal loss noise.
+    ``uncounted`` parameters (embeddings) join the law's N but not the N returned."""
     compute, n = [], []
     for budget in BUDGETS:
         grid = n_opt(budget) * math.exp(rng.uniform(-0.3, 0.3)) * np.geomspace(*span, sizes)
@@ -38,7 +39,7 @@ def planted(rng, noise, *, seeds=2, sizes=10, span=(0.1, 8.0)):
         n.append(np.repeat(grid, seeds))
     compute, n = np.concatenate(compute), np.concatenate(n)
     d = compute / (6 * n)
-    law = E + A / n**ALPHA + B / d**BETA
+    law = E + A / (n + uncounted) ** ALPHA + B / d**BETA
     loss = -SOFTNESS * np.logaddexp(-law / SOFTNESS, -PLATEAU / SOFTNESS)  # soft minimum
     return compute, n, d, loss + noise * rng.standard_normal(loss.size)
 
@@ -94,6 +95,47 @@ def test_parabolas_recover_a_parabolic_valley_exactly(optimum):
     assert fit.optimum == optimum
     for curve in fit.curves:
         assert curve.loss_at(curve.n_opt) == pytest.approx(curve.loss_opt, abs=1e-12)
+
+
+def _drifts(trials, **planting):
+    # Less noise than the calibrations above: a drift is a second derivative across
+    # six budgets, and at 0.002 a bend of 0.2 per decade is within its noise.
+    rng = np.random.default_rng(5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FitWarning)
+        fits = [fit_isoflop(*planted(rng, 0.0005, **planting), seed=k) for k in range(trials)]
+    return [fit.exponent_drift() for fit in fits]
+
+
+def test_a_power_law_does_not_drift():
+    drifts = _drifts(20)
+    held = [low <= 0 <= high for low, high in (d["interval"] for d in drifts)]
+    assert np.mean(held) >= 0.8
+    assert drifts[0]["budgets"] == (BUDGETS[0], BUDGETS[-1])
+
+
+def test_uncounted_parameters_make_the_exponent_fall_towards_the_law():
+    """N without the embeddings (Pearce and Song's mechanism): N_opt = G C^a - N_emb,
+    whose local exponent a G C^a / (G C^a - N_emb) falls from 2a at the first budget
+    (N_emb half the optimum there) towards a at the last."""
+    uncounted = 0.5 * n_opt(BUDGETS[0])
+    first, last = (A_TRUE * n_opt(c) / (n_opt(c) - uncounted) for c in BUDGETS[[0, -1]])
+    per_decade = (last - first) / math.log10(BUDGETS[-1] / BUDGETS[0])  # -0.21
+    for drift in _drifts(5, uncounted=uncounted):
+        assert drift["interval"][1] < 0
+        assert drift["per_decade"] == pytest.approx(per_decade, abs=0.15)
+        # A parabola's slopes at the ends of a curve that bends ever less.
+        assert first - 0.25 < drift["first"] < first
+        assert drift["last"] == pytest.approx(last, abs=0.1)
+
+
+def test_the_drift_needs_four_budgets():
+    rng = np.random.default_rng(1)
+    compute, n, d, loss = planted(rng, 0.002)
+    kept = compute <= BUDGETS[2]
+    fit = fit_isoflop(compute[kept], n[kept], d[kept], loss[kept], n_bootstrap=50)
+    with pytest.raises(ArgumentError, match="four budgets or more"):
+        fit.exponent_drift()
 
 
 def test_a_budget_whose_lowest_run_is_on_an_edge_is_left_out_with_a_warning():

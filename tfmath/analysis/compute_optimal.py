@@ -621,6 +621,54 @@ class IsoFlopFit:
         }
         return {name: np.percentile(v, tails, axis=0).T for name, v in values.items()}
 
+    def exponent_drift(self):
+        r"""Whether :math:`a` depends on the budgets sampled: how much the local
+        exponent :math:`d \log N_{opt} / d \log C` changes per decade of :math:`C`,
+        from a parabola in :math:`\log C` through the optima (least squares, each
+        budget weighted by the inverse variance of its resampled optimum), with a
+        percentile interval at ``confidence`` from the same fit to each resample's
+        optima.
+
+        A power law's drift is 0, and the interval then holds 0 as often as
+        ``confidence`` says; an interval that excludes it says the optima bend
+        across the budgets beyond their loss noise, so that :math:`a` is an average
+        over the range sampled, and the line's :attr:`scatter` is partly that bend.
+        Counting :math:`N` without parameters that every model has (the embeddings)
+        makes the drift negative at small scale: :math:`N_{opt} = G C^a - N_{emb}`
+        has the local exponent :math:`a G C^a / (G C^a - N_{emb})`, above :math:`a`
+        and falling towards it (Pearce and Song 2024).
+
+        Returns
+        -------
+        dict
+            ``"per_decade"`` and its ``"interval"``; ``"first"`` and ``"last"``, the
+            parabola's local exponents at the first and the last budget, whose
+            ``"budgets"`` it also gives.
+        """
+        if len(self.curves) < 4:
+            raise ArgumentError(
+                f"the exponent's drift needs four budgets or more (a parabola and its "
+                f"noise), this fit has {len(self.curves)}"
+            )
+        log_c = np.log([curve.compute for curve in self.curves])
+        x = log_c - log_c.mean()
+        resampled = self.bootstrap_optima[..., 0]
+        weights = np.sqrt(1 / np.maximum(resampled.var(axis=0), 1e-12))
+        # The weighted least-squares fit is linear in the optima: one matrix maps a set
+        # of optima to the parabola's coefficients (x^2, x, 1).
+        basis = np.stack([x**2, x, np.ones_like(x)], axis=1)
+        solve = np.linalg.pinv(basis * weights[:, None]) * weights[None, :]
+        curvature, slope, _ = solve @ np.log([curve.n_opt for curve in self.curves])
+        per_decade = 2 * math.log(10) * (resampled @ solve[0])
+        tails = 100 * np.array([(1 - self.confidence) / 2, (1 + self.confidence) / 2])
+        return {
+            "per_decade": float(2 * math.log(10) * curvature),
+            "interval": tuple(float(v) for v in np.percentile(per_decade, tails)),
+            "first": float(slope + 2 * curvature * x[0]),
+            "last": float(slope + 2 * curvature * x[-1]),
+            "budgets": (self.curves[0].compute, self.curves[-1].compute),
+        }
+
     def n_opt(self, compute):
         """The fitted :math:`N_{opt}(C)`."""
         return self.n_coefficient * np.asarray(compute, dtype=float) ** self.a

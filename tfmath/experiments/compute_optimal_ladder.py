@@ -401,12 +401,23 @@ def _rung_data(fits):
             else {"a": fit.a, "a_interval": list(fit.a_interval), "b": fit.b,
                   "b_interval": list(fit.b_interval), "optimum": fit.optimum,
                   "left_out": [list(item) for item in fit.left_out],
-                  "loss_noise": {"std": fit.loss_std, "source": fit.noise_source}}
+                  "loss_noise": {"std": fit.loss_std, "source": fit.noise_source},
+                  "scatter": fit.scatter, "drift": _drift(fit)}
         )  # fmt: skip
     law = fits["approach3"]
     data["approach3"] = {"a": law.law.n_exponent, "a_interval": list(law.intervals["n_exponent"]),
                          "unidentified": list(law.unidentified)}  # fmt: skip
     return data
+
+
+def _drift(fit):
+    """How a changes per decade of C across the rung's budgets
+    (:meth:`~tfmath.analysis.compute_optimal.IsoFlopFit.exponent_drift`), None with
+    fewer than four budgets kept: the part of the line's scatter that is a bend."""
+    if len(fit.curves) < 4:
+        return None
+    drift = fit.exponent_drift()
+    return {**drift, "interval": list(drift["interval"]), "budgets": list(drift["budgets"])}
 
 
 def _claims(fits):
