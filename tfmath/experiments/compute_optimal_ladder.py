@@ -303,6 +303,7 @@ def _fit_rung(grid, seed):
             fits[name] = fit_isoflop(budgets, count, d, loss, optimum=VALLEY, seed=seed)
         except ArgumentError as error:
             fits[name] = str(error)
+        fits[f"{name}_drift"] = None if isinstance(fits[name], str) else _drift(fits[name])
     fits["approach3"] = fit_parametric_loss(n, d, loss, seed=seed)
     return fits
 
@@ -402,7 +403,7 @@ def _rung_data(fits):
                   "b_interval": list(fit.b_interval), "optimum": fit.optimum,
                   "left_out": [list(item) for item in fit.left_out],
                   "loss_noise": {"std": fit.loss_std, "source": fit.noise_source},
-                  "scatter": fit.scatter, "drift": _drift(fit)}
+                  "scatter": fit.scatter, "drift": fits[f"{name}_drift"]}
         )  # fmt: skip
     law = fits["approach3"]
     data["approach3"] = {"a": law.law.n_exponent, "a_interval": list(law.intervals["n_exponent"]),
@@ -418,6 +419,11 @@ def _drift(fit):
         return None
     drift = fit.exponent_drift()
     return {**drift, "interval": list(drift["interval"]), "budgets": list(drift["budgets"])}
+
+
+def _bends(drift):
+    """Whether a drift's interval excludes 0: the optima bend beyond their noise."""
+    return drift is not None and not drift["interval"][0] <= 0 <= drift["interval"][1]
 
 
 def _claims(fits):
@@ -514,6 +520,21 @@ def _caption(fits, plan, source, seconds):
         if not _undetermined(fits[r.letter]["non_embedding"])
         and not _undetermined(fits[r.letter]["all"])
     ]
+    drifts = {r.letter: fits[r.letter]["non_embedding_drift"] for r in RUNGS}
+    bends = [(letter, d) for letter, d in drifts.items() if _bends(d)]
+    if bends:
+        text += (
+            "The optima bend across the budgets beyond their noise on rung"
+            f"{'s' if len(bends) > 1 else ''} {', '.join(letter for letter, _ in bends)}, "
+            "so that a is an average over the budgets and its interval holds the bend: "
+            "the local exponent (N non-embedding) changes per decade of C by "
+            + "; ".join(
+                f"{letter}. {d['per_decade']:+.2f} [{d['interval'][0]:+.2f}, "
+                f"{d['interval'][1]:+.2f}], from {d['first']:.2f} to {d['last']:.2f}"
+                for letter, d in bends
+            )
+            + " (a power law's is 0). "
+        )
     if shifts:
         text += (
             f"Counting all parameters instead of the non-embedding ones lowers a by "
