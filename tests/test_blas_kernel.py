@@ -51,9 +51,26 @@ def test_the_cpu_level_is_the_widest_vectors_openblas_can_use(features, level):
     ],
 )
 def test_the_half_precision_line_names_the_instructions_left_unused(features, unused):
-    line = describe_half_precision(features)
+    line = describe_half_precision(features, bfloat16_dot=False)
     assert line.startswith("half-precision products: float32 (bfloat16 and float16 operands")
     assert line.endswith(unused)
+
+
+@pytest.mark.parametrize(
+    ("features", "ending"),
+    [
+        ({"avx512bf16": True}, "the rest in float32 (operands widened)"),
+        (
+            {"avx512bf16": True, "amx-bf16": True, "amx-fp16": True},
+            "this CPU's AMX bfloat16 tiles, AMX float16 tiles left unused",
+        ),
+    ],
+)
+def test_the_half_precision_line_says_where_vdpbf16ps_runs(features, ending):
+    line = describe_half_precision(features, bfloat16_dot=True)
+    assert line.startswith("half-precision products: bfloat16 on AVX512_BF16 (vdpbf16ps)")
+    assert "vdpbf16ps) left unused" not in line
+    assert line.endswith(ending)
 
 
 def test_a_pinned_narrow_kernel_is_named_with_the_command_that_lifts_the_pin():

@@ -79,19 +79,40 @@ HALF_PRECISION_PRODUCTS = {
 }
 
 
-def describe_half_precision(features=None):
+def describe_half_precision(features=None, bfloat16_dot=None):
     """The line for ``tfmath info`` and ``tfmath bench`` that says how products of
-    bfloat16 and float16 operands run: in float32, widened, on every CPU, and which
-    of this CPU's half-precision product instructions (LLVM's ``features``, the
-    host's by default) that leaves unused."""
+    bfloat16 and float16 operands run, and which of this CPU's half-precision product
+    instructions (LLVM's ``features``, the host's by default) that leaves unused.
+
+    ``bfloat16_dot``: whether the kernels multiply bfloat16 operands on
+    AVX512_BF16's ``vdpbf16ps`` (:func:`tfmath._jit.target_has_bfloat16_dot` by
+    default); attention's flash forward and backward do then, and every other
+    product runs in float32 on widened operands."""
     if features is None:
         import llvmlite.binding
 
         features = llvmlite.binding.get_host_cpu_features()
-    unused = [name for key, name in HALF_PRECISION_PRODUCTS.items() if features.get(key, False)]
-    line = "half-precision products: float32 (bfloat16 and float16 operands widened)"
+    if bfloat16_dot is None:
+        from tfmath._jit import target_has_bfloat16_dot
+
+        bfloat16_dot = target_has_bfloat16_dot()
+    used = {"avx512bf16"} if bfloat16_dot else set()
+    unused = [
+        name
+        for key, name in HALF_PRECISION_PRODUCTS.items()
+        if features.get(key, False) and key not in used
+    ]
+    if bfloat16_dot:
+        line = (
+            "half-precision products: bfloat16 on AVX512_BF16 (vdpbf16ps) in attention's "
+            "flash forward and backward, the rest in float32 (operands widened)"
+        )
+    else:
+        line = "half-precision products: float32 (bfloat16 and float16 operands widened)"
     if unused:
         return f"{line}; this CPU's {', '.join(unused)} left unused"
+    if bfloat16_dot:
+        return line
     return f"{line}; this CPU has no bfloat16 or float16 product instructions"
 
 

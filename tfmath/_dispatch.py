@@ -24,6 +24,7 @@ import numpy as np
 
 from tfmath import _cuda
 from tfmath._contract.checks import is_half
+from tfmath._jit import target_has_bfloat16_dot
 
 #: The package of each backend's implementations.
 BACKEND_PACKAGES = {
@@ -80,6 +81,24 @@ ROUTINES = {
 #: themselves (decoding streams its keys and values at 2 bytes a number; the CUDA
 #: flash forward may run them on the tensor cores).
 HALF_NATIVE = {("decode_attention", "cpu"), ("flash_attention", "cuda")}
+
+#: Implementations that multiply bfloat16 operands as they are, on the CPU's
+#: bfloat16 dot-product instruction (``vdpbf16ps``), where the kernels' target CPU
+#: has it and the problem allows it (``bfloat16_products``); elsewhere they are
+#: widened like any other.
+BFLOAT16_PRODUCTS = {("flash_attention", "cpu"), ("attention_grad", "cpu")}
+
+
+def _takes_half_operands(routine, problem):
+    """Whether ``routine`` gets ``problem``'s half-precision operands unwidened."""
+    backend = problem.backend
+    if (routine, backend) in HALF_NATIVE:
+        return True
+    return (
+        (routine, backend) in BFLOAT16_PRODUCTS
+        and getattr(problem, "bfloat16_products", False)
+        and target_has_bfloat16_dot()
+    )
 
 
 def target(routine, backend):
@@ -142,11 +161,14 @@ def run(routine, problem, *args):
 
     Half-precision operands (and arrays among ``args``) are widened first, by
     the backend's ``widen``: to float32 for the kernels, which accumulate in
-    float32, and to float64 for the reference. Rounding results back to half
-    precision is left to the caller, which knows which results are outputs.
+    float32, and to float64 for the reference; except for the implementations
+    that take them as they are (:data:`HALF_NATIVE`, and
+    :data:`BFLOAT16_PRODUCTS` where the CPU and the problem allow). Rounding
+    results back to half precision is left to the caller, which knows which
+    results are outputs.
     """
     backend = problem.backend
-    if getattr(problem, "needs_widening", False) and (routine, backend) not in HALF_NATIVE:
+    if getattr(problem, "needs_widening", False) and not _takes_half_operands(routine, problem):
         widen = implementation("widen", backend)
         problem = problem.widened(widen)
         args = _widen_arrays(args, widen)

@@ -116,6 +116,21 @@ def cpu_kernel(function=None, *, parallel=False, inline=False, signatures=None, 
     return decorate if function is None else decorate(function)
 
 
+@functools.cache
+def target_has_bfloat16_dot():
+    """Whether the CPU kernels are compiled for a CPU with AVX512_BF16 (``vdpbf16ps``):
+    the features Numba compiles for, ``NUMBA_CPU_FEATURES`` when set, else the host's.
+    Kernels that use the instruction compile only then
+    (:mod:`tfmath.kernels.cpu.bfloat16_dot`), and :mod:`tfmath._dispatch` sends
+    bfloat16 products to them only then."""
+    from numba.core import codegen, config
+
+    features = config.CPU_FEATURES
+    if features is None:
+        features = codegen.get_host_cpu_features()
+    return "+avx512bf16" in features.split(",")
+
+
 def sized(kernel, work):
     """``kernel``, or its serial twin when ``work`` is below :data:`PARALLEL_MIN_WORK`."""
     return kernel if work >= PARALLEL_MIN_WORK else kernel.serial

@@ -263,7 +263,12 @@ def scaled_dot_product_attention(
     accumulate : {None, "float32", "input"}, optional
         For float16 and bfloat16 operands: ``None`` and ``"float32"``
         accumulate products and sums in float32 and round the results to the
-        operands' dtype, as PyTorch does; ``"input"`` keeps every partial result
+        operands' dtype, as PyTorch does. With ``None``, on a CPU with
+        AVX512_BF16, the flash forward multiplies bfloat16 operands with its
+        ``vdpbf16ps`` and rounds the attention weights to bfloat16 before their
+        product with V, as PyTorch's CPU flash attention does (see
+        :doc:`/low_precision`); ``"float32"`` widens the operands and keeps every
+        product in float32 on any CPU. ``"input"`` keeps every partial result
         in the operands' precision, which the NumPy reference emulates
         (``backend="reference"``), to measure what float32 accumulation buys
         (see :doc:`/low_precision`).

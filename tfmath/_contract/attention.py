@@ -42,7 +42,16 @@ class AttentionProblem(NamedTuple):
     and sums accumulate in: float32 for float16 and bfloat16 operands (unless
     ``accumulate="input"``), the operands' own otherwise. Operands in half
     precision are widened by :func:`tfmath._dispatch.run` before an
-    implementation sees them (see :meth:`widened`).
+    implementation sees them (see :meth:`widened`), unless the dispatch sends them
+    to an implementation that multiplies them as they are.
+
+    ``bfloat16_products`` says whether bfloat16 operands may be multiplied as
+    bfloat16 on the CPU's dot-product instruction (``accumulate=None``, the
+    default): the sums are float32 either way, and the attention weights are then
+    rounded to bfloat16 before their product with V, as PyTorch's CPU flash
+    attention rounds them. :func:`tfmath._dispatch.run` decides where they are
+    (the CPU must have the instruction); ``accumulate="float32"`` keeps every
+    product in float32.
     """
 
     query: object
@@ -61,6 +70,7 @@ class AttentionProblem(NamedTuple):
     n_features: int
     value_dim: int
     compute_dtype: np.dtype
+    bfloat16_products: bool = False
 
     @property
     def is_empty(self):
@@ -252,6 +262,7 @@ def attention_problem(
         query_shape[-1],
         value_shape[-1],
         accumulation,
+        dtype.name == "bfloat16" and accumulate is None,
     )
     check_allocations(_allocations(problem))
     return problem if backend == "cuda" else problem.on_host()

@@ -55,9 +55,12 @@ import math
 
 import numba
 import numpy as np
+from numba import types
+from numba.extending import overload
 
 from tfmath._blas_threads import serial_blas
-from tfmath._jit import cpu_kernel
+from tfmath._contract.checks import is_half
+from tfmath._jit import cpu_kernel, sized
 from tfmath.kernels.cpu.attention import (
     LOG2E,
     _scores_row,
@@ -65,8 +68,19 @@ from tfmath.kernels.cpu.attention import (
     _weighted_sum,
     balanced_tile,
 )
+from tfmath.kernels.cpu.bfloat16_dot import (
+    LANES,
+    add_pair_products_skipping_zeros,
+    pack_key_tiles,
+    pack_tiles_in_row_pairs,
+    pair_gemm,
+    round_column_pairs,
+    round_row_pairs,
+    words_are_finite,
+)
 from tfmath.kernels.cpu.blas import gemm, transpose_into
 from tfmath.kernels.cpu.exp2 import exp2_scalar
+from tfmath.kernels.cpu.half import widen
 from tfmath.kernels.cpu.vector_width import prefer_wide_vectors
 
 #: Query rows per task (fewer for shorter sequences, down to 8).
@@ -198,6 +212,28 @@ def _add_key_bias(scores, mask_row, first_key, n_keys, n_rows):
                 scores[j, i] += b
 
 
+def _tile_product(alpha, rows, columns, out):
+    """``out = alpha * rows @ columns``: float operands by BLAS, bfloat16 operands as
+    words (``rows``) and packed pairs (``columns``) by ``vdpbf16ps`` (see
+    :mod:`tfmath.kernels.cpu.bfloat16_dot`). Chosen by the operands' types when a
+    kernel compiles, so that the kernels are written once for both."""
+
+
+@overload(_tile_product)
+def _tile_product_overload(alpha, rows, columns, out):
+    if rows.dtype == types.uint32:
+
+        def by_pairs(alpha, rows, columns, out):
+            pair_gemm(alpha, rows, columns, False, out)
+
+        return by_pairs
+
+    def by_blas(alpha, rows, columns, out):
+        gemm(alpha, rows, columns, 0.0, out)
+
+    return by_blas
+
+
 @cpu_kernel
 def _score_tile(
     scores, key_rows, query_columns, score_scale,
@@ -205,7 +241,7 @@ def _score_tile(
 ):  # fmt: skip
     """A transposed tile of base-2 scores, ``scores[j, i]`` for key j and query i,
     masked (see :func:`_mask_tile`)."""
-    gemm(score_scale, key_rows, query_columns, 0.0, scores)
+    _tile_product(score_scale, key_rows, query_columns, scores)
     _mask_tile(
         scores, mask, mask_transposed, m, kind, is_causal, first_key, first_row, n_key, n_query,
         block,
@@ -502,12 +538,56 @@ def _accumulate_values(value_tile, check_values, weights, accumulator):
         _accumulate_skipping_zeros(weights, value_tile, accumulator)
 
 
+def _pairs_scratch(value_tiles, key_tile, query_tile):
+    """Where a task rounds its weights to bfloat16 pairs, ``(key_tile / 2, query_tile)``
+    words, when the values are bfloat16 words; None for float values."""
+
+
+@overload(_pairs_scratch)
+def _pairs_scratch_overload(value_tiles, key_tile, query_tile):
+    if value_tiles.dtype == types.uint32:
+        return lambda value_tiles, key_tile, query_tile: np.empty(
+            ((key_tile + 1) // 2, query_tile), dtype=np.uint32
+        )
+    return lambda value_tiles, key_tile, query_tile: None
+
+
+def _add_weighted_values(value_tile, check_values, weights, scratch, accumulator):
+    """:func:`_accumulate_values` for float values; for bfloat16 values, packed words
+    ``(Ev, key_tile / 2)``, the weights rounded to bfloat16 pairs in ``scratch`` first,
+    as PyTorch's CPU flash attention rounds them to the operands' precision before
+    their product with V, and the product by ``vdpbf16ps``."""
+
+
+@overload(_add_weighted_values)
+def _add_weighted_values_overload(value_tile, check_values, weights, scratch, accumulator):
+    if value_tile.dtype == types.uint32:
+
+        def by_pairs(value_tile, check_values, weights, scratch, accumulator):
+            if not check_values or words_are_finite(value_tile):
+                round_row_pairs(weights, scratch)
+                pair_gemm(1.0, value_tile, scratch, True, accumulator)
+            else:
+                add_pair_products_skipping_zeros(value_tile, weights, accumulator)
+
+        return by_pairs
+
+    def by_blas(value_tile, check_values, weights, scratch, accumulator):
+        _accumulate_values(value_tile, check_values, weights, accumulator)
+
+    return by_blas
+
+
 @cpu_kernel(parallel=True)
 def _forward_kernel(
     query_tiles, key_tiles, value_tiles, mask, mask_transposed, tile_kinds,
     index, is_causal, n_query, n_key, scale, out, log_sum_exp,
 ):  # fmt: skip
     """One task per (batch entry, query tile).
+
+    The operands are float tiles, or, for products by ``vdpbf16ps``, bfloat16
+    words: queries and keys ``(batch, tiles, rows, E / 2)``, values packed
+    ``(batch, tiles, Ev, key_tile / 2)`` (see :func:`flash_forward`).
 
     A task first multiplies every value tile by BLAS, as if all values were finite.
     A non-finite value, even at a weight of 0 (0 * inf is NaN), leaves the
@@ -518,7 +598,7 @@ def _forward_kernel(
     """
     n_batch, n_query_tiles, query_tile = out.shape[0], out.shape[1], out.shape[2]
     n_key_tiles, key_tile = key_tiles.shape[1], key_tiles.shape[2]
-    n_values = value_tiles.shape[3]
+    n_values = out.shape[3]
     dtype = out.dtype
     # Scores in base 2, so that the exponential is 2^x.
     score_scale = scale * LOG2E
@@ -530,10 +610,11 @@ def _forward_kernel(
         q, k, v, m = index[b, 0], index[b, 1], index[b, 2], index[b, 3]
         scores = np.empty((key_tile, query_tile), dtype=dtype)
         mask_block = np.empty((key_tile, query_tile), dtype=dtype)
-        query_columns = np.empty((query_tiles.shape[3], query_tile), dtype=dtype)
+        query_columns = np.empty((query_tiles.shape[3], query_tile), dtype=query_tiles.dtype)
         transpose_into(query_tiles[q, tile], query_columns)
         # Transposed, (values, queries): see _accumulate_values.
         accumulator = np.empty((n_values, query_tile), dtype=dtype)
+        pairs = _pairs_scratch(value_tiles, key_tile, query_tile)
         running_max = np.empty(query_tile, dtype=dtype)
         running_sum = np.empty(query_tile, dtype=dtype)
         rescale = np.empty(query_tile, dtype=dtype)
@@ -563,7 +644,9 @@ def _forward_kernel(
                 )  # fmt: skip
                 if try_single_pass and _has_reference_maximum(running_max):
                     if _softmax_tile_against_reference(scores, running_max, running_sum, new_max):
-                        _accumulate_values(value_tiles[v, t], check_values, scores, accumulator)
+                        _add_weighted_values(
+                            value_tiles[v, t], check_values, scores, pairs, accumulator
+                        )
                         continue
                     # Refused, after the single pass overwrote the scores.
                     try_single_pass = False
@@ -577,7 +660,7 @@ def _forward_kernel(
                 for e in range(n_values):
                     for i in range(query_tile):
                         accumulator[e, i] *= rescale[i]
-                _accumulate_values(value_tiles[v, t], check_values, scores, accumulator)
+                _add_weighted_values(value_tiles[v, t], check_values, scores, pairs, accumulator)
             if check_values or _is_finite_tile(accumulator):
                 break
         for i in range(min(query_tile, n_query - first_row)):
@@ -750,11 +833,138 @@ def one_key_rows(mask, is_causal, n_query, n_key):
     return out
 
 
+def _tile_is_finite(tile):
+    """:func:`_is_finite_tile` of a float tile, or of the bfloat16 numbers of a tile
+    of words."""
+
+
+@overload(_tile_is_finite)
+def _tile_is_finite_overload(tile):
+    if tile.dtype == types.uint32:
+        return lambda tile: words_are_finite(tile)
+    return lambda tile: _is_finite_tile(tile)
+
+
+def _operand_rows(query_tiles, key_tiles, grad_tiles, row_pairs):
+    """The rows the backward's products into dK, dQ and dV read: the float tiles
+    themselves, or the packed pairs of ``row_pairs`` (see :func:`_backward_kernel`)."""
+
+
+@overload(_operand_rows)
+def _operand_rows_overload(query_tiles, key_tiles, grad_tiles, row_pairs):
+    if isinstance(row_pairs, types.NoneType):
+        return lambda query_tiles, key_tiles, grad_tiles, row_pairs: (
+            query_tiles,
+            key_tiles,
+            grad_tiles,
+        )
+    return lambda query_tiles, key_tiles, grad_tiles, row_pairs: (
+        row_pairs[0],
+        row_pairs[1],
+        row_pairs[2],
+    )
+
+
+def _backward_scratch(value_tiles, key_tile, query_tile, n_values):
+    """A backward task's scratch for products by ``vdpbf16ps`` (bfloat16 words): the
+    weights rounded to words along their rows ``(key_tile, query_tile / 2)`` and in
+    packed pairs of rows ``(key_tile / 2, query_tile)``, and a query tile's output
+    gradient in float32 columns ``(n_values, query_tile)``; Nones for floats."""
+
+
+@overload(_backward_scratch)
+def _backward_scratch_overload(value_tiles, key_tile, query_tile, n_values):
+    if value_tiles.dtype == types.uint32:
+
+        def words(value_tiles, key_tile, query_tile, n_values):
+            return (
+                np.empty((key_tile, query_tile // 2), dtype=np.uint32),
+                np.empty((key_tile // 2, query_tile), dtype=np.uint32),
+                np.empty((n_values, query_tile), dtype=np.float32),
+            )
+
+        return words
+    return lambda value_tiles, key_tile, query_tile, n_values: (None, None, None)
+
+
+def _float_grad_columns(grad_columns, row_pairs, b, tile, scratch):
+    """The output gradient of query tile ``tile`` in float columns, for :math:`D_i`:
+    the product's operand itself for float operands, else the float32 tile of
+    ``row_pairs`` transposed into ``scratch``."""
+
+
+@overload(_float_grad_columns)
+def _float_grad_columns_overload(grad_columns, row_pairs, b, tile, scratch):
+    if isinstance(row_pairs, types.NoneType):
+        return lambda grad_columns, row_pairs, b, tile, scratch: grad_columns
+
+    def transposed(grad_columns, row_pairs, b, tile, scratch):
+        transpose_into(row_pairs[3][b, tile], scratch)
+        return scratch
+
+    return transposed
+
+
+def _add_weights_times_rows(alpha, weights, rows, finite, scratch, out):
+    """``out += alpha * weights @ rows`` for float weights ``(n, m)``: by BLAS, or, when
+    ``rows`` is not ``finite``, without reading rows at zero weights. For ``rows`` in
+    packed bfloat16 pairs, words ``(m / 2, E)``, the weights are rounded to words in
+    ``scratch`` and multiplied by ``vdpbf16ps``; such rows are finite
+    (:func:`attention_grad` widens operands that are not)."""
+
+
+@overload(_add_weights_times_rows)
+def _add_weights_times_rows_overload(alpha, weights, rows, finite, scratch, out):
+    if rows.dtype == types.uint32:
+
+        def by_pairs(alpha, weights, rows, finite, scratch, out):
+            round_column_pairs(weights, scratch)
+            pair_gemm(alpha, scratch, rows, True, out)
+
+        return by_pairs
+
+    def by_blas(alpha, weights, rows, finite, scratch, out):
+        if finite:
+            gemm(alpha, weights, rows, 1.0, out)
+        else:
+            _add_product_skipping_zeros(alpha, weights, rows, out)
+
+    return by_blas
+
+
+def _add_transposed_weights_times_rows(alpha, weights, rows, finite, scratch, out):
+    """``out += alpha * weights.T @ rows`` for float weights ``(n, m)`` and rows ``(n,
+    E)``, as :func:`_add_weights_times_rows` does it. For bfloat16 words the product
+    is computed transposed, so that no operand is transposed per block: ``rows``
+    holds the rows' transpose ``R`` ``(E, n)`` as words ``(E, n / 2)``, ``out`` is
+    ``(E, m)`` and gets ``alpha * R @ weights``, the weights rounded to packed pairs
+    in ``scratch`` (the caller transposes ``out`` once, at the end)."""
+
+
+@overload(_add_transposed_weights_times_rows)
+def _add_transposed_weights_times_rows_overload(alpha, weights, rows, finite, scratch, out):
+    if rows.dtype == types.uint32:
+
+        def by_pairs(alpha, weights, rows, finite, scratch, out):
+            round_row_pairs(weights, scratch)
+            pair_gemm(alpha, rows, scratch, True, out)
+
+        return by_pairs
+
+    def by_blas(alpha, weights, rows, finite, scratch, out):
+        if finite:
+            gemm(alpha, weights, rows, 1.0, out, True)
+        else:
+            _add_product_skipping_zeros(alpha, weights.T, rows, out)
+
+    return by_blas
+
+
 @cpu_kernel(parallel=True)
 def _backward_kernel(
     query_tiles, key_tiles, value_tiles, grad_tiles, output_tiles, log_sum_exp,
     mask, mask_transposed, tile_kinds, one_key_rows, index, is_causal, n_query, n_key, scale,
-    log2e, grad_query_parts, grad_key, grad_value,
+    log2e, grad_query_parts, grad_key, grad_value, row_pairs,
 ):  # fmt: skip
     """One task per (batch entry, part of its key sweeps); part ``c`` of
     ``n_parts = grad_query_parts.shape[0]`` takes sweeps ``c, c + n_parts, ...``
@@ -778,6 +988,16 @@ def _backward_kernel(
     zero weights (:func:`_add_product_skipping_zeros`). So do the blocks of rows with
     one attended key (``one_key_rows``, from the mask, or None: one key, or the first
     row of a causal problem), whose dS is exactly 0.
+
+    ``row_pairs`` is None for float operands. For products by ``vdpbf16ps`` the
+    operands are bfloat16 words (queries, keys, values and the output gradient
+    ``(batch, tiles, rows, features / 2)``), and ``row_pairs`` holds the queries'
+    and output gradient's rows in packed pairs per tile ``(batch, tiles, rows / 2,
+    features)``, the keys transposed in words per tile ``(batch, tiles, E, key_tile
+    / 2)`` and the output gradient's float32 tiles (for :math:`D_i`), as
+    :func:`attention_grad` lays them out; dQ is then accumulated transposed,
+    ``(E, query_tile)`` per tile. The weights P and dS are rounded to bfloat16
+    before their products, as PyTorch's CPU flash attention rounds them.
     """
     n_batch, n_query_tiles, query_tile = (
         grad_tiles.shape[0],
@@ -785,7 +1005,7 @@ def _backward_kernel(
         grad_tiles.shape[2],
     )
     n_key_tiles, key_tile = key_tiles.shape[1], key_tiles.shape[2]
-    n_features, n_values = key_tiles.shape[3], value_tiles.shape[3]
+    n_values = grad_value.shape[3]
     dtype = grad_key.dtype
     score_scale = scale * LOG2E
     n_parts = grad_query_parts.shape[0]
@@ -797,8 +1017,18 @@ def _backward_kernel(
         q, k, v, m = index[b, 0], index[b, 1], index[b, 2], index[b, 3]
         probabilities = np.empty((key_tile, query_tile), dtype=dtype)
         grad_scores = np.empty((key_tile, query_tile), dtype=dtype)
-        query_columns = np.empty((n_query_tiles, n_features, query_tile), dtype=dtype)
-        grad_columns = np.empty((n_query_tiles, n_values, query_tile), dtype=dtype)
+        query_columns = np.empty(
+            (n_query_tiles, query_tiles.shape[3], query_tile), dtype=query_tiles.dtype
+        )
+        grad_columns = np.empty(
+            (n_query_tiles, grad_tiles.shape[3], query_tile), dtype=grad_tiles.dtype
+        )
+        weight_rows, weight_pairs, float_grads = _backward_scratch(
+            value_tiles, key_tile, query_tile, n_values
+        )
+        query_rows, key_rows, grad_rows = _operand_rows(
+            query_tiles, key_tiles, grad_tiles, row_pairs
+        )
         output_columns = np.empty((n_values, query_tile), dtype=dtype)
         shift = np.empty((n_query_tiles, query_tile), dtype=dtype)
         delta = np.empty((n_query_tiles, query_tile), dtype=dtype)
@@ -818,10 +1048,11 @@ def _backward_kernel(
             transpose_into(output_tiles[b, tile], output_columns)
             _shift_and_delta(
                 log_sum_exp, b, tile * query_tile, n_query, log2e,
-                grad_columns[tile], output_columns, shift[tile], delta[tile],
+                _float_grad_columns(grad_columns[tile], row_pairs, b, tile, float_grads),
+                output_columns, shift[tile], delta[tile],
             )  # fmt: skip
-            query_finite[tile] = _is_finite_tile(query_columns[tile])
-            grad_finite[tile] = _is_finite_tile(grad_columns[tile])
+            query_finite[tile] = _tile_is_finite(query_columns[tile])
+            grad_finite[tile] = _tile_is_finite(grad_columns[tile])
             rows_clean[tile] = (
                 query_finite[tile]
                 and grad_finite[tile]
@@ -841,8 +1072,8 @@ def _backward_kernel(
             for t in range(sweep_start, sweep_end):
                 grad_key[b, t] = 0
                 grad_value[b, t] = 0
-                key_finite[t - sweep_start] = _is_finite_tile(keys[t - sweep_start])
-                value_finite[t - sweep_start] = _is_finite_tile(values[t - sweep_start])
+                key_finite[t - sweep_start] = _tile_is_finite(keys[t - sweep_start])
+                value_finite[t - sweep_start] = _tile_is_finite(values[t - sweep_start])
             for tile in range(n_query_tiles):
                 last_row = (tile + 1) * query_tile - 1
                 for t in range(sweep_start, sweep_end):
@@ -859,7 +1090,7 @@ def _backward_kernel(
                         mask, mask_transposed, m, kind, is_causal, t * key_tile, first_row,
                         n_key, n_query, grad_scores,
                     )  # fmt: skip
-                    gemm(1.0, values[in_sweep], grad_columns[tile], 0.0, grad_scores)
+                    _tile_product(1.0, values[in_sweep], grad_columns[tile], grad_scores)
                     clean = rows_clean[tile] and key_finite[in_sweep] and value_finite[in_sweep]
                     if clean and not has_one_key[tile]:
                         _probabilities_and_score_gradients(
@@ -869,25 +1100,19 @@ def _backward_kernel(
                         _careful_probabilities_and_score_gradients(
                             probabilities, grad_scores, shift[tile], delta[tile], one_key[tile]
                         )
-                    # beta = 1: the products add straight into the gradients.
-                    if grad_finite[tile]:
-                        gemm(1.0, probabilities, grads[tile], 1.0, grad_value[b, t])
-                    else:
-                        _add_product_skipping_zeros(
-                            1.0, probabilities, grads[tile], grad_value[b, t]
-                        )
-                    if query_finite[tile]:
-                        gemm(scale, grad_scores, queries[tile], 1.0, grad_key[b, t])
-                    else:
-                        _add_product_skipping_zeros(
-                            scale, grad_scores, queries[tile], grad_key[b, t]
-                        )
-                    if key_finite[in_sweep]:
-                        gemm(scale, grad_scores, keys[in_sweep], 1.0, grad_query[b, tile], True)
-                    else:
-                        _add_product_skipping_zeros(
-                            scale, grad_scores.T, keys[in_sweep], grad_query[b, tile]
-                        )
+                    # The products add straight into the gradients.
+                    _add_weights_times_rows(
+                        1.0, probabilities, grad_rows[b, tile], grad_finite[tile], weight_rows,
+                        grad_value[b, t],
+                    )  # fmt: skip
+                    _add_weights_times_rows(
+                        scale, grad_scores, query_rows[q, tile], query_finite[tile], weight_rows,
+                        grad_key[b, t],
+                    )  # fmt: skip
+                    _add_transposed_weights_times_rows(
+                        scale, grad_scores, key_rows[k, t], key_finite[in_sweep], weight_pairs,
+                        grad_query[b, tile],
+                    )  # fmt: skip
     for task in numba.prange(n_batch * n_query_tiles):
         b, tile = task // n_query_tiles, task % n_query_tiles
         total = grad_query_parts[0, b, tile]
@@ -970,14 +1195,59 @@ def _output_tiles(interleaved, shape, dtype):
     return memory.transpose(2, 0, 1, 3)
 
 
+def _feature_pairs(array):
+    """The bfloat16 ``(batch, rows, E)`` as words ``(batch, rows, ceil(E / 2))``, two
+    features each (an odd E padded with a 0): a view where the rows allow one."""
+    bits = array.view(np.uint16) if array.strides[2] == array.itemsize else None
+    if bits is not None and array.shape[2] % 2 == 0 and _word_aligned(bits):
+        return bits.view(np.uint32)
+    batch, rows, features = array.shape
+    padded = np.zeros((batch, rows, features + features % 2), dtype=np.uint16)
+    padded[:, :, :features] = array.view(np.uint16) if bits is not None else _bits(array)
+    return padded.view(np.uint32)
+
+
+def _word_aligned(bits):
+    return bits.ctypes.data % 4 == 0 and all(stride % 4 == 0 for stride in bits.strides[:2])
+
+
+def _bits(array):
+    return np.ascontiguousarray(array).view(np.uint16)
+
+
+def _value_pairs(value, key_tile):
+    """The bfloat16 values ``(batch, S, Ev)`` packed for ``V^T P`` per key tile:
+    ``(batch, tiles, Ev, key_tile / 2)`` words (see
+    :func:`tfmath.kernels.cpu.bfloat16_dot.pack_key_tiles`)."""
+    batch, n_key, n_values = value.shape
+    n_tiles = max(math.ceil(n_key / key_tile), 1)
+    out = np.empty((batch, n_tiles, n_values, key_tile // 2), dtype=np.uint32)
+    bits = value.view(np.uint16) if value.strides[2] == value.itemsize else _bits(value)
+    sized(pack_key_tiles, value.size)(bits, key_tile, out)
+    return out
+
+
 def flash_forward(problem):
     """Tiled forward pass: returns ``(output, log_sum_exp)`` of shapes
-    ``(n_batch, L, Ev)`` and ``(n_batch, L)`` (``-inf`` for rows with nothing to attend)."""
+    ``(n_batch, L, Ev)`` and ``(n_batch, L)`` (``-inf`` for rows with nothing to attend).
+
+    bfloat16 operands (sent here unwidened where the CPU has ``vdpbf16ps``, see
+    :data:`tfmath._dispatch.BFLOAT16_PRODUCTS`) are multiplied as they are, two
+    features a word, and give float32 results; query tiles are then a multiple of
+    16 rows, the width of the instruction's sums."""
     query, key, value, mask, index = problem.kernel_operands(strided_rows=True)
-    dtype = problem.dtype
     key_tile, query_tile = tile_sizes(problem)
-    query_tiles = _row_tiles(query, query_tile)
-    value_tiles = _row_tiles(value, key_tile)
+    if problem.dtype.name == "bfloat16":
+        dtype = np.dtype(np.float32)
+        query_tile = -(-query_tile // LANES) * LANES
+        query_tiles = _row_tiles(_feature_pairs(query), query_tile)
+        key_tiles = _row_tiles(_feature_pairs(key), key_tile)
+        value_tiles = _value_pairs(value, key_tile)
+    else:
+        dtype = problem.dtype
+        query_tiles = _row_tiles(query, query_tile)
+        key_tiles = _row_tiles(key, key_tile)
+        value_tiles = _row_tiles(value, key_tile)
     n_batch, n_query_tiles = index.shape[0], query_tiles.shape[1]
     out = _output_tiles(
         _heads_interleaved(query, n_batch),
@@ -989,9 +1259,8 @@ def flash_forward(problem):
     mask, mask_transposed = kernel_mask(mask, n_batch)
     with serial_blas():
         _forward_kernel(
-            query_tiles, _row_tiles(key, key_tile), value_tiles, mask, mask_transposed,
-            tile_kinds, index, problem.is_causal, problem.n_query, problem.n_key, problem.scale,
-            out, log_sum_exp,
+            query_tiles, key_tiles, value_tiles, mask, mask_transposed, tile_kinds, index,
+            problem.is_causal, problem.n_query, problem.n_key, problem.scale, out, log_sum_exp,
         )  # fmt: skip
     n_query = problem.n_query
     padded_rows = n_query_tiles * query_tile
@@ -1049,8 +1318,14 @@ def _is_small(problem):
 
 def flash_attention(problem):
     """The flash forward: the output, ``batch_shape + (L, Ev)``, and the log-sum-exp of
-    each row, ``batch_shape + (L,)``."""
-    output, log_sum_exp = (_small_forward if _is_small(problem) else flash_forward)(problem)
+    each row, ``batch_shape + (L,)``. bfloat16 operands (see :func:`flash_forward`)
+    below ``SERIAL_WORK`` are widened for the one-thread row forward."""
+    if not _is_small(problem):
+        output, log_sum_exp = flash_forward(problem)
+    else:
+        if is_half(problem.dtype):
+            problem = problem.widened(widen)
+        output, log_sum_exp = _small_forward(problem)
     return (
         output.reshape(problem.output_shape()),
         log_sum_exp.reshape((*problem.batch_shape, problem.n_query)),
@@ -1062,9 +1337,21 @@ def attention_grad(problem, grad_output, saved=None):
     shapes ``batch_shape + (rows, features)``.
 
     ``saved``, the forward's ``(output, log_sum_exp)``, spares a forward pass.
+
+    bfloat16 operands (sent here unwidened where the CPU has ``vdpbf16ps``, see
+    :func:`flash_forward`) are multiplied as they are, with the weights P and dS
+    rounded to bfloat16 before their products, when E and Ev are whole vectors (16
+    features at a time) and every operand is finite; otherwise they are widened
+    here, as the dispatch widens them elsewhere. Their gradients come back in
+    float32.
     """
+    if problem.dtype.name == "bfloat16" and not _bfloat16_backward_applies(
+        problem, grad_output, saved
+    ):
+        problem, grad_output, saved = _widened_gradient_call(problem, grad_output, saved)
     query, key, value, mask, index = problem.kernel_operands(strided_rows=True)
-    dtype = problem.dtype
+    bfloat16 = problem.dtype.name == "bfloat16"
+    dtype = np.dtype(np.float32) if bfloat16 else problem.dtype
     n_batch = index.shape[0]
     if saved is None:
         output, log_sum_exp = flash_forward(problem)
@@ -1072,15 +1359,33 @@ def attention_grad(problem, grad_output, saved=None):
         output = saved[0].reshape(n_batch, problem.n_query, problem.value_dim)
         log_sum_exp = saved[1].reshape(n_batch, problem.n_query)
     key_tile, query_tile = tile_sizes(problem)
-    # Read in place where BLAS can (_row_tiles), as a model's transposed gradient is.
-    grad_output = np.asarray(grad_output, dtype=dtype).reshape(output.shape)
-    query_tiles = _row_tiles(query, query_tile)
-    key_tiles = _row_tiles(key, key_tile)
+    grad_rows = np.asarray(grad_output, dtype=problem.dtype).reshape(output.shape)
+    if bfloat16:
+        query_tile = -(-query_tile // LANES) * LANES
+        if is_half(output.dtype):
+            output = widen(output)
+        query_tiles = _row_tiles(_feature_pairs(query), query_tile)
+        key_tiles = _row_tiles(_feature_pairs(key), key_tile)
+        value_tiles = _row_tiles(_feature_pairs(value), key_tile)
+        grad_tiles = _row_tiles(_feature_pairs(grad_rows), query_tile)
+        row_pairs = (
+            _packed_row_pairs(query, query_tile),
+            _value_pairs(key, key_tile),
+            _packed_row_pairs(grad_rows, query_tile),
+            _row_tiles(widen(grad_rows), query_tile),
+        )
+    else:
+        # Read in place where BLAS can (_row_tiles), as a model's transposed gradient is.
+        query_tiles = _row_tiles(query, query_tile)
+        key_tiles = _row_tiles(key, key_tile)
+        value_tiles = _row_tiles(value, key_tile)
+        grad_tiles = _row_tiles(grad_rows, query_tile)
+        row_pairs = None
     n_query_tiles, n_key_tiles = query_tiles.shape[1], key_tiles.shape[1]
     n_parts = backward_parts(n_batch, n_key_tiles)
-    grad_query_parts = np.empty(
-        (n_parts, n_batch, n_query_tiles, query_tile, problem.n_features), dtype=dtype
-    )
+    # dQ's tiles are (E, query_tile) for bfloat16 words: see _backward_kernel.
+    dq_tile = (problem.n_features, query_tile) if bfloat16 else (query_tile, problem.n_features)
+    grad_query_parts = np.empty((n_parts, n_batch, n_query_tiles, *dq_tile), dtype=dtype)
     grad_key = np.empty((n_batch, n_key_tiles, key_tile, problem.n_features), dtype=dtype)
     grad_value = np.empty((n_batch, n_key_tiles, key_tile, problem.value_dim), dtype=dtype)
     mask, tile_kinds = mask_operand(mask, dtype, key_tile, query_tile)
@@ -1089,17 +1394,63 @@ def attention_grad(problem, grad_output, saved=None):
     mask, mask_transposed = kernel_mask(mask, n_batch)
     with serial_blas():
         _backward_kernel(
-            query_tiles, key_tiles, _row_tiles(value, key_tile),
-            _row_tiles(grad_output, query_tile), _row_tiles(output, query_tile), log_sum_exp,
-            mask, mask_transposed, tile_kinds, one_key, index, problem.is_causal,
+            query_tiles, key_tiles, value_tiles, grad_tiles, _row_tiles(output, query_tile),
+            log_sum_exp, mask, mask_transposed, tile_kinds, one_key, index, problem.is_causal,
             problem.n_query, problem.n_key, problem.scale, dtype.type(LOG2E),
-            grad_query_parts, grad_key, grad_value,
+            grad_query_parts, grad_key, grad_value, row_pairs,
         )  # fmt: skip
+    grad_query = grad_query_parts[0].swapaxes(2, 3) if bfloat16 else grad_query_parts[0]
     return (
-        _untile(grad_query_parts[0], problem.batch_shape, problem.n_query),
+        _untile(grad_query, problem.batch_shape, problem.n_query),
         _untile(grad_key, problem.batch_shape, problem.n_key),
         _untile(grad_value, problem.batch_shape, problem.n_key),
     )
+
+
+def _bfloat16_backward_applies(problem, grad_output, saved):
+    """Whether :func:`attention_grad` multiplies a bfloat16 problem as it is: heads of
+    whole vectors, a bfloat16 output gradient, and every operand (and the saved
+    output) finite: the bfloat16 products multiply every pair, weights of 0
+    included."""
+    if problem.n_features % LANES or problem.value_dim % LANES:
+        return False
+    if getattr(grad_output, "dtype", None) != problem.dtype:
+        return False
+    operands = [problem.query, problem.key, problem.value, grad_output]
+    if saved is not None:
+        operands.append(saved[0])
+    return all(_all_finite(array) for array in operands)
+
+
+def _all_finite(array):
+    if array.dtype.name != "bfloat16":
+        return bool(np.isfinite(array).all())
+    exponent = np.asarray(array).view(np.uint16) & np.uint16(0x7F80)
+    return not (exponent == np.uint16(0x7F80)).any()
+
+
+def _widened_gradient_call(problem, grad_output, saved):
+    """``(problem, grad_output, saved)`` with every half-precision array widened to
+    float32, as :func:`tfmath._dispatch.run` widens them for other routines."""
+    grad_output = np.asarray(grad_output)
+    if is_half(grad_output.dtype):
+        grad_output = widen(grad_output)
+    if saved is not None:
+        output, log_sum_exp = saved
+        saved = (widen(output) if is_half(output.dtype) else output, log_sum_exp)
+    return problem.widened(widen), grad_output, saved
+
+
+def _packed_row_pairs(array, tile):
+    """The bfloat16 rows ``(batch, rows, C)`` in packed pairs per tile of ``tile``
+    rows, ``(batch, tiles, tile / 2, C)`` words: the ``b`` operands of the backward's
+    products over rows (see :func:`tfmath.kernels.cpu.bfloat16_dot.pack_row_pairs`)."""
+    batch, rows, columns = array.shape
+    n_tiles = max(math.ceil(rows / tile), 1)
+    out = np.empty((batch, n_tiles, tile // 2, columns), dtype=np.uint32)
+    bits = array.view(np.uint16) if array.strides[2] == array.itemsize else _bits(array)
+    sized(pack_tiles_in_row_pairs, array.size)(bits, tile, out)
+    return out
 
 
 class PlainFlash:
@@ -1201,7 +1552,7 @@ class PlainFlash:
                 query_tiles, key_tiles, value_tiles, grad_rows.reshape(self._output_tiles),
                 out, log_sum_exp, None, False, None, None, self._index, self._is_causal,
                 self._n_query, self._n_key, self._scale, self._log2e, grad_query_parts, grad_key,
-                grad_value,
+                grad_value, None,
             )  # fmt: skip
         query_shape, key_shape, value_shape = self._gradient_shapes
         return (
