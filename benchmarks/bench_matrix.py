@@ -6,7 +6,8 @@ multi-head, grouped-query and multi-query attention, a long causal sequence,
 training steps) is timed (``time_``), and tracked as a ratio measured in the
 same run: PyTorch's time over tfmath's (``track_``, when PyTorch is
 importable), and the rate against the machine's roof (GFLOP/s against NumPy's
-float32 GEMM rate, or for decoding GB/s against one core's read bandwidth).
+float32 GEMM rate, twice it for bfloat16 rows on ``vdpbf16ps``, or for decoding
+GB/s against one core's read bandwidth).
 
 ``Small`` does the same for the per-call cost of small problems
 (:data:`tfmath.tools.workloads.SMALL`), the rows of ``tfmath bench attention
@@ -58,7 +59,7 @@ class Matrix:
     def track_fraction_of_roof(self, name):
         seconds = best_time(self.case.tfmath, 2)
         if self.case.flops is not None:
-            return self.case.flops / seconds / 1e9 / gemm_roof()
+            return self.case.flops / seconds / 1e9 / (gemm_roof() * self.case.roof_multiple)
         return self.case.bytes_read / seconds / read_bandwidth()
 
     track_fraction_of_roof.unit = "fraction"

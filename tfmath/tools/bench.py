@@ -278,7 +278,9 @@ def print_matrix_report(out=print):
         seconds, torch_seconds = times["tfmath"], times.get("torch")
         if case.flops is not None:
             rate = case.flops / seconds / 1e9
-            rate_text = f"{rate:7.1f} GFLOP/s ({100 * rate / roof:.0f}% of GEMM roof)"
+            share = 100 * rate / (roof * case.roof_multiple)
+            roof_text = "GEMM roof" if case.roof_multiple == 1 else "2x GEMM roof, vdpbf16ps"
+            rate_text = f"{rate:7.1f} GFLOP/s ({share:.0f}% of {roof_text})"
         else:
             rate = case.bytes_read / seconds
             rate_text = f"{rate / 1e9:7.1f} GB/s ({100 * rate / bandwidth:.0f}% of read bandwidth)"

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 
+from tfmath._jit import target_has_bfloat16_dot
 from tfmath.attention import attention_grad, scaled_dot_product_attention, softmax
 from tfmath.positional import alibi_bias
 from tfmath.training.layers import layer_norm
@@ -36,6 +37,9 @@ class Case:
         Calls per timing, for calls too short to time one by one (see :meth:`repeated`).
     numpy : callable or None
         The computation in plain NumPy, where that is the peer to beat.
+    roof_multiple : int
+        The rate of the row's products over float32's: 2 where bfloat16 products
+        run on ``vdpbf16ps``, whose multiply-adds per instruction are float32's twice.
     """
 
     tfmath: Callable
@@ -44,6 +48,7 @@ class Case:
     bytes_read: float | None = None
     calls: int = 1
     numpy: Callable | None = None
+    roof_multiple: int = 1
 
     def repeated(self):
         """The case with each contender making ``calls`` calls per timing (tiny calls
@@ -57,6 +62,7 @@ class Case:
             self.bytes_read,
             self.calls,
             None if self.numpy is None else _loop(self.numpy, self.calls),
+            self.roof_multiple,
         )
 
     def contenders(self):
@@ -100,6 +106,11 @@ def _attention_flops(batch_heads, n_query, n_key, d, is_causal, backward=False):
     return flops / 2 if is_causal and n_query == n_key else flops
 
 
+def _roof_multiple(dtype):
+    """:attr:`Case.roof_multiple` of attention on ``dtype`` operands (heads of 64)."""
+    return 2 if np.dtype(dtype).name == "bfloat16" and target_has_bfloat16_dot() else 1
+
+
 def forward(batch, heads, length, d, *, is_causal=False, dtype=np.float32, mask=None, calls=1):
     """Self-attention forward, ``(batch, heads, length, d)``; ``mask(rng)`` gives the mask."""
 
@@ -120,7 +131,7 @@ def forward(batch, heads, length, d, *, is_causal=False, dtype=np.float32, mask=
                 return sdpa(*tensors, attn_mask=torch_mask, is_causal=is_causal)
 
         flops = _attention_flops(batch * heads, length, length, d, is_causal)
-        return Case(call, torch_call, flops=flops, calls=calls)
+        return Case(call, torch_call, flops=flops, calls=calls, roof_multiple=_roof_multiple(dtype))
 
     return build
 
@@ -151,7 +162,7 @@ def training_step(batch, heads, length, d, *, dtype=np.float32, mask=None):
                 sdpa(*tensors, attn_mask=torch_mask).backward(torch_grad)
 
         flops = _attention_flops(batch * heads, length, length, d, False, backward=True)
-        return Case(call, torch_call, flops=flops)
+        return Case(call, torch_call, flops=flops, roof_multiple=_roof_multiple(dtype))
 
     return build
 
@@ -219,6 +230,7 @@ MATRIX = (
         "bfloat16 L=4096 causal", forward(1, 8, 4096, 64, is_causal=True, dtype=ml_dtypes.bfloat16)
     ),
     Workload("float16 fwd+bwd L=2048", training_step(1, 8, 2048, 64, dtype=np.float16)),
+    Workload("bfloat16 fwd+bwd L=2048", training_step(1, 8, 2048, 64, dtype=ml_dtypes.bfloat16)),
     Workload("short B=32 H=12 L=128", forward(32, 12, 128, 64)),
     Workload("long causal H=4 L=16384", forward(1, 4, 16384, 64, is_causal=True)),
     Workload("decode MHA B=4 H=32 S=8192 d=128", decoding(4, 32, 32, 8192, 128)),
