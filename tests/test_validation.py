@@ -173,6 +173,27 @@ def test_huge_requests_are_refused_before_allocating(monkeypatch, kernels_must_n
     assert issubclass(tfmath.AllocationError, MemoryError)
 
 
+def test_the_copies_of_a_mask_count_before_any_work(monkeypatch, kernels_must_not_run):
+    """A contiguous boolean mask is 1 byte a score as given, 4 as the additive float32
+    copy the CPU kernels make, and 4 more when heads share it (transposed once)."""
+    from tfmath._contract import checks
+
+    monkeypatch.setattr(checks, "physical_memory_bytes", lambda: 2 * 2**20)
+    q = np.ones((4, 512, 8), np.float32)
+    mask = np.ones((512, 512), dtype=bool)  # 256 KiB, and 2 MiB of copies
+    assert_refused(
+        lambda: tfmath.scaled_dot_product_attention(q, q, q, mask, backend="cpu"),
+        tfmath.AllocationError,
+        ["copy of the boolean attn_mask", "1048576 bytes"],
+    )
+    monkeypatch.setattr(checks, "physical_memory_bytes", lambda: 2**20)
+    assert_refused(
+        lambda: tfmath.scaled_dot_product_attention(q, q, q, mask.astype(np.float32)),
+        tfmath.AllocationError,
+        ["transposed copy of attn_mask, which heads share", "1048576 bytes"],
+    )
+
+
 def test_huge_plain_calls_are_refused_before_copying(monkeypatch):
     from tfmath._contract import checks
 

@@ -270,9 +270,12 @@ def attention_problem(
 
 def _allocations(problem):
     """What a call on ``problem`` allocates in proportion to its sizes, as
-    ``(what, bytes)``: the output, the weights it returns, and the contiguous copies
+    ``(what, bytes)``: the output, the weights it returns, the contiguous copies
     the kernels take of strided or broadcast operands (a zero-stride view of 2**31
-    keys is 8 bytes of memory, and its copy is not)."""
+    keys is 8 bytes of memory, and its copy is not), and the copies the CPU flash
+    kernels make of a mask: a boolean mask as an additive one, and a dense mask
+    that heads share transposed (see ``mask_operand`` and ``kernel_mask`` in
+    ``tfmath/kernels/cpu/flash_attention.py``)."""
     itemsize = max(problem.dtype.itemsize, problem.compute_dtype.itemsize)
     batch = math.prod(problem.batch_shape)
     allocations = [("the output", batch * problem.n_query * problem.value_dim * itemsize)]
@@ -283,6 +286,14 @@ def _allocations(problem):
         array = getattr(problem, name)
         if isinstance(array, np.ndarray) and not array.flags.c_contiguous:
             allocations.append((f"a contiguous copy of {name}", array.size * itemsize))
+    mask = problem.attn_mask
+    if isinstance(mask, np.ndarray):
+        mask_bytes = mask.size * itemsize
+        if mask.dtype == np.bool_:
+            allocations.append(("an additive copy of the boolean attn_mask", mask_bytes))
+        rows, keys = mask.shape[-2:]
+        if rows > 1 and keys > 1 and mask.size // (rows * keys) < batch:
+            allocations.append(("a transposed copy of attn_mask, which heads share", mask_bytes))
     return allocations
 
 
