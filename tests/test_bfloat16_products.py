@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tfmath
-from tfmath import _dispatch
+from tfmath import _dispatch, _jit
 from tfmath._contract.attention import attention_problem
 from tfmath._jit import target_has_bfloat16_dot
 
@@ -243,11 +243,11 @@ def test_the_dispatch_sends_bfloat16_unwidened_only_where_the_cpu_and_the_call_a
         return _dispatch._takes_half_operands("flash_attention", problem)
 
     assert takes_bfloat16() == target_has_bfloat16_dot()
-    monkeypatch.setattr(_dispatch, "target_has_bfloat16_dot", lambda: True)
+    monkeypatch.setattr(_jit, "target_has_bfloat16_dot", lambda: True)
     assert takes_bfloat16()
     assert not takes_bfloat16(accumulate="float32")
     assert not takes_bfloat16(dtype=np.float16)
-    monkeypatch.setattr(_dispatch, "target_has_bfloat16_dot", lambda: False)
+    monkeypatch.setattr(_jit, "target_has_bfloat16_dot", lambda: False)
     assert not takes_bfloat16()
     # Widened where the CPU lacks the instruction: the float32 computation, to the bit.
     output = tfmath.scaled_dot_product_attention(*(np.tile(a, (1, 4, 1)) for a in operands))

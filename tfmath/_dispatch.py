@@ -24,7 +24,6 @@ import numpy as np
 
 from tfmath import _cuda
 from tfmath._contract.checks import is_half
-from tfmath._jit import target_has_bfloat16_dot
 
 #: The package of each backend's implementations.
 BACKEND_PACKAGES = {
@@ -94,11 +93,15 @@ def _takes_half_operands(routine, problem):
     backend = problem.backend
     if (routine, backend) in HALF_NATIVE:
         return True
-    return (
-        (routine, backend) in BFLOAT16_PRODUCTS
-        and getattr(problem, "bfloat16_products", False)
-        and target_has_bfloat16_dot()
-    )
+    if (routine, backend) not in BFLOAT16_PRODUCTS or not getattr(
+        problem, "bfloat16_products", False
+    ):
+        return False
+    # Imported here: tfmath._jit brings the kernel cache's modules, which ``import
+    # tfmath`` does not need.
+    from tfmath import _jit
+
+    return _jit.target_has_bfloat16_dot()
 
 
 def target(routine, backend):
