@@ -296,10 +296,11 @@ def add_pair_products_skipping_zeros(a, weights, accumulator):
 
 
 @cpu_kernel(parallel=True)
-def pack_key_tiles(bits, key_tile, out):
-    """Values ``(batch, S, Ev)`` (bfloat16 bit patterns) as the ``a`` operands of
-    ``V^T P`` per tile of ``key_tile`` keys: ``out[b, t, e, p]`` packs keys ``t *
-    key_tile + 2p`` and ``+ 2p + 1`` of feature ``e``, zero beyond ``S``."""
+def pack_transposed_tiles(bits, key_tile, out):
+    """Rows ``(batch, S, C)`` (bfloat16 bit patterns, values or keys) transposed, as the
+    ``a`` operands of products over the keys, per tile of ``key_tile`` keys:
+    ``out[b, t, c, p]`` packs keys ``t * key_tile + 2p`` and ``+ 2p + 1`` of column
+    ``c``, zero beyond ``S``."""
     n_batch, n_tiles = out.shape[0], out.shape[1]
     n_key = bits.shape[1]
     for task in numba.prange(n_batch * n_tiles):

@@ -71,8 +71,8 @@ from tfmath.kernels.cpu.attention import (
 from tfmath.kernels.cpu.bfloat16_dot import (
     LANES,
     add_pair_products_skipping_zeros,
-    pack_key_tiles,
     pack_tiles_in_row_pairs,
+    pack_transposed_tiles,
     pair_gemm,
     round_column_pairs,
     round_row_pairs,
@@ -1215,15 +1215,16 @@ def _bits(array):
     return np.ascontiguousarray(array).view(np.uint16)
 
 
-def _value_pairs(value, key_tile):
-    """The bfloat16 values ``(batch, S, Ev)`` packed for ``V^T P`` per key tile:
-    ``(batch, tiles, Ev, key_tile / 2)`` words (see
-    :func:`tfmath.kernels.cpu.bfloat16_dot.pack_key_tiles`)."""
-    batch, n_key, n_values = value.shape
+def _transposed_pairs(rows, key_tile):
+    """The bfloat16 rows of values or keys ``(batch, S, C)``, transposed and packed per
+    key tile as ``a`` operands of products over the keys (``V^T P`` in the forward,
+    ``K^T dS^T`` in the backward): ``(batch, tiles, C, key_tile / 2)`` words (see
+    :func:`tfmath.kernels.cpu.bfloat16_dot.pack_transposed_tiles`)."""
+    batch, n_key, n_columns = rows.shape
     n_tiles = max(math.ceil(n_key / key_tile), 1)
-    out = np.empty((batch, n_tiles, n_values, key_tile // 2), dtype=np.uint32)
-    bits = value.view(np.uint16) if value.strides[2] == value.itemsize else _bits(value)
-    sized(pack_key_tiles, value.size)(bits, key_tile, out)
+    out = np.empty((batch, n_tiles, n_columns, key_tile // 2), dtype=np.uint32)
+    bits = rows.view(np.uint16) if rows.strides[2] == rows.itemsize else _bits(rows)
+    sized(pack_transposed_tiles, rows.size)(bits, key_tile, out)
     return out
 
 
@@ -1242,7 +1243,7 @@ def flash_forward(problem):
         query_tile = -(-query_tile // LANES) * LANES
         query_tiles = _row_tiles(_feature_pairs(query), query_tile)
         key_tiles = _row_tiles(_feature_pairs(key), key_tile)
-        value_tiles = _value_pairs(value, key_tile)
+        value_tiles = _transposed_pairs(value, key_tile)
     else:
         dtype = problem.dtype
         query_tiles = _row_tiles(query, query_tile)
@@ -1370,7 +1371,7 @@ def attention_grad(problem, grad_output, saved=None):
         grad_tiles = _row_tiles(_feature_pairs(grad_rows), query_tile)
         row_pairs = (
             _packed_row_pairs(query, query_tile),
-            _value_pairs(key, key_tile),
+            _transposed_pairs(key, key_tile),
             _packed_row_pairs(grad_rows, query_tile),
             _row_tiles(widen(grad_rows), query_tile),
         )
