@@ -193,7 +193,24 @@ def _caption(scores, softmax, accumulation):
         f"L = {longest}. Its error grows like S^{growth['float16']:.2f} in float16, near the "
         f"S^0.5 of independent roundings adding up, and like S^{growth['bfloat16']:.2f} in "
         f"bfloat16, faster, because with 8 bits of significand the terms fall below half a "
-        f"unit of the running sum and are lost outright.{_torch_sentence(accumulation)}"
+        f"unit of the running sum and are lost outright.{_rounded_weights_sentence(accumulation)}"
+        f"{_torch_sentence(accumulation)}"
+    )
+
+
+def _rounded_weights_sentence(accumulation):
+    """What the flash method's bfloat16 error owes to its rounded weights, where it
+    exceeds the naive method's (a CPU with AVX512_BF16: see docs/low_precision.rst)."""
+    (result,) = [r for r in accumulation if r.dtype == "bfloat16"]
+    flash = max(result.errors["tfmath flash"]) / result.unit_roundoff
+    naive = max(result.errors["tfmath naive"]) / result.unit_roundoff
+    if flash <= 1.1 * naive:
+        return ""
+    return (
+        f" In bfloat16 the flash method errs by {flash:.2f} u against the naive method's "
+        f"{naive:.2f} u: on this CPU it multiplies bfloat16 operands with AVX512_BF16's "
+        "vdpbf16ps and rounds the attention weights to bfloat16 before their product with "
+        "V, as PyTorch's flash kernel does, a second rounding of about the output's size."
     )
 
 

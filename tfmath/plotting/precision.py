@@ -136,7 +136,8 @@ def accumulation_error(results, *, ax=None):
     ax.set_xlabel("$L = S$")
     ax.set_ylabel("RMS relative error of the output")
     ax.set_title("accumulation error against float64")
-    ax.legend(fontsize=6, ncol=2)
+    # Below the axes: twelve entries in two columns cover half of a panel's data.
+    ax.legend(fontsize=6, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.16))
     return ax
 
 
