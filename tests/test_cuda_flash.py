@@ -150,6 +150,96 @@ def test_half_flash_goes_to_the_tensor_cores_only_when_asked_on_a_gpu(
         assert np.all(output == 0)
 
 
+class _BackwardSpy:
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, problem, grad_output, saved=None):
+        self.calls.append((problem, grad_output, saved))
+        batch, n_query, n_key = problem.batch_shape, problem.n_query, problem.n_key
+        return tuple(
+            np.zeros((*batch, rows, problem.n_features), np.float32)
+            for rows in (n_query, n_key, n_key)
+        )
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize(
+    ("switch", "operand", "served"),
+    [
+        (None, "finite", False),  # opt-in until a GPU has checked it
+        ("1", "finite", True),
+        ("0", "finite", False),
+        ("1", "inf in the keys", False),  # 0 * inf on the tensor cores: widened instead
+        ("1", "NaN in the output's gradient", False),
+    ],
+)
+def test_half_backward_goes_to_the_tensor_cores_only_when_switched_on_and_finite(
+    switch, operand, served, monkeypatch
+):
+    from tfmath.kernels.cuda import tensor_core
+
+    spy = _BackwardSpy()
+    monkeypatch.setattr(tensor_core, "attention_grad", spy)
+    monkeypatch.setattr(tensor_core, "flash_attention", _TensorCoreSpy())
+    monkeypatch.setattr(tensor_core, "runs_here", lambda: True)
+    monkeypatch.setattr(_cuda, "status", lambda: _cuda.CudaStatus(True, True, "a pretend GPU"))
+    if switch is None:
+        monkeypatch.delenv("TFMATH_CUDA_TENSOR_CORE_BACKWARD", raising=False)
+    else:
+        monkeypatch.setenv("TFMATH_CUDA_TENSOR_CORE_BACKWARD", switch)
+    dtype = np.dtype(np.float16)
+    q, k, v = _half_inputs(dtype, n_features=64, n_query=3, n_key=5, n_values=64)
+    grad = np.ones_like(q)
+    if operand == "inf in the keys":
+        k[0, 1, 2] = np.inf
+    elif operand == "NaN in the output's gradient":
+        grad[1, 0, 0] = np.nan
+    with np.errstate(invalid="ignore"):
+        grads = tfmath.attention_grad(q, k, v, grad, backend="cuda")
+    assert [g.dtype for g in grads] == [dtype] * 3
+    assert len(spy.calls) == int(served)
+    if served:
+        # The kernels get the operands and the gradient as stored, 16 bits a number.
+        problem, grad_output, _ = spy.calls[0]
+        assert problem.dtype == dtype and np.dtype(grad_output.dtype) == dtype
+        assert all(np.all(g == 0) for g in grads)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+@pytest.mark.parametrize("special", [None, np.inf, -np.inf, np.nan])
+def test_finite_reads_each_format_on_host_and_device(dtype, special):
+    """The backward's condition: no inf or NaN, found by the format's exponent bits on
+    the device (float16 arrays, or a format's patterns as uint16) as on the host."""
+    from tfmath.kernels.cuda import tensor_core
+
+    values = np.random.default_rng(2).standard_normal((3, 40, 64)).astype(dtype)
+    values[1, 2, 3] = 65504 if dtype == np.float16 else 3e38  # the largest are finite
+    if special is not None:
+        values[2, 38, 63] = special  # a row the strided view below reads too
+    expected = special is None
+    device = _cuda.to_device(values.view(np.uint16))
+    assert tensor_core.finite(values, dtype) is expected
+    assert tensor_core.finite(device, dtype) is expected
+    assert tensor_core.finite(device[:, ::2], dtype) is expected
+
+
+@pytest.mark.cuda
+def test_half_backward_off_the_tensor_cores_is_the_float32_computation():
+    """Where the tensor cores do not serve it (here, the simulator), a half-precision
+    backward on the GPU is the float32 kernels' on the widened operands, rounded."""
+    dtype = np.dtype(np.float16)
+    q, k, v = _half_inputs(dtype, n_features=64, n_query=9, n_key=7, n_values=64)
+    grad = np.random.default_rng(4).standard_normal(q.shape).astype(dtype)
+    got = tfmath.attention_grad(q, k, v, grad, is_causal=True, backend="cuda")
+    wide = [a.astype(np.float32) for a in (q, k, v, grad)]
+    expected = tfmath.attention_grad(*wide, is_causal=True, backend="cuda")
+    for g, e in zip(got, expected, strict=True):
+        assert g.dtype == dtype
+        assert np.array_equal(g, e.astype(dtype))
+
+
 @pytest.mark.cuda
 def test_half_flash_is_widened_on_a_gpu_older_than_the_kernel(monkeypatch):
     from tfmath.kernels.cuda import tensor_core
@@ -305,6 +395,14 @@ def test_half_precision_forward_multiplies_on_the_tensor_cores(ptx_files, cc):
             entry = tensor_core.entry_name(format_name, head_dim, warps)
             assert f".target sm_{cc}" in kernel
             assert entry in kernel and entry in linked
+            # The backward's two Numba kernels call their C++ entry points.
+            warps = tensor_core.BACKWARD_WARPS[head_dim]
+            entries = tensor_core.backward_entry_names(format_name, head_dim)
+            for part, entry in zip(("query", "key"), entries, strict=True):
+                name = f"flash_backward_{part}_{format_name}_{head_dim}_w{warps}"
+                kernel = _ptx(ptx_files, name, cc)
+                assert f".target sm_{cc}" in kernel
+                assert entry in kernel and entry in linked
 
 
 #: Registers per thread the design needs, by head size: the output (D/2 floats), the
@@ -316,8 +414,15 @@ REGISTER_BUDGET = {64: 128, 128: 184}
 RESIDENT_WARPS = {64: 16, 128: 8}
 
 
+def _resources(ptx_files, cc, kind):
+    """ptxas's report of ``tensor_core.cu``'s entry points of one ``kind`` ("forward",
+    "backward_query", "backward_key")."""
+    resources = json.loads((ptx_files / f"resources.sm_{cc}.json").read_text())
+    return {n: e for n, e in resources.items() if n.startswith(f"tfmath_flash_{kind}_")}
+
+
 @pytest.mark.parametrize("cc", ["80", "90"])
-def test_tensor_core_forward_fits_its_register_budget_without_spills(ptx_files, cc):
+def test_tensor_core_compiles_every_entry_point(ptx_files, cc):
     from tfmath.kernels.cuda import tensor_core
 
     resources = json.loads((ptx_files / f"resources.sm_{cc}.json").read_text())
@@ -327,8 +432,15 @@ def test_tensor_core_forward_fits_its_register_budget_without_spills(ptx_files, 
         for d in tensor_core.HEAD_DIMS
         for w in tensor_core.WARP_CHOICES
     }
+    for f in tensor_core.FORMATS:
+        for d in tensor_core.HEAD_DIMS:
+            expected.update(tensor_core.backward_entry_names(f, d))
     assert set(resources) == expected
-    for name, entry in resources.items():
+
+
+@pytest.mark.parametrize("cc", ["80", "90"])
+def test_tensor_core_forward_fits_its_register_budget_without_spills(ptx_files, cc):
+    for name, entry in _resources(ptx_files, cc, "forward").items():
         head_dim = int(name.split("_")[-2])
         assert entry["stack"] == entry["spill_stores"] == entry["spill_loads"] == 0, name
         assert entry["registers"] <= REGISTER_BUDGET[head_dim], name
@@ -336,20 +448,62 @@ def test_tensor_core_forward_fits_its_register_budget_without_spills(ptx_files, 
         assert entry["warps"] >= RESIDENT_WARPS[head_dim], name
 
 
+def _needs_sass(entry):
+    if entry["HMMA"] is None:
+        # CI installs the ptx extra, so there a missing disassembler is a failure.
+        reason = "cuobjdump or nvdisasm is missing: pip install 'tfmath[ptx]'"
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(reason)
+        pytest.skip(reason)
+
+
 @pytest.mark.parametrize("cc", ["80", "90"])
 def test_tensor_core_forward_machine_code_uses_hmma_and_ldsm(ptx_files, cc):
-    resources = json.loads((ptx_files / f"resources.sm_{cc}.json").read_text())
-    for name, entry in resources.items():
-        if entry["HMMA"] is None:
-            # CI installs the ptx extra, so there a missing disassembler is a failure.
-            reason = "cuobjdump or nvdisasm is missing: pip install 'tfmath[ptx]'"
-            if os.environ.get("CI", "").lower() == "true":
-                pytest.fail(reason)
-            pytest.skip(reason)
+    for name, entry in _resources(ptx_files, cc, "forward").items():
+        _needs_sass(entry)
         head_dim = int(name.split("_")[-2])
         # Per key tile: (D / 16) x 8 score products and 4 x (D / 8) output products.
         assert entry["HMMA"] == head_dim // 16 * 8 + 4 * (head_dim // 8), name
         assert entry["LDSM"] > 0 and entry["LDGSTS"] > 0, name
+
+
+#: Registers per thread the backward's kernels need, by kernel and head size. The dQ
+#: kernel holds its 16 x D accumulators (D/2 floats a thread) and the scores and dP of
+#: a 16 x T tile (T/2 floats each, T the tile's rows); the dK, dV kernel two 16 x D
+#: accumulators (D floats) and the same two tiles, with each column's log-sum-exp and
+#: D_i; both with room for addresses. Within these a multiprocessor holds 12 warps of
+#: the dQ kernel and 8 of the other.
+BACKWARD_REGISTER_BUDGET = {("query", 64): 168, ("query", 128): 176,
+                            ("key", 64): 196, ("key", 128): 248}  # fmt: skip
+BACKWARD_RESIDENT_WARPS = {"query": 12, "key": 8}
+
+
+@pytest.mark.parametrize("cc", ["80", "90"])
+@pytest.mark.parametrize("part", ["query", "key"])
+def test_tensor_core_backward_fits_its_register_budget_without_spills(ptx_files, cc, part):
+    found = _resources(ptx_files, cc, f"backward_{part}")
+    assert len(found) == 4
+    for name, entry in found.items():
+        head_dim = int(name.split("_")[-2])
+        assert entry["stack"] == entry["spill_stores"] == entry["spill_loads"] == 0, name
+        assert entry["registers"] <= BACKWARD_REGISTER_BUDGET[part, head_dim], name
+        assert entry["shared"] <= 48 * 1024, name
+        assert entry["warps"] >= BACKWARD_RESIDENT_WARPS[part], name
+
+
+@pytest.mark.parametrize("cc", ["80", "90"])
+def test_tensor_core_backward_machine_code_uses_hmma_and_ldsm(ptx_files, cc):
+    from tfmath.kernels.cuda import tensor_core
+
+    for part, products in (("query", 3), ("key", 4)):
+        for name, entry in _resources(ptx_files, cc, f"backward_{part}").items():
+            _needs_sass(entry)
+            head_dim = int(name.split("_")[-2])
+            tile = tensor_core.BACKWARD_TILE[head_dim]
+            # Per tile, every product is 16 x T x D or 16 x D x T a warp: T D / 128
+            # m16n8k16 products each (S and dP, then dQ; or S, dP, dV and dK).
+            assert entry["HMMA"] == products * tile * head_dim // 128, name
+            assert entry["LDSM"] > 0 and entry["LDGSTS"] > 0, name
 
 
 # --- the register cap (TFMATH_CUDA_MAX_REGISTERS) ------------------------------------------

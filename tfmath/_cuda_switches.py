@@ -5,6 +5,10 @@ or called:
     ``0`` widens half-precision flash attention forwards to the float32 kernels
     instead of running them on the GPU's tensor cores (read at each call;
     default ``1``); see :func:`cuda_tensor_cores`.
+``TFMATH_CUDA_TENSOR_CORE_BACKWARD``
+    ``1`` runs half-precision flash attention backwards on the tensor cores (read
+    at each call; default ``0``: widened to the float32 kernels); see
+    :func:`cuda_tensor_core_backward`.
 ``TFMATH_CUDA_MAX_REGISTERS``
     A cap on the registers per thread of the float32 and float64 CUDA flash
     kernels; see :func:`cuda_max_registers`.
@@ -19,6 +23,16 @@ def cuda_tensor_cores():
     default since it was checked against the float64 reference on an H200
     (docs/flash_attention.rst, "On a GPU"); 0 widens the operands to the float32 kernels."""
     return os.environ.get("TFMATH_CUDA_TENSOR_CORES", "1") != "0"
+
+
+def cuda_tensor_core_backward():
+    """Whether the tensor-core flash backward
+    (:func:`tfmath.kernels.cuda.tensor_core.attention_grad`) serves float16 and bfloat16
+    on a real GPU: only with ``TFMATH_CUDA_TENSOR_CORE_BACKWARD=1``, and only where the
+    forward runs on the tensor cores. Opt-in until a GPU has checked it against the
+    float64 reference (``tools/gpu/check.sh`` does, with this switch on); the host
+    emulation of its kernels has (:mod:`tfmath.tools.warp_emulator`)."""
+    return os.environ.get("TFMATH_CUDA_TENSOR_CORE_BACKWARD", "0") == "1"
 
 
 def cuda_max_registers():

@@ -78,8 +78,13 @@ ROUTINES = {
 
 #: Implementations that take half-precision operands as they are, and widen them
 #: themselves (decoding streams its keys and values at 2 bytes a number; the CUDA
-#: flash forward may run them on the tensor cores).
-HALF_NATIVE = {("decode_attention", "cpu"), ("flash_attention", "cuda")}
+#: flash forward, and the backward where switched on, may run them on the tensor
+#: cores).
+HALF_NATIVE = {
+    ("decode_attention", "cpu"),
+    ("flash_attention", "cuda"),
+    ("attention_grad", "cuda"),
+}
 
 #: Implementations that multiply bfloat16 operands as they are, on the CPU's
 #: bfloat16 dot-product instruction (``vdpbf16ps``), where the kernels' target CPU

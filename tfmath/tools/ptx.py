@@ -2,8 +2,8 @@
 
 ``python -m tfmath.tools.ptx [--cc 80 90] [--out DIR]`` compiles, for each
 compute capability, the float32 flash kernels (forward, dQ pass, dK/dV pass),
-the Numba side of the half-precision tensor-core forward and its CUDA C++
-(``tensor_core.cu``), and prints:
+the Numba side of the half-precision tensor-core forward and backward and their
+CUDA C++ (``tensor_core.cu``), and prints:
 
 1. per kernel, the counts of the PTX instructions that show the design
    (shared-memory loads, ``mma.sync``, ``ldmatrix``, ``cp.async``, local-memory
@@ -91,6 +91,12 @@ def kernel_ptx(cc):
             found[f"flash_forward_{format_name}_{head_dim}_w{warps}"] = _cuda.compile_ptx(
                 function, tensor_core.forward_signature(), cc
             )
+            warps = tensor_core.BACKWARD_WARPS[head_dim]
+            functions = tensor_core.backward_functions(format_name, head_dim)
+            for part, function in zip(("query", "key"), functions, strict=True):
+                found[f"flash_backward_{part}_{format_name}_{head_dim}_w{warps}"] = (
+                    _cuda.compile_ptx(function, tensor_core.backward_signature(), cc)
+                )
     source = tensor_core.SOURCE
     found["tensor_core.cu"] = _cuda.nvrtc_ptx(source.read_text(), source.name, cc)
     return found
@@ -216,13 +222,13 @@ def main(argv=None):
     parser.add_argument("--out", type=Path, help="folder to write each PTX to")
     args = parser.parse_args(argv)
     print("PTX instructions per kernel")
-    print(f"{'cc':>3} {'kernel':<28}", *(f"{name:>9}" for name in PATTERNS))
+    print(f"{'cc':>3} {'kernel':<36}", *(f"{name:>9}" for name in PATTERNS))
     resources = {}
     for text in args.cc:
         cc = (int(text[:-1]), int(text[-1]))
         for name, ptx in kernel_ptx(cc).items():
             counts = instruction_counts(ptx)
-            print(f"{text:>3} {name:<28}", *(f"{counts[n]:>9}" for n in PATTERNS))
+            print(f"{text:>3} {name:<36}", *(f"{counts[n]:>9}" for n in PATTERNS))
             if args.out is not None:
                 args.out.mkdir(parents=True, exist_ok=True)
                 (args.out / f"{name.replace('.', '_')}.sm_{text}.ptx").write_text(ptx)
@@ -233,11 +239,11 @@ def main(argv=None):
                "warps", *SASS_PATTERNS)  # fmt: skip
     print("\ntensor_core.cu in machine code (ptxas through NVRTC; blocks and warps resident")
     print("per multiprocessor; SASS counts from cuobjdump)")
-    print(f"{'cc':>3} {'entry point':<30}", *(f"{c[:8]:>8}" for c in columns))
+    print(f"{'cc':>3} {'entry point':<38}", *(f"{c[:8]:>8}" for c in columns))
     for text, found in resources.items():
         for name, entry in found.items():
             cells = ("-" if entry[c] is None else entry[c] for c in columns)
-            print(f"{text:>3} {name:<30}", *(f"{c:>8}" for c in cells))
+            print(f"{text:>3} {name:<38}", *(f"{c:>8}" for c in cells))
     return 0
 
 

@@ -22,7 +22,13 @@ tests first); on its own::
    timed (no CUDA array shares bfloat16 with Numba, so only the forward's
    short path takes bfloat16 tensors).
 
-3. Resources: the registers, local and shared memory of each kernel, and the
+3. ``--backward``: the tensor-core backward (``TFMATH_CUDA_TENSOR_CORE_BACKWARD=1``,
+   opt-in until this run has checked it): float16 and bfloat16 gradients against the
+   float64 reference on :data:`BACKWARD_CASES`, then the forward and backward at the
+   issue's rows (L = 4096, H = 16), the kernels alone on device operands against
+   PyTorch's forward and backward; writes ``backward_rows.json``.
+
+4. Resources: the registers, local and shared memory of each kernel, and the
    share of a multiprocessor's warps its blocks can hold at once (occupancy),
    at the timed shape; ``--resources`` prints these alone (about 20 s).
    ``TFMATH_CUDA_MAX_REGISTERS`` caps the float32 kernels' registers.
@@ -70,6 +76,15 @@ ISSUE_ROWS = [
     for causal in (False, True)
 ]
 LENGTHS = (1024, 2048, 4096, 8192)
+#: (batch, heads, L, S, d, causal, mask): the tensor-core backward's checks; tile edges,
+#: both head sizes, a boolean and an additive mask, and more keys than queries.
+BACKWARD_CASES = [
+    (1, 2, 100, 130, 64, False, None),
+    (2, 2, 200, 200, 64, True, None),
+    (1, 3, 77, 200, 64, False, "boolean"),
+    (1, 2, 100, 130, 128, True, None),
+    (2, 1, 300, 260, 128, False, "additive"),
+]
 
 
 def _dtype(name):
@@ -165,6 +180,116 @@ def _tensor_error(output, reference):
     if not isinstance(output, torch.Tensor) or output.device.type != "cuda":
         return float("nan")  # the result must stay on the device
     return _relative_error(output.float().cpu().numpy(), reference)
+
+
+def check_backward_case(dtype_name, case, rng):
+    """Rows of ``(dtype, case, gradient, relative error, tolerance, ok)`` of the
+    tensor-core backward through the public API on host arrays, and whether the tensor
+    cores ran it."""
+    import tfmath
+    from tfmath.kernels.cuda import tensor_core
+
+    batch, heads, n_query, n_key, head, causal, mask_kind = case
+    dtype = _dtype(dtype_name)
+    q, grad = (rng.standard_normal((batch, heads, n_query, head)).astype(dtype) for _ in "qg")
+    k, v = (rng.standard_normal((batch, heads, n_key, head)).astype(dtype) for _ in "kv")
+    mask = None
+    if mask_kind == "boolean":
+        mask = rng.random((n_query, n_key)) < 0.7
+        mask[:, 0] = True
+    elif mask_kind == "additive":
+        mask = rng.standard_normal((batch, 1, n_query, n_key)).astype(np.float32)
+    ran = []
+    original = tensor_core.attention_grad
+
+    def spy(*args, **kwargs):
+        ran.append(True)
+        return original(*args, **kwargs)
+
+    tensor_core.attention_grad = spy
+    try:
+        grads = tfmath.attention_grad(q, k, v, grad, mask, causal, backend="cuda")
+    finally:
+        tensor_core.attention_grad = original
+    wide = [a.astype(np.float64) for a in (q, k, v, grad)]
+    expected = tfmath.attention_grad(*wide, mask, causal, backend="reference")
+    name = f"B{batch} H{heads} L{n_query} S{n_key} d{head}" + " causal" * causal
+    name += f" {mask_kind} mask" * (mask_kind is not None)
+    rows = [(dtype_name, name, "tensor cores ran", float(not ran), 0.5)]
+    for label, got, want in zip(("dQ", "dK", "dV"), grads, expected, strict=True):
+        rows.append((dtype_name, name, label, _relative_error(got, want), TOLERANCE[dtype_name]))
+    return [(*row, bool(row[3] <= row[4])) for row in rows]
+
+
+def _half_backward(q, k, v, grad, dtype_name, is_causal):
+    """The tensor-core forward and backward on device copies of the inputs' 16-bit
+    patterns (what the kernels cost with the batch index and allocations)."""
+    from tfmath import _cuda
+    from tfmath._contract.attention import attention_problem
+    from tfmath.kernels.cuda import tensor_core
+
+    host = [t.float().cpu().numpy().astype(_dtype(dtype_name)) for t in (q, k, v, grad)]
+    problem = attention_problem(*host[:3], is_causal=is_causal, backend="cuda")
+    bits = [_cuda.to_device(a.view(np.uint16)) for a in host]
+    on_device = problem._replace(query=bits[0], key=bits[1], value=bits[2], on_device=True)
+    grad_bits = bits[3].reshape((-1, *bits[3].shape[-2:]))
+    return lambda: tensor_core.attention_grad(on_device, grad_bits)
+
+
+def _torch_step(sdpa, leaves, grad, is_causal):
+    sdpa(*leaves, is_causal=is_causal).backward(grad)
+
+
+def time_backward_rows(torch, quick):
+    """Rows ``(dtype, d, B, causal, torch ms, tfmath ms)`` of the forward and backward at
+    the issue's rows (L = 4096, H = 16): PyTorch's SDPA with autograd against the
+    tensor-core kernels alone (:func:`_half_backward`)."""
+    n, heads = 4096, 16
+    repeats = 3 if quick else 8
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    rows = []
+    for dtype_name, head, batch, causal in ISSUE_ROWS:
+        generator = torch.Generator(device="cuda").manual_seed(head + batch)
+        q, k, v, grad = (
+            torch.randn((batch, heads, n, head), device="cuda", generator=generator,
+                        dtype=getattr(torch, dtype_name))
+            for _ in range(4)
+        )  # fmt: skip
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        try:
+            theirs = functools.partial(_torch_step, sdpa, leaves, grad, causal)
+            torch_ms = median_ms(torch, theirs, 1, repeats)
+            ours = _half_backward(q, k, v, grad, dtype_name, causal)
+            tfmath_ms = median_ms(torch, ours, 1, repeats)
+        except Exception:
+            traceback.print_exc()
+            torch_ms = tfmath_ms = float("nan")
+        rows.append((dtype_name, head, batch, causal, torch_ms, tfmath_ms))
+        flops = 14 * batch * heads * n * n * head / (2 if causal else 1)
+        print(f"backward {dtype_name:<9} d={head:<4} B={batch} causal={causal!s:<5} torch "
+              f"{torch_ms:7.3f} tfmath {tfmath_ms:7.3f} ms  ratio {torch_ms / tfmath_ms:5.2f}"
+              f"  {flops / tfmath_ms / 1e9:6.1f} TFLOP/s", flush=True)  # fmt: skip
+    return rows
+
+
+def run_backward(out, quick):
+    """The tensor-core backward's checks and rows; 0 when every check passed."""
+    rng = np.random.default_rng(int(time.time()))
+    checks = []
+    for dtype_name in ("float16", "bfloat16"):
+        for case in BACKWARD_CASES:
+            try:
+                checks.extend(check_backward_case(dtype_name, case, rng))
+            except Exception:
+                traceback.print_exc()
+                checks.append((dtype_name, str(case), "raised", float("nan"), 0.0, False))
+    for row in checks:
+        print("backward check", *row, flush=True)
+    rows = time_backward_rows(_torch(), quick)
+    (out / "backward_rows.json").write_text(json.dumps({"checks": checks, "rows": rows}))
+    failed = [row for row in checks if not row[-1]]
+    print(f"{len(checks) - len(failed)} of {len(checks)} backward checks within tolerance")
+    return 1 if failed else 0
 
 
 def run_checks(rng, dtypes=tuple(TOLERANCE)):
@@ -590,6 +715,11 @@ def main(argv=None):
         "--half", action="store_true", help="only half-precision checks and the issue's rows"
     )
     parser.add_argument(
+        "--backward",
+        action="store_true",
+        help="only the tensor-core backward: its checks and the issue's rows",
+    )
+    parser.add_argument(
         "--host-profile",
         action="store_true",
         help="only cProfile's account of the wrapper's and the public API's host time",
@@ -601,6 +731,7 @@ def main(argv=None):
     )
     args = parser.parse_args(argv)
     os.environ.setdefault("TFMATH_CUDA_TENSOR_CORES", "1")
+    os.environ.setdefault("TFMATH_CUDA_TENSOR_CORE_BACKWARD", "1")
     args.out.mkdir(parents=True, exist_ok=True)
     from tfmath import _cuda
 
@@ -611,6 +742,8 @@ def main(argv=None):
     if args.block_shapes:
         time_block_shapes(_torch())
         return 0
+    if args.backward:
+        return run_backward(args.out, args.quick)
     if args.host_profile:
         profile_host(_torch())
         return 0

@@ -2,7 +2,7 @@
 # The one command a GPU session runs first (see docs/backends.rst, "Checking on a GPU"):
 # on a fresh GPU machine with no network, in the repository root,
 #
-#   bash tools/gpu/check.sh            # everything; its steps' limits add up to 7 minutes
+#   bash tools/gpu/check.sh            # everything; its steps' limits add up to 8 minutes
 #   bash tools/gpu/check.sh --quick    # two lengths, fewer repeats
 #
 # 1. installs the wheels carried in .whl/ (tools/gpu/wheels.sh fetches them on a machine
@@ -12,8 +12,10 @@
 #    tensor-core forward's rows at L = 4096 (d = 64 and 128, B = 1 and 4, H = 16,
 #    causal or not), then timings of float32, float16 and bfloat16, forward and
 #    forward + backward, at L = 1024..8192 against PyTorch, with a figure;
-# 4. runs the CUDA tests on the GPU (not the simulator);
-# 5. runs `tfmath bench attention --backend cuda` (float32, against PyTorch).
+# 4. runs tools/gpu/check.py --backward: the tensor-core backward (opt-in until this
+#    checks it) against the float64 reference, then timed at the same rows;
+# 5. runs the CUDA tests on the GPU (not the simulator);
+# 6. runs `tfmath bench attention --backend cuda` (float32, against PyTorch).
 # The measurements come first, so that a lease cut short still brings them back.
 #
 # Every output lands in $OUT (the device tool's folder that comes back) or ./gpu_check;
@@ -24,6 +26,7 @@ OUT="${OUT:-$PWD/gpu_check}"
 mkdir -p "$OUT"
 QUICK="${1:-}"
 export PYTHONUNBUFFERED=1 NUMBA_ENABLE_CUDASIM=0 TFMATH_CUDA_TENSOR_CORES=1
+export TFMATH_CUDA_TENSOR_CORE_BACKWARD=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PYTHON="${PYTHON:-python3}"
 
@@ -53,6 +56,11 @@ echo "== correctness and timings, float32, float16, bfloat16"
 timeout 240 "$PYTHON" tools/gpu/check.py --out "$OUT" $QUICK 2>&1 | tee "$OUT/gpu_check.txt" \
     | tail -30
 echo "gpu_check: exit ${PIPESTATUS[0]}"
+
+echo "== the tensor-core backward: checks, then the issue's rows"
+timeout 60 "$PYTHON" tools/gpu/check.py --backward --out "$OUT" $QUICK 2>&1 \
+    | tee "$OUT/backward.txt" | tail -25
+echo "backward: exit ${PIPESTATUS[0]}"
 
 # Each new shape compiles its kernels, so the limit may cut the hypothesis tests short;
 # step 3 checks random inputs too.

@@ -38,6 +38,7 @@ import numpy as np
 
 from tfmath import _cuda, _cuda_switches
 from tfmath._contract.attention import dense_additive_mask
+from tfmath._contract.checks import is_half
 from tfmath.kernels.cuda import half
 from tfmath.kernels.cuda.attention import SHARED_MEMORY_BYTES
 
@@ -640,9 +641,44 @@ def _tensor_cores_serve(problem):
     )
 
 
+def _widened(array):
+    """A half-precision array as float32 (:func:`.half.widen`), any other as it is."""
+    return half.widen(array) if is_half(np.dtype(array.dtype)) else array
+
+
+def _tensor_core_backward_serves(problem, grad_output, saved):
+    """Whether the tensor-core backward takes this half-precision call: switched on, on
+    a GPU that runs it, heads it supports, and finite numbers only (a 0 of P or dS
+    times inf would be NaN there; the float32 kernels skip such products)."""
+    from tfmath.kernels.cuda import tensor_core
+
+    if not tensor_core.serves_backward(problem):
+        return False
+    arrays = [problem.query, problem.key, problem.value, grad_output]
+    if saved is not None:
+        arrays.append(saved[0])
+    return all(tensor_core.finite(array, problem.dtype) for array in arrays)
+
+
 def attention_grad(problem, grad_output, saved=None):
     """The flash forward (unless ``saved`` holds its ``(output, log_sum_exp)``), then the
-    two backward kernels, all on the GPU; gradients per broadcast batch entry."""
+    two backward kernels, all on the GPU; gradients per broadcast batch entry.
+
+    Half-precision operands arrive as they are (see ``_dispatch.HALF_NATIVE``): the
+    tensor cores take them where :func:`.tensor_core.serves_backward` says and every
+    number involved is finite (:func:`.tensor_core.finite`); otherwise they, the
+    output's gradient and the saved output are widened to float32 here. Either way
+    the gradients are float32, which the caller rounds.
+    """
+    if problem.needs_widening:
+        if _tensor_core_backward_serves(problem, grad_output, saved):
+            from tfmath.kernels.cuda import tensor_core
+
+            return tensor_core.attention_grad(problem, grad_output, saved)
+        problem = problem.widened(half.widen)
+        grad_output = _widened(grad_output)
+        if saved is not None:
+            saved = (_widened(saved[0]), saved[1])
     _check_head_size(problem)
     operands = _device_operands(problem)
     query, key, value, mask, index = operands

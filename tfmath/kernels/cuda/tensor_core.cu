@@ -1,6 +1,8 @@
-// FlashAttention-2's forward on the tensor cores, for tfmath's half-precision
-// attention (tfmath/kernels/cuda/tensor_core.py calls it from a Numba kernel,
-// linked with numba-cuda's `link=` and compiled by NVRTC).
+// FlashAttention-2's forward and backward on the tensor cores, for tfmath's
+// half-precision attention (tfmath/kernels/cuda/tensor_core.py calls them from Numba
+// kernels, linked with numba-cuda's `link=` and compiled by NVRTC; under
+// TFMATH_WARP_EMULATOR, tfmath/tools/warp_emulator.h runs them on the CPU). The
+// backward's design is at flash_backward_query, below; the forward's:
 //
 // One block of WARPS warps (4 or 8; the Python side picks per head size) takes
 // 16 query rows per warp against tiles of BC = 64 keys (Dao 2023,
@@ -37,8 +39,10 @@
 // Head sizes D = 64 and 128 (the swizzle needs 8 or 16 chunks a row); the
 // shared memory, at most 48 KiB, is static.
 
+#ifndef TFMATH_WARP_EMULATOR
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#endif
 
 namespace {
 
@@ -70,6 +74,26 @@ struct BF16 {
     static constexpr unsigned short EXPONENT = 0x7F80;
 };
 
+// The instructions of the tensor cores and asynchronous copies, in PTX; under
+// TFMATH_WARP_EMULATOR, their host emulation (tfmath/tools/warp_emulator.h).
+#ifdef TFMATH_WARP_EMULATOR
+template <class T>
+__device__ __forceinline__ void mma_16816(float c[4], const unsigned a[4], unsigned b0,
+                                          unsigned b1) {
+    warp_emulator::mma_16816<T>(c, a, b0, b1);
+}
+__device__ __forceinline__ void copy_async(void* shared, const void* global, bool valid) {
+    warp_emulator::copy_async(shared, global, valid);
+}
+__device__ __forceinline__ void commit_copies() { warp_emulator::commit_copies(); }
+__device__ __forceinline__ void wait_copies() { warp_emulator::wait_copies(); }
+__device__ __forceinline__ void load_matrix_x4(unsigned r[4], const void* p) {
+    warp_emulator::load_matrix_x4(r, p, false);
+}
+__device__ __forceinline__ void load_matrix_x4_transposed(unsigned r[4], const void* p) {
+    warp_emulator::load_matrix_x4(r, p, true);
+}
+#else
 template <class T>
 __device__ __forceinline__ void mma_16816(float c[4], const unsigned a[4], unsigned b0,
                                           unsigned b1);
@@ -121,11 +145,93 @@ __device__ __forceinline__ void load_matrix_x4_transposed(unsigned r[4], const v
                  : "r"(shared_address(p)));
 }
 
+#endif
+
 // Offset, in 16-bit numbers, of chunk `chunk` (8 numbers) of row `row` in a
 // swizzled tile of D numbers a row.
 template <int D>
 __device__ __forceinline__ int swizzled(int row, int chunk) {
     return row * D + ((chunk ^ (row & 7)) << 3);
+}
+
+// The fragments a warp multiplies, loaded from swizzled tiles of D numbers a row
+// (lane is the thread's index in its warp):
+//  - the A operand of rows [row, row + 16) and columns [16 k, 16 k + 16) of a tile
+//    (queries against features, say);
+//  - the B operands, columns j and j + 1 of eight, of a product with a tile's rows
+//    as its columns (B = tile^T: keys as the scores' columns, features as their
+//    inner dimension), inner step k;
+//  - the B operands, columns j and j + 1 of eight, of a product with a tile as it
+//    is (B = tile: keys as the inner dimension of P V, features as its columns),
+//    inner step k.
+template <int D>
+__device__ __forceinline__ void load_rows_fragment(unsigned a[4], const unsigned short* tile,
+                                                   int row, int k, int lane) {
+    load_matrix_x4(a, tile + swizzled<D>(row + (lane & 15), 2 * k + (lane >> 4)));
+}
+
+template <int D>
+__device__ __forceinline__ void load_transposed_operand(unsigned b[4], const unsigned short* tile,
+                                                        int j, int k, int lane) {
+    load_matrix_x4(b, tile + swizzled<D>(8 * j + (lane & 7) + ((lane >> 4) << 3),
+                                         2 * k + ((lane >> 3) & 1)));
+}
+
+template <int D>
+__device__ __forceinline__ void load_operand(unsigned b[4], const unsigned short* tile, int j,
+                                             int k, int lane) {
+    load_matrix_x4_transposed(
+        b, tile + swizzled<D>(16 * k + (lane & 7) + (((lane >> 3) & 1) << 3), j + (lane >> 4)));
+}
+
+// Float32 accumulators of a warp's 16 x (8 NT) product, rounded to the operands'
+// format in registers as the A fragments of the next product over those 8 NT
+// columns (the accumulator layout of m16n8k16 is the A-operand layout).
+template <class T, int NT>
+__device__ __forceinline__ void round_to_fragments(unsigned frag[NT / 2][4], const float c[NT][4]) {
+    #pragma unroll
+    for (int k = 0; k < NT / 2; ++k) {
+        frag[k][0] = T::pack(c[2 * k][0], c[2 * k][1]);
+        frag[k][1] = T::pack(c[2 * k][2], c[2 * k][3]);
+        frag[k][2] = T::pack(c[2 * k + 1][0], c[2 * k + 1][1]);
+        frag[k][3] = T::pack(c[2 * k + 1][2], c[2 * k + 1][3]);
+    }
+}
+
+// c (16 x 8 NT) += a (16 x D, A fragments from `a_tile` rows [row, row + 16)) times
+// b_tile^T (b_tile's first 8 NT rows, D numbers each).
+template <class T, int D, int NT>
+__device__ __forceinline__ void add_product_transposed(float c[NT][4],
+                                                       const unsigned short* a_tile, int row,
+                                                       const unsigned short* b_tile, int lane) {
+    #pragma unroll
+    for (int k = 0; k < D / 16; ++k) {
+        unsigned a[4];
+        load_rows_fragment<D>(a, a_tile, row, k, lane);
+        #pragma unroll
+        for (int j = 0; j < NT; j += 2) {
+            unsigned b[4];
+            load_transposed_operand<D>(b, b_tile, j, k, lane);
+            mma_16816<T>(c[j], a, b[0], b[1]);
+            mma_16816<T>(c[j + 1], a, b[2], b[3]);
+        }
+    }
+}
+
+// c (16 x D) += the rounded fragments (16 x 16 KS) times b_tile's first 16 KS rows.
+template <class T, int D, int KS>
+__device__ __forceinline__ void add_product(float c[D / 8][4], const unsigned frag[KS][4],
+                                            const unsigned short* b_tile, int lane) {
+    #pragma unroll
+    for (int k = 0; k < KS; ++k) {
+        #pragma unroll
+        for (int j = 0; j < D / 8; j += 2) {
+            unsigned b[4];
+            load_operand<D>(b, b_tile, j, k, lane);
+            mma_16816<T>(c[j], frag[k], b[0], b[1]);
+            mma_16816<T>(c[j + 1], frag[k], b[2], b[3]);
+        }
+    }
 }
 
 // Copies rows [first, first + ROWS) of a row-major (n_rows x D) matrix into a
@@ -197,7 +303,7 @@ __device__ void flash_forward(const unsigned short* query, const unsigned short*
     unsigned q_frag[KSTEPS][4];
     #pragma unroll
     for (int k = 0; k < KSTEPS; ++k)
-        load_matrix_x4(q_frag[k], q_tile + swizzled<D>(warp * 16 + (lane & 15), 2 * k + (lane >> 4)));
+        load_rows_fragment<D>(q_frag[k], q_tile, warp * 16, k, lane);
     // Every warp holds its fragments before the first key tile overwrites Q's.
     __syncthreads();
     copy_tile<D, BC, THREADS>(k_tile, key, 0, n_key);
@@ -225,8 +331,7 @@ __device__ void flash_forward(const unsigned short* query, const unsigned short*
             #pragma unroll
             for (int j = 0; j < NTILES; j += 2) {
                 unsigned b[4];
-                load_matrix_x4(b, k_tile + swizzled<D>(8 * j + (lane & 7) + ((lane >> 4) << 3),
-                                                       2 * k + ((lane >> 3) & 1)));
+                load_transposed_operand<D>(b, k_tile, j, k, lane);
                 mma_16816<T>(s[j], q_frag[k], b[0], b[1]);
                 mma_16816<T>(s[j + 1], q_frag[k], b[2], b[3]);
             }
@@ -284,13 +389,7 @@ __device__ void flash_forward(const unsigned short* query, const unsigned short*
 
         // The weights, rounded to the operands' format: the A fragments of P V.
         unsigned p_frag[BC / 16][4];
-        #pragma unroll
-        for (int k = 0; k < BC / 16; ++k) {
-            p_frag[k][0] = T::pack(s[2 * k][0], s[2 * k][1]);
-            p_frag[k][1] = T::pack(s[2 * k][2], s[2 * k][3]);
-            p_frag[k][2] = T::pack(s[2 * k + 1][0], s[2 * k + 1][1]);
-            p_frag[k][3] = T::pack(s[2 * k + 1][2], s[2 * k + 1][3]);
-        }
+        round_to_fragments<T, NTILES>(p_frag, s);
 
         // The value tile has landed; every warp is done with the key tile. Only a tile
         // with a masked position can pair a weight of 0 with inf or NaN: elsewhere every
@@ -308,18 +407,7 @@ __device__ void flash_forward(const unsigned short* query, const unsigned short*
         commit_copies();
 
         if (!careful) {
-            #pragma unroll
-            for (int k = 0; k < BC / 16; ++k) {
-                #pragma unroll
-                for (int j = 0; j < OTILES; j += 2) {
-                    unsigned b[4];
-                    load_matrix_x4_transposed(
-                        b, v_tile + swizzled<D>(16 * k + (lane & 7) + (((lane >> 3) & 1) << 3),
-                                                j + (lane >> 4)));
-                    mma_16816<T>(acc[j], p_frag[k], b[0], b[1]);
-                    mma_16816<T>(acc[j + 1], p_frag[k], b[2], b[3]);
-                }
-            }
+            add_product<T, D, BC / 16>(acc, p_frag, v_tile, lane);
         } else {
             // The rounded weights through shared memory (each warp its 16 rows),
             // then every output entry of this thread summed over the keys whose
@@ -375,6 +463,261 @@ __device__ void flash_forward(const unsigned short* query, const unsigned short*
     }
 }
 
+// FlashAttention-2's backward (Dao 2023, Algorithm 2), in two kernels that never add
+// into the same number, so that every run gives the same bits: this one computes
+// dQ over the key tiles (and D_i = dO_i . O_i, which the other reads), the next dK
+// and dV over the query tiles. Each recomputes the scores it needs from the saved
+// log-sum-exp, P = exp(s S + M - lse). P and dS = P (dP - D) are rounded to the
+// operands' format before their products, as FlashAttention-2 does; every sum is
+// float32, and so are the gradients written (the caller rounds them once, after
+// summing broadcast heads). The operands must be finite (the caller checks): a 0 in
+// P or dS times an inf in a tile is NaN on the tensor cores.
+//
+// One block of WARPS warps takes 16 x WARPS query rows; each warp, its 16 rows
+// against tiles of BC keys. The block's Q and dO rows stay in shared memory, whole,
+// for the key loop; K and V tiles arrive by asynchronous copies, the next V tile
+// while dS and dQ's product are computed, the next K tile while the next scores wait.
+template <class T, int D, int WARPS, int BC>
+__device__ void flash_backward_query(const unsigned short* query, const unsigned short* key,
+                                     const unsigned short* value, const unsigned short* out,
+                                     const unsigned short* grad_out, const float* log_sum_exp,
+                                     const float* bias, int has_bias, int n_query, int n_key,
+                                     int is_causal, float scale, int row_tile, float* grad_query,
+                                     float* delta) {
+    constexpr int NTILES = BC / 8, OTILES = D / 8;
+    constexpr int THREADS = 32 * WARPS, BR = 16 * WARPS;
+    __shared__ __align__(128) unsigned short q_tile[BR * D];
+    __shared__ __align__(128) unsigned short g_tile[BR * D];
+    __shared__ __align__(128) unsigned short k_tile[BC * D];
+    __shared__ __align__(128) unsigned short v_tile[BC * D];
+
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int first_row = row_tile * BR;
+    const int warp_row = first_row + warp * 16;
+    const int row0 = warp_row + (lane >> 2), row1 = row0 + 8;
+    const int pair = 2 * (lane & 3);
+    const float scale_log2 = scale * LOG2E;
+    const int key_end = is_causal ? min(n_key, first_row + BR) : n_key;
+    const int n_tiles = (key_end + BC - 1) / BC;
+
+    copy_tile<D, BR, THREADS>(q_tile, query, first_row, n_query);
+    copy_tile<D, BR, THREADS>(g_tile, grad_out, first_row, n_query);
+    copy_tile<D, BC, THREADS>(k_tile, key, 0, n_key);
+    copy_tile<D, BC, THREADS>(v_tile, value, 0, n_key);
+    commit_copies();
+
+    // D_i and the log-sum-exp in base 2 of this thread's two rows; a row past the
+    // queries, or one that sees no key (lse = -inf), gets P = 0.
+    float row_delta[2], row_lse[2];
+    #pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = r == 0 ? row0 : row1;
+        float sum = 0.f;
+        if (row < n_query) {
+            const unsigned short* o = out + (long long)row * D;
+            const unsigned short* g = grad_out + (long long)row * D;
+            #pragma unroll
+            for (int j = 0; j < OTILES; ++j) {
+                const int f = 8 * j + pair;
+                sum += T::to_float(o[f]) * T::to_float(g[f]) +
+                       T::to_float(o[f + 1]) * T::to_float(g[f + 1]);
+            }
+        }
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        row_delta[r] = sum;
+        row_lse[r] = row < n_query ? log_sum_exp[row] * LOG2E : NEG_INF;
+        if (row < n_query && (lane & 3) == 0) delta[row] = sum;
+    }
+
+    float acc[OTILES][4];
+    #pragma unroll
+    for (int j = 0; j < OTILES; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+
+    for (int tile = 0; tile < n_tiles; ++tile) {
+        const int start = tile * BC;
+        // This tile's keys and values have landed (the first time, Q and dO too).
+        wait_copies();
+        __syncthreads();
+
+        float s[NTILES][4], dp[NTILES][4];
+        #pragma unroll
+        for (int j = 0; j < NTILES; ++j)
+            #pragma unroll
+            for (int e = 0; e < 4; ++e) s[j][e] = dp[j][e] = 0.f;
+        add_product_transposed<T, D, NTILES>(s, q_tile, warp * 16, k_tile, lane);
+        add_product_transposed<T, D, NTILES>(dp, g_tile, warp * 16, v_tile, lane);
+
+        // Every warp is done with the values: the next tile's are copied meanwhile.
+        __syncthreads();
+        if (tile + 1 < n_tiles) copy_tile<D, BC, THREADS>(v_tile, value, start + BC, n_key);
+        commit_copies();
+
+        // dS = P (dP - D), in s.
+        const bool edge = has_bias || start + BC > n_key || (is_causal && start + BC - 1 > warp_row);
+        #pragma unroll
+        for (int j = 0; j < NTILES; ++j) {
+            #pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int r = e >> 1;
+                const int row = r == 0 ? row0 : row1;
+                const int col = start + 8 * j + pair + (e & 1);
+                float x = s[j][e] * scale_log2;
+                if (edge) {
+                    if (col >= n_key || (is_causal && col > row)) {
+                        x = NEG_INF;
+                    } else if (has_bias && row < n_query) {
+                        const float b = bias[(long long)row * n_key + col];
+                        x = b == NEG_INF ? NEG_INF : x + b * LOG2E;
+                    }
+                }
+                const float p = row_lse[r] == NEG_INF ? 0.f : exp2f(x - row_lse[r]);
+                s[j][e] = p == 0.f ? 0.f : p * (dp[j][e] - row_delta[r]);
+            }
+        }
+
+        // dQ += dS K, dS rounded to the operands' format.
+        unsigned ds_frag[BC / 16][4];
+        round_to_fragments<T, NTILES>(ds_frag, s);
+        add_product<T, D, BC / 16>(acc, ds_frag, k_tile, lane);
+
+        // Every warp is done with the keys.
+        __syncthreads();
+        if (tile + 1 < n_tiles) copy_tile<D, BC, THREADS>(k_tile, key, start + BC, n_key);
+        commit_copies();
+    }
+
+    #pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = r == 0 ? row0 : row1;
+        if (row >= n_query) continue;
+        float* grad_row = grad_query + (long long)row * D;
+        #pragma unroll
+        for (int j = 0; j < OTILES; ++j) {
+            grad_row[8 * j + pair] = scale * acc[j][2 * r];
+            grad_row[8 * j + pair + 1] = scale * acc[j][2 * r + 1];
+        }
+    }
+}
+
+// The backward's second kernel: dK and dV of 16 x WARPS keys a block, each warp 16
+// keys against tiles of BQ queries, S^T = K Q^T and dP^T = V dO^T computed with the
+// keys as rows, so that P^T and dS^T are the A operands of dV += P^T dO and
+// dK += dS^T Q. The block's K and V rows stay in shared memory; Q and dO tiles
+// arrive by asynchronous copies. Under a causal mask, query tiles wholly before the
+// block's first key are never read. Reads the D_i the first kernel wrote.
+template <class T, int D, int WARPS, int BQ>
+__device__ void flash_backward_key(const unsigned short* query, const unsigned short* key,
+                                   const unsigned short* value, const unsigned short* grad_out,
+                                   const float* log_sum_exp, const float* delta,
+                                   const float* bias, int has_bias, int n_query, int n_key,
+                                   int is_causal, float scale, int key_tile, float* grad_key,
+                                   float* grad_value) {
+    constexpr int NTILES = BQ / 8, OTILES = D / 8;
+    constexpr int THREADS = 32 * WARPS, BK = 16 * WARPS;
+    __shared__ __align__(128) unsigned short k_tile[BK * D];
+    __shared__ __align__(128) unsigned short v_tile[BK * D];
+    __shared__ __align__(128) unsigned short q_tile[BQ * D];
+    __shared__ __align__(128) unsigned short g_tile[BQ * D];
+
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int first_key = key_tile * BK;
+    const int warp_key = first_key + warp * 16;
+    const int key0 = warp_key + (lane >> 2), key1 = key0 + 8;
+    const int pair = 2 * (lane & 3);
+    const float scale_log2 = scale * LOG2E;
+    // Under a causal mask query i sees keys j <= i: tiles before the first key see none.
+    const int first_tile = is_causal ? first_key / BQ : 0;
+    const int n_tiles = (n_query + BQ - 1) / BQ;
+
+    copy_tile<D, BK, THREADS>(k_tile, key, first_key, n_key);
+    copy_tile<D, BK, THREADS>(v_tile, value, first_key, n_key);
+    copy_tile<D, BQ, THREADS>(q_tile, query, first_tile * BQ, n_query);
+    copy_tile<D, BQ, THREADS>(g_tile, grad_out, first_tile * BQ, n_query);
+    commit_copies();
+
+    float acc_k[OTILES][4], acc_v[OTILES][4];
+    #pragma unroll
+    for (int j = 0; j < OTILES; ++j)
+        #pragma unroll
+        for (int e = 0; e < 4; ++e) acc_k[j][e] = acc_v[j][e] = 0.f;
+
+    for (int tile = first_tile; tile < n_tiles; ++tile) {
+        const int start = tile * BQ;
+        wait_copies();
+        __syncthreads();
+
+        float s[NTILES][4], dp[NTILES][4];
+        #pragma unroll
+        for (int j = 0; j < NTILES; ++j)
+            #pragma unroll
+            for (int e = 0; e < 4; ++e) s[j][e] = dp[j][e] = 0.f;
+        add_product_transposed<T, D, NTILES>(s, k_tile, warp * 16, q_tile, lane);
+        add_product_transposed<T, D, NTILES>(dp, v_tile, warp * 16, g_tile, lane);
+
+        // P^T in s and dS^T in dp; this thread's columns are queries
+        // start + 8 j + pair (+ 1), its rows keys key0 and key1.
+        const bool edge = has_bias || start + BQ > n_query || (is_causal && warp_key + 15 > start);
+        #pragma unroll
+        for (int j = 0; j < NTILES; ++j) {
+            #pragma unroll
+            for (int c = 0; c < 2; ++c) {
+                const int col = start + 8 * j + pair + c;
+                const bool query_valid = col < n_query;
+                const float col_lse = query_valid ? log_sum_exp[col] * LOG2E : NEG_INF;
+                const float col_delta = query_valid ? delta[col] : 0.f;
+                #pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    const int e = 2 * r + c;
+                    const int row = r == 0 ? key0 : key1;
+                    float x = s[j][e] * scale_log2;
+                    if (edge) {
+                        if (is_causal && row > col) {
+                            x = NEG_INF;
+                        } else if (has_bias && query_valid && row < n_key) {
+                            const float b = bias[(long long)col * n_key + row];
+                            x = b == NEG_INF ? NEG_INF : x + b * LOG2E;
+                        }
+                    }
+                    const float p = col_lse == NEG_INF ? 0.f : exp2f(x - col_lse);
+                    s[j][e] = p;
+                    dp[j][e] = p == 0.f ? 0.f : p * (dp[j][e] - col_delta);
+                }
+            }
+        }
+
+        // dV += P^T dO and dK += dS^T Q, P and dS rounded to the operands' format.
+        unsigned frag[BQ / 16][4];
+        round_to_fragments<T, NTILES>(frag, s);
+        add_product<T, D, BQ / 16>(acc_v, frag, g_tile, lane);
+        round_to_fragments<T, NTILES>(frag, dp);
+        add_product<T, D, BQ / 16>(acc_k, frag, q_tile, lane);
+
+        // Every warp is done with this tile's queries.
+        __syncthreads();
+        if (tile + 1 < n_tiles) {
+            copy_tile<D, BQ, THREADS>(q_tile, query, start + BQ, n_query);
+            copy_tile<D, BQ, THREADS>(g_tile, grad_out, start + BQ, n_query);
+        }
+        commit_copies();
+    }
+
+    #pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = r == 0 ? key0 : key1;
+        if (row >= n_key) continue;
+        float* grad_k = grad_key + (long long)row * D;
+        float* grad_v = grad_value + (long long)row * D;
+        #pragma unroll
+        for (int j = 0; j < OTILES; ++j) {
+            grad_k[8 * j + pair] = scale * acc_k[j][2 * r];
+            grad_k[8 * j + pair + 1] = scale * acc_k[j][2 * r + 1];
+            grad_v[8 * j + pair] = acc_v[j][2 * r];
+            grad_v[8 * j + pair + 1] = acc_v[j][2 * r + 1];
+        }
+    }
+}
+
 }  // namespace
 
 // The entry points, one per format, head size and warps per block: Numba calls them
@@ -407,8 +750,34 @@ __device__ void flash_forward(const unsigned short* query, const unsigned short*
                                     (long long)bias, has_bias, n_query, n_key, is_causal,    \
                                     scale, blockIdx.x, (long long)out, (long long)lse);      \
     }
+#define TFMATH_CHECK_BACKWARD_KERNELS(NAME, WARPS)                                           \
+    extern "C" __global__ void __launch_bounds__(32 * WARPS)                                 \
+        tfmath_flash_backward_query_##NAME##_kernel(                                         \
+            const unsigned short* q, const unsigned short* k, const unsigned short* v,      \
+            const unsigned short* o, const unsigned short* g, const float* lse,             \
+            const float* bias, int has_bias, int n_query, int n_key, int is_causal,         \
+            float scale, float* grad_q, float* delta) {                                      \
+        tfmath_flash_backward_query_##NAME((long long)q, (long long)k, (long long)v,        \
+                                           (long long)o, (long long)g, (long long)lse,      \
+                                           (long long)bias, has_bias, n_query, n_key,       \
+                                           is_causal, scale, blockIdx.x, (long long)grad_q, \
+                                           (long long)delta);                                \
+    }                                                                                        \
+    extern "C" __global__ void __launch_bounds__(32 * WARPS)                                 \
+        tfmath_flash_backward_key_##NAME##_kernel(                                           \
+            const unsigned short* q, const unsigned short* k, const unsigned short* v,      \
+            const unsigned short* g, const float* lse, const float* delta,                  \
+            const float* bias, int has_bias, int n_query, int n_key, int is_causal,         \
+            float scale, float* grad_k, float* grad_v) {                                     \
+        tfmath_flash_backward_key_##NAME((long long)q, (long long)k, (long long)v,          \
+                                         (long long)g, (long long)lse, (long long)delta,    \
+                                         (long long)bias, has_bias, n_query, n_key,         \
+                                         is_causal, scale, blockIdx.x, (long long)grad_k,   \
+                                         (long long)grad_v);                                 \
+    }
 #else
 #define TFMATH_CHECK_KERNEL(NAME, WARPS)
+#define TFMATH_CHECK_BACKWARD_KERNELS(NAME, WARPS)
 #endif
 
 TFMATH_FLASH_FORWARD(F16, f16, 64, 4)
@@ -419,3 +788,43 @@ TFMATH_FLASH_FORWARD(BF16, bf16, 64, 4)
 TFMATH_FLASH_FORWARD(BF16, bf16, 64, 8)
 TFMATH_FLASH_FORWARD(BF16, bf16, 128, 4)
 TFMATH_FLASH_FORWARD(BF16, bf16, 128, 8)
+
+// The backward's two entry points of one format and head size: WARPS warps a block,
+// TILE keys a tile of the dQ kernel's loop and queries a tile of the dK, dV kernel's.
+// Operands as the forward's; D_i (delta) float32, one number a query row.
+#define TFMATH_FLASH_BACKWARD(T, SUFFIX, D, WARPS, TILE)                                     \
+    extern "C" __device__ void tfmath_flash_backward_query_##SUFFIX##_##D##_w##WARPS(        \
+        long long query, long long key, long long value, long long out, long long grad_out, \
+        long long log_sum_exp, long long bias, int has_bias, int n_query, int n_key,        \
+        int is_causal, float scale, int row_tile, long long grad_query, long long delta) {  \
+        using Bits = const unsigned short*;                                                  \
+        flash_backward_query<T, D, WARPS, TILE>(                                             \
+            reinterpret_cast<Bits>(query), reinterpret_cast<Bits>(key),                      \
+            reinterpret_cast<Bits>(value), reinterpret_cast<Bits>(out),                      \
+            reinterpret_cast<Bits>(grad_out), reinterpret_cast<const float*>(log_sum_exp),   \
+            reinterpret_cast<const float*>(bias), has_bias, n_query, n_key, is_causal,       \
+            scale, row_tile, reinterpret_cast<float*>(grad_query),                           \
+            reinterpret_cast<float*>(delta));                                                \
+    }                                                                                        \
+    extern "C" __device__ void tfmath_flash_backward_key_##SUFFIX##_##D##_w##WARPS(          \
+        long long query, long long key, long long value, long long grad_out,                \
+        long long log_sum_exp, long long delta, long long bias, int has_bias, int n_query,  \
+        int n_key, int is_causal, float scale, int key_tile, long long grad_key,            \
+        long long grad_value) {                                                              \
+        using Bits = const unsigned short*;                                                  \
+        flash_backward_key<T, D, WARPS, TILE>(                                               \
+            reinterpret_cast<Bits>(query), reinterpret_cast<Bits>(key),                      \
+            reinterpret_cast<Bits>(value), reinterpret_cast<Bits>(grad_out),                 \
+            reinterpret_cast<const float*>(log_sum_exp),                                     \
+            reinterpret_cast<const float*>(delta), reinterpret_cast<const float*>(bias),     \
+            has_bias, n_query, n_key, is_causal, scale, key_tile,                            \
+            reinterpret_cast<float*>(grad_key), reinterpret_cast<float*>(grad_value));       \
+    }                                                                                        \
+    TFMATH_CHECK_BACKWARD_KERNELS(SUFFIX##_##D##_w##WARPS, WARPS)
+
+// Tiles of 64 at D = 64; at D = 128, 32, so that the four tiles fit the 48 KiB of
+// static shared memory (and the accumulators the registers).
+TFMATH_FLASH_BACKWARD(F16, f16, 64, 4, 64)
+TFMATH_FLASH_BACKWARD(F16, f16, 128, 4, 32)
+TFMATH_FLASH_BACKWARD(BF16, bf16, 64, 4, 64)
+TFMATH_FLASH_BACKWARD(BF16, bf16, 128, 4, 32)

@@ -1,4 +1,5 @@
-r"""FlashAttention-2's forward on the tensor cores, for float16 and bfloat16 (opt-in).
+r"""FlashAttention-2 on the tensor cores, for float16 and bfloat16: the forward, and the
+backward (opt-in until a GPU has checked it).
 
 The kernel is CUDA C++, ``tensor_core.cu`` (its comment gives the design:
 ``mma.sync.m16n8k16`` products with ``ldmatrix`` loads, scores and output held
@@ -13,9 +14,18 @@ general path (validated problems, Numba device arrays or host arrays);
 their addresses and torch's stream.
 
 Heads of 64 or 128 features, with values as wide as keys, take this path;
-others, and every backward pass, use the float32 kernels of
-:mod:`.flash_attention` on operands widened on the device. The output comes back in the
-operands' format, rounded on the device; the log-sum-exp in float32.
+others use the float32 kernels of :mod:`.flash_attention` on operands widened on
+the device. The output comes back in the operands' format, rounded on the device;
+the log-sum-exp in float32.
+
+The backward (:func:`attention_grad`) is FlashAttention-2's in two kernels of the
+same ``.cu``, dQ over key tiles, then dK and dV over query tiles, so that no two
+blocks add into one number (the same bits every run, as on the CPU). Its gradients
+are float32, per broadcast batch entry, for the caller to sum and round. It runs
+where :func:`serves_backward` says: ``TFMATH_CUDA_TENSOR_CORE_BACKWARD=1`` on a GPU
+that runs the forward, until a GPU run of ``tools/gpu/check.sh`` has checked it
+against the float64 reference; it was checked, with the forward, on the host by
+:mod:`tfmath.tools.warp_emulator` (tests/test_tensor_core_emulated.py).
 
 The Numba simulator cannot run CUDA C++, so only a GPU runs this kernel; there it
 serves every problem :func:`supports` unless ``TFMATH_CUDA_TENSOR_CORES=0`` (see
@@ -63,6 +73,16 @@ class BlockShape(NamedTuple):
 BLOCK_SHAPES = {64: BlockShape(8, 128), 128: BlockShape(4, 168)}
 
 
+#: Warps per block of the backward's two kernels, by head size (each warp takes 16
+#: rows: queries in the dQ kernel, keys in the dK, dV kernel).
+BACKWARD_WARPS = {64: 4, 128: 4}
+#: Rows of the tiles the backward's kernels loop over (keys for dQ, queries for dK and
+#: dV), by head size, as ``tensor_core.cu`` instantiates them: at d = 128, four tiles
+#: of 64 and 32 rows fill the 48 KiB of static shared memory. ptxas gives both kernels
+#: no spills (``python -m tfmath.tools.ptx``).
+BACKWARD_TILE = {64: 64, 128: 32}
+
+
 #: The oldest GPU with every instruction the kernel uses (cp.async, ldmatrix, mma.sync
 #: m16n8k16 with bfloat16): Ampere.
 MIN_COMPUTE_CAPABILITY = (8, 0)
@@ -93,6 +113,17 @@ def serves(format_name, head_dim):
         and _cuda_switches.cuda_tensor_cores()
         and _cuda.status().real_gpu
         and runs_here()
+    )
+
+
+def serves_backward(problem):
+    """Whether the tensor-core backward takes ``problem`` here: the forward's conditions,
+    and ``TFMATH_CUDA_TENSOR_CORE_BACKWARD=1`` (see
+    :func:`tfmath._cuda_switches.cuda_tensor_core_backward`)."""
+    return (
+        supports(problem)
+        and _cuda_switches.cuda_tensor_core_backward()
+        and serves(problem.dtype.name, problem.n_features)
     )
 
 
@@ -161,8 +192,119 @@ def forward_function(format_name, head_dim, warps):
 
 @functools.cache
 def _forward_kernel(format_name, head_dim, warps, max_registers=None):
-    options = {} if max_registers is None else {"max_registers": max_registers}
+    # The simulator has no registers to cap (and its jit no such option).
+    capped = max_registers is not None and not _cuda.simulator_requested()
+    options = {"max_registers": max_registers} if capped else {}
     return cuda.jit(**options)(forward_function(format_name, head_dim, warps))
+
+
+def backward_entry_names(format_name, head_dim):
+    """The C++ entry points of the backward's dQ kernel and its dK, dV kernel."""
+    suffix = f"{FORMATS[format_name]}_{head_dim}_w{BACKWARD_WARPS[head_dim]}"
+    return f"tfmath_flash_backward_query_{suffix}", f"tfmath_flash_backward_key_{suffix}"
+
+
+@functools.cache
+def _backward_entries(format_name, head_dim):
+    """The backward's two C++ functions, declared for Numba as :func:`_entry` declares
+    the forward's."""
+    types = _cuda.numba_types()
+    i64, i32, f32 = types.int64, types.int32, types.float32
+    signature = types.void(
+        i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, f32, i32, i64, i64
+    )
+    return tuple(
+        cuda.declare_device(name, signature, link=[str(SOURCE)], abi="c")
+        for name in backward_entry_names(format_name, head_dim)
+    )
+
+
+def backward_functions(format_name, head_dim):
+    """The backward's two kernels as Python functions (dQ and D, then dK and dV), for
+    :func:`_backward_kernels` and PTX checks.
+
+    Operands as :func:`forward_function`'s, plus the forward's output ``(n_batch, L,
+    d)`` in the operands' format and its float32 log-sum-exp ``(n_batch, L)``, the
+    output's gradient in the operands' format and ``delta``, float32 ``(n_batch, L)``,
+    which the first kernel writes and the second reads. The gradients are float32,
+    ``(n_batch, L, d)`` and ``(n_batch, S, d)``, one per output batch entry. The first
+    kernel's block ``x`` takes query-row tile ``n_tiles - 1 - x // n_batch``, the
+    second's key tile ``x // n_batch``: under a causal mask, the blocks with the most
+    work start first.
+    """
+    query_entry, key_entry = _backward_entries(format_name, head_dim)
+    types = _cuda.numba_types()
+    i32, i64 = types.int32, types.int64
+    block_rows = 16 * BACKWARD_WARPS[head_dim]
+    row_bytes = 2 * head_dim
+
+    def query_kernel(
+        query, key, value, out, grad_out, lse, bias, index, n_query, n_key, is_causal, scale,
+        grad_query, delta,
+    ):  # fmt: skip
+        n_batch = index.shape[0]
+        n_tiles = (n_query + block_rows - 1) // block_rows
+        b = cuda.blockIdx.x % n_batch
+        query_bytes, key_bytes = i64(n_query * row_bytes), i64(n_key * row_bytes)
+        query_entry(
+            query + index[b, 0] * query_bytes,
+            key + index[b, 1] * key_bytes,
+            value + index[b, 2] * key_bytes,
+            out + b * query_bytes,
+            grad_out + b * query_bytes,
+            lse + b * i64(4 * n_query),
+            bias + index[b, 3] * i64(4 * n_query * n_key) if bias != 0 else i64(0),
+            i32(1) if bias != 0 else i32(0),
+            i32(n_query),
+            i32(n_key),
+            i32(1) if is_causal else i32(0),
+            scale,
+            i32(n_tiles - 1 - cuda.blockIdx.x // n_batch),
+            grad_query + b * i64(2 * query_bytes),
+            delta + b * i64(4 * n_query),
+        )
+
+    def key_kernel(
+        query, key, value, grad_out, lse, delta, bias, index, n_query, n_key, is_causal, scale,
+        grad_key, grad_value,
+    ):  # fmt: skip
+        n_batch = index.shape[0]
+        b = cuda.blockIdx.x % n_batch
+        query_bytes, key_bytes = i64(n_query * row_bytes), i64(n_key * row_bytes)
+        key_entry(
+            query + index[b, 0] * query_bytes,
+            key + index[b, 1] * key_bytes,
+            value + index[b, 2] * key_bytes,
+            grad_out + b * query_bytes,
+            lse + b * i64(4 * n_query),
+            delta + b * i64(4 * n_query),
+            bias + index[b, 3] * i64(4 * n_query * n_key) if bias != 0 else i64(0),
+            i32(1) if bias != 0 else i32(0),
+            i32(n_query),
+            i32(n_key),
+            i32(1) if is_causal else i32(0),
+            scale,
+            i32(cuda.blockIdx.x // n_batch),
+            grad_key + b * i64(2 * key_bytes),
+            grad_value + b * i64(2 * key_bytes),
+        )
+
+    return query_kernel, key_kernel
+
+
+@functools.cache
+def _backward_kernels(format_name, head_dim):
+    return tuple(cuda.jit(f) for f in backward_functions(format_name, head_dim))
+
+
+def backward_signature():
+    """The Numba signature of both backward kernels (for compiling them ahead, to PTX)."""
+    types = _cuda.numba_types()
+    i64 = types.int64
+    return types.void(
+        i64, i64, i64, i64, i64, i64, i64, types.Array(types.int64, 2, "C"), i64, i64,
+        types.boolean, types.float32, i64, i64,
+    )  # fmt: skip
 
 
 def forward_signature():
@@ -209,10 +351,7 @@ def launch(problem, warps=None, max_registers=None):
     ``warps`` per block, the head size's :data:`BLOCK_SHAPES` gives them and the register
     cap (``max_registers``, else none). The caller keeps the arrays alive until the
     kernel has run."""
-    query, key, value, mask, index = problem.kernel_operands()
-    mask = dense_additive_mask(mask, problem.n_query, problem.n_key, np.float32)
-    # One flat row of biases per mask batch entry: the kernel points into it.
-    mask = None if mask is None else _cuda.to_device(_cuda.to_host(mask).reshape(-1))
+    query, key, value, mask, index = _problem_bias(problem)
     n_batch, head_dim = index.shape[0], problem.n_features
     if warps is None:
         warps, max_registers = BLOCK_SHAPES[head_dim]
@@ -236,6 +375,15 @@ def _on_device(array):
     if _cuda.is_device_array(array):
         return array
     return _cuda.to_device(np.ascontiguousarray(array).view(np.uint16))
+
+
+def _problem_bias(problem):
+    """The kernel operands of ``problem`` with its mask as one flat float32 row of biases
+    per mask batch entry on the device (None without a mask)."""
+    query, key, value, mask, index = problem.kernel_operands()
+    mask = dense_additive_mask(mask, problem.n_query, problem.n_key, np.float32)
+    mask = None if mask is None else _cuda.to_device(_cuda.to_host(mask).reshape(-1))
+    return query, key, value, mask, index
 
 
 def flash_attention(problem):
@@ -272,3 +420,94 @@ def plain_forward(format_name, shape, key_rows, addresses, is_causal, scale, str
         query, key, value, 0, _identity_index(n_batch), n_query, key_rows, is_causal,
         np.float32(scale), out, 0,
     )  # fmt: skip
+
+
+def finite(array, dtype):
+    """Whether every number of a ``dtype`` (float16 or bfloat16) array is finite, on the
+    host or the device (a device array holds float16, or the format's 16-bit patterns as
+    uint16): the backward's condition (a 0 of P or dS times inf is NaN on the tensor
+    cores)."""
+    if not _cuda.is_device_array(array):
+        return bool(np.isfinite(np.asarray(array, np.float32)).all())
+    array = _cuda.as_device_array(array)
+    exponent = 0x7C00 if np.dtype(dtype) == np.dtype(np.float16) else 0x7F80
+    if not array.is_c_contiguous():
+        words = _cuda.to_host(array).view(np.uint16)
+        return not np.any((words & exponent) == exponent)
+    words = array.reshape(array.size).view(np.uint16)
+    found = _cuda.to_device(np.zeros(1, np.int32))
+    if array.size:
+        _non_finite_kernel()[_cuda.launch_shape(array.size)](words, exponent, found)
+    return int(found.copy_to_host()[0]) == 0
+
+
+@functools.cache
+def _non_finite_kernel():
+    """Sets ``found[0]`` where a 16-bit pattern is inf or NaN: its exponent bits
+    (``exponent``) all ones."""
+
+    @cuda.jit
+    def scan(words, exponent, found):
+        i = cuda.grid(1)
+        if i < words.size and (words[i] & exponent) == exponent:
+            found[0] = 1
+
+    return scan
+
+
+def attention_grad(problem, grad_output, saved=None):
+    """The gradients of a validated half-precision ``problem`` that
+    :func:`serves_backward` accepts, on the tensor cores: the forward here too unless
+    ``saved`` holds its ``(output, log_sum_exp)``; float32 gradients per broadcast batch
+    entry (the caller sums and rounds them), on the device for device operands. Every
+    operand, ``grad_output`` and the saved output must be finite (:func:`finite`)."""
+    dtype, head_dim = problem.dtype, problem.n_features
+    query, key, value, mask, index = _problem_bias(problem)
+    n_batch, n_query, n_key = index.shape[0], problem.n_query, problem.n_key
+    if saved is None:
+        kernel, shape, arguments, arrays = launch(problem)
+        kernel[shape](*arguments)
+        out, log_sum_exp = arrays[-2:]
+    else:
+        out = _on_device(_in_format(saved[0], dtype))
+        log_sum_exp = saved[1]
+        if not _cuda.is_device_array(log_sum_exp):
+            log_sum_exp = _cuda.to_device(np.ascontiguousarray(log_sum_exp, np.float32))
+    grad_out = _on_device(_in_format(grad_output, dtype))
+    query, key, value = (_on_device(array) for array in (query, key, value))
+    grad_query = _cuda.device_empty((n_batch, n_query, head_dim), np.float32)
+    delta = _cuda.device_empty((n_batch, n_query), np.float32)
+    grad_key = _cuda.device_empty((n_batch, n_key, head_dim), np.float32)
+    grad_value = _cuda.device_empty((n_batch, n_key, head_dim), np.float32)
+    index = _device_index(np.ascontiguousarray(index, np.int64).tobytes(), n_batch)
+    query_kernel, key_kernel = _backward_kernels(dtype.name, head_dim)
+    threads = 32 * BACKWARD_WARPS[head_dim]
+    block_rows = 16 * BACKWARD_WARPS[head_dim]
+    bias = 0 if mask is None else address(mask)
+    common = (index, n_query, n_key, bool(problem.is_causal), np.float32(problem.scale))
+    query_kernel[n_batch * math.ceil(n_query / block_rows), threads](
+        address(query), address(key), address(value), address(out), address(grad_out),
+        address(log_sum_exp), bias, *common, address(grad_query), address(delta),
+    )  # fmt: skip
+    key_kernel[n_batch * math.ceil(n_key / block_rows), threads](
+        address(query), address(key), address(value), address(grad_out),
+        address(log_sum_exp), address(delta), bias, *common, address(grad_key),
+        address(grad_value),
+    )  # fmt: skip
+    batch = problem.batch_shape
+    grads = (
+        grad_query.reshape((*batch, n_query, head_dim)),
+        grad_key.reshape((*batch, n_key, head_dim)),
+        grad_value.reshape((*batch, n_key, head_dim)),
+    )
+    return grads if problem.on_device else tuple(g.copy_to_host() for g in grads)
+
+
+def _in_format(array, dtype):
+    """``array`` in the operands' 16-bit ``dtype``: a host array converted (contiguous),
+    a device array as it is (of ``dtype``, or its patterns as uint16)."""
+    if _cuda.is_device_array(array):
+        if np.dtype(array.dtype) not in (np.dtype(dtype), np.dtype(np.uint16)):
+            raise TypeError(f"expected a {dtype} device array, got {array.dtype}")
+        return array
+    return np.ascontiguousarray(array, dtype)
