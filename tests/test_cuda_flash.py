@@ -405,6 +405,45 @@ def test_half_precision_forward_multiplies_on_the_tensor_cores(ptx_files, cc):
                 assert entry in kernel and entry in linked
 
 
+_LINKED_ENTRIES = """
+import json, re
+from tfmath.kernels.cuda import tensor_core
+from tfmath import _cuda
+found = {}
+for kind in ("FORWARD", "BACKWARD"):
+    for format_name in tensor_core.FORMATS:
+        for head_dim in tensor_core.HEAD_DIMS:
+            source = tensor_core.linked_source(kind, format_name, head_dim)
+            ptx = _cuda.nvrtc_ptx(source._data, source.name, (8, 0))
+            names = re.findall(r"\\.visible \\.func\\s+(?:\\([^)]*\\)\\s*)?(tfmath_\\w+)", ptx)
+            found[f"{kind} {format_name} {head_dim}"] = sorted(set(names))
+print(json.dumps(found))
+"""
+
+
+def test_each_kernel_links_only_its_entry_points():
+    """Each Numba kernel links ``tensor_core.cu`` with its own entry points only (the
+    whole file took NVRTC and ptxas about eight times as long): the forward's two block
+    shapes, or the backward's two kernels, of one format and head size."""
+    from tfmath.kernels.cuda import tensor_core
+
+    reason = _ptx_toolchain_missing()
+    if reason:
+        pytest.skip(reason)
+    env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "0", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [sys.executable, "-c", _LINKED_ENTRIES], env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(done.stdout)
+    for format_name in tensor_core.FORMATS:
+        for head_dim in tensor_core.HEAD_DIMS:
+            forward = [tensor_core.entry_name(format_name, head_dim, w) for w in (4, 8)]
+            backward = tensor_core.backward_entry_names(format_name, head_dim)
+            assert found[f"FORWARD {format_name} {head_dim}"] == sorted(forward)
+            assert found[f"BACKWARD {format_name} {head_dim}"] == sorted(backward)
+
+
 #: Registers per thread the design needs, by head size: the output (D/2 floats), the
 #: query fragments (D/4 words) and the 16 x 64 scores (32 floats) held across the key
 #: loop, with room for addresses. Within these, a multiprocessor holds 16 warps at

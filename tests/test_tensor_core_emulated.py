@@ -400,3 +400,28 @@ def test_the_public_api_on_the_emulated_tensor_cores_matches_float64(
     for got, want in zip(grads, exact_grads, strict=True):
         assert got.dtype == dtype and got.shape == want.shape
         assert np.allclose(got.astype(np.float64), want, rtol=0, atol=6 * u * np.abs(want).max())
+
+
+@pytest.mark.parametrize("format_name", FORMATS)
+@pytest.mark.parametrize("where", ["masked keys", "above the causal diagonal"])
+def test_non_finite_values_behind_a_mask_never_reach_the_output(format_name, where):
+    """The tensor cores multiply every pair (0 * inf is NaN): the forward scans a value
+    tile with a masked position for inf and NaN and then skips zero weights, so values
+    that no row attends leave the output as it is without them."""
+    dtype = FORMATS[format_name][0]
+    rng = np.random.default_rng(10)
+    query, key, value, _ = _operands(rng, dtype, 1, 90, 130, 64)
+    bias, is_causal = None, where == "above the causal diagonal"
+    garbage = value.copy()
+    if is_causal:
+        garbage[0, 100:] = np.nan  # keys past the last query: no row sees them
+        garbage[0, 95] = np.inf
+    else:
+        bias = np.zeros((1, 90, 130), np.float32)
+        bias[..., 70:80] = -np.inf
+        garbage[0, 70:80:2] = np.nan
+        garbage[0, 71:80:2] = -np.inf
+    clean = warp_emulator.flash_forward(query, key, value, bias, is_causal)[0]
+    dirty = warp_emulator.flash_forward(query, key, garbage, bias, is_causal)[0]
+    assert np.isfinite(clean.astype(np.float32)).all()
+    assert np.array_equal(dirty.view(np.uint16), clean.view(np.uint16))

@@ -780,14 +780,33 @@ __device__ void flash_backward_key(const unsigned short* query, const unsigned s
 #define TFMATH_CHECK_BACKWARD_KERNELS(NAME, WARPS)
 #endif
 
+// Which entry points to compile: every one, unless the source is prefixed with
+// TFMATH_SELECT and TFMATH_WANT_<KIND>_<format>_<D> for the ones wanted.
+// tensor_core.py compiles each Numba kernel's C++ that way, with its own entry points
+// only: numba-cuda compiles and links the C++ afresh for every kernel, and every entry
+// point costs NVRTC and the linker's ptxas their time.
+#ifdef TFMATH_SELECT
+#define TFMATH_WANTED(KIND, SUFFIX, D) TFMATH_WANT_##KIND##_##SUFFIX##_##D
+#else
+#define TFMATH_WANTED(KIND, SUFFIX, D) 1
+#endif
+
+#if TFMATH_WANTED(FORWARD, f16, 64)
 TFMATH_FLASH_FORWARD(F16, f16, 64, 4)
 TFMATH_FLASH_FORWARD(F16, f16, 64, 8)
+#endif
+#if TFMATH_WANTED(FORWARD, f16, 128)
 TFMATH_FLASH_FORWARD(F16, f16, 128, 4)
 TFMATH_FLASH_FORWARD(F16, f16, 128, 8)
+#endif
+#if TFMATH_WANTED(FORWARD, bf16, 64)
 TFMATH_FLASH_FORWARD(BF16, bf16, 64, 4)
 TFMATH_FLASH_FORWARD(BF16, bf16, 64, 8)
+#endif
+#if TFMATH_WANTED(FORWARD, bf16, 128)
 TFMATH_FLASH_FORWARD(BF16, bf16, 128, 4)
 TFMATH_FLASH_FORWARD(BF16, bf16, 128, 8)
+#endif
 
 // The backward's two entry points of one format and head size: WARPS warps a block,
 // TILE keys a tile of the dQ kernel's loop and queries a tile of the dK, dV kernel's.
@@ -824,7 +843,15 @@ TFMATH_FLASH_FORWARD(BF16, bf16, 128, 8)
 
 // Tiles of 64 at D = 64; at D = 128, 32, so that the four tiles fit the 48 KiB of
 // static shared memory (and the accumulators the registers).
+#if TFMATH_WANTED(BACKWARD, f16, 64)
 TFMATH_FLASH_BACKWARD(F16, f16, 64, 4, 64)
+#endif
+#if TFMATH_WANTED(BACKWARD, f16, 128)
 TFMATH_FLASH_BACKWARD(F16, f16, 128, 4, 32)
+#endif
+#if TFMATH_WANTED(BACKWARD, bf16, 64)
 TFMATH_FLASH_BACKWARD(BF16, bf16, 64, 4, 64)
+#endif
+#if TFMATH_WANTED(BACKWARD, bf16, 128)
 TFMATH_FLASH_BACKWARD(BF16, bf16, 128, 4, 32)
+#endif

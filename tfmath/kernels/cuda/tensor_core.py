@@ -133,14 +133,26 @@ def entry_name(format_name, head_dim, warps):
 
 
 @functools.cache
+def linked_source(kind, format_name, head_dim):
+    """The C++ a Numba kernel links: ``tensor_core.cu`` with the entry points of one kind
+    (``"FORWARD"`` or ``"BACKWARD"``), format and head size only. numba-cuda compiles
+    and links the C++ afresh for each kernel, and the file with every entry point took
+    NVRTC about twice as long as it did with the forward's alone."""
+    wanted = f"TFMATH_WANT_{kind}_{FORMATS[format_name]}_{head_dim}"
+    prefix = f'#define TFMATH_SELECT 1\n#define {wanted} 1\n#line 1 "{SOURCE.name}"\n'
+    return cuda.CUSource(prefix + SOURCE.read_text(), name=SOURCE.name)
+
+
+@functools.cache
 def _entry(format_name, head_dim, warps):
     """The C++ forward of one format, head size and warps per block, declared for Numba
     (C ABI): every operand a device address, as a 64-bit integer."""
     types = _cuda.numba_types()
     i64, i32 = types.int64, types.int32
     signature = types.void(i64, i64, i64, i64, i32, i32, i32, i32, types.float32, i32, i64, i64)
+    link = [linked_source("FORWARD", format_name, head_dim)]
     return cuda.declare_device(
-        entry_name(format_name, head_dim, warps), signature, link=[str(SOURCE)], abi="c"
+        entry_name(format_name, head_dim, warps), signature, link=link, abi="c"
     )
 
 
@@ -213,8 +225,9 @@ def _backward_entries(format_name, head_dim):
     signature = types.void(
         i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, f32, i32, i64, i64
     )
+    link = [linked_source("BACKWARD", format_name, head_dim)]
     return tuple(
-        cuda.declare_device(name, signature, link=[str(SOURCE)], abi="c")
+        cuda.declare_device(name, signature, link=link, abi="c")
         for name in backward_entry_names(format_name, head_dim)
     )
 
