@@ -226,6 +226,33 @@ def test_finite_reads_each_format_on_host_and_device(dtype, special):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize(
+    ("forward", "backward", "expected"),
+    [
+        (None, None, "forward on the tensor cores, backward widened to float32 "
+                     "(TFMATH_CUDA_TENSOR_CORE_BACKWARD=1: tensor cores)"),
+        (None, "1", "forward on the tensor cores, backward on the tensor cores"),
+        ("0", "1", "widened to float32 (TFMATH_CUDA_TENSOR_CORES=0)"),
+    ],
+)  # fmt: skip
+def test_tfmath_info_says_where_half_precision_runs_on_the_gpu(
+    forward, backward, expected, monkeypatch
+):
+    from tfmath import cli
+    from tfmath.kernels.cuda import tensor_core
+
+    monkeypatch.setattr(tensor_core, "runs_here", lambda: True)
+    monkeypatch.setattr(_cuda, "status", lambda: _cuda.CudaStatus(True, True, "a pretend GPU"))
+    for name, value in (("TFMATH_CUDA_TENSOR_CORES", forward),
+                        ("TFMATH_CUDA_TENSOR_CORE_BACKWARD", backward)):  # fmt: skip
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    assert expected in cli._describe_tensor_cores()
+
+
+@pytest.mark.cuda
 def test_half_backward_off_the_tensor_cores_is_the_float32_computation():
     """Where the tensor cores do not serve it (here, the simulator), a half-precision
     backward on the GPU is the float32 kernels' on the widened operands, rounded."""

@@ -270,6 +270,7 @@ def _info(args):
         print(f"  {name:10s} {state:12s} {backend.reason}")
     if _cuda.status().usable:
         print(f"  CUDA target: {_cuda.device_version()}")
+        print(f"  CUDA half precision: {_describe_tensor_cores()}")
     print(
         f"threading layer: {_jit.threading_layer()} "
         f"({numba.config.NUMBA_NUM_THREADS} threads, TFMATH_THREADING_LAYER="
@@ -282,3 +283,22 @@ def _info(args):
     print(f"fast-math flags: {', '.join(sorted(_jit.FASTMATH_FLAGS))}")
     print(f"routines: {', '.join(sorted(ROUTINES))}")
     return 0
+
+
+def _describe_tensor_cores():
+    """Where the CUDA flash kernels put float16 and bfloat16 attention: the tensor cores
+    (forward, and backward when switched on) or the float32 kernels on widened copies."""
+    from tfmath import _cuda, _cuda_switches
+    from tfmath._dispatch import direct
+
+    if not _cuda.status().real_gpu:
+        return "widened to float32 (the simulator cannot run the tensor-core C++)"
+    if not direct("cuda_tensor_core").runs_here():
+        return "widened to float32 (the tensor-core kernels need compute capability 8.0)"
+    if not _cuda_switches.cuda_tensor_cores():
+        return "widened to float32 (TFMATH_CUDA_TENSOR_CORES=0)"
+    if _cuda_switches.cuda_tensor_core_backward():
+        backward = "on the tensor cores"
+    else:
+        backward = "widened to float32 (TFMATH_CUDA_TENSOR_CORE_BACKWARD=1: tensor cores)"
+    return f"heads of 64 and 128: forward on the tensor cores, backward {backward}"
