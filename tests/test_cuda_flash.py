@@ -226,6 +226,38 @@ def test_finite_reads_each_format_on_host_and_device(dtype, special):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_tensor_core_backward_on_a_gpu_matches_float64(dtype, head_dim, monkeypatch):
+    """On a GPU (tools/gpu/check.sh runs the CUDA tests there), the tensor-core backward
+    runs and its gradients, rounded to the operands' format, lie within a few units of
+    that format's rounding of the float64 reference's largest gradient: the emulated
+    kernels' bounds (tests/test_tensor_core_emulated.py), summed over two heads."""
+    from tfmath.kernels.cuda import tensor_core
+
+    if not (_cuda.status().real_gpu and tensor_core.runs_here()):
+        pytest.skip("needs a GPU of compute capability 8.0 or newer")
+    monkeypatch.setenv("TFMATH_CUDA_TENSOR_CORES", "1")
+    monkeypatch.setenv("TFMATH_CUDA_TENSOR_CORE_BACKWARD", "1")
+    ran = []
+    backward = tensor_core.attention_grad
+    monkeypatch.setattr(tensor_core, "attention_grad", lambda *a: ran.append(1) or backward(*a))
+    rng = np.random.default_rng(head_dim)
+    q, g = (rng.standard_normal((2, 2, 150, head_dim)).astype(dtype) for _ in "qg")
+    k, v = (rng.standard_normal((1, 2, 130, head_dim)).astype(dtype) for _ in "kv")
+    mask = rng.random((150, 130)) < 0.8
+    mask[:, 0] = True
+    grads = tfmath.attention_grad(q, k, v, g, mask, backend="cuda")
+    wide = [a.astype(np.float64) for a in (q, k, v, g)]
+    exact = tfmath.attention_grad(*wide, mask, backend="reference")
+    u = 2.0**-11 if dtype == np.float16 else 2.0**-8
+    assert ran == [1]
+    for got, want in zip(grads, exact, strict=True):
+        assert got.dtype == dtype
+        assert np.allclose(got.astype(np.float64), want, rtol=0, atol=6 * u * np.abs(want).max())
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize(
     ("forward", "backward", "expected"),
     [
@@ -253,9 +285,11 @@ def test_tfmath_info_says_where_half_precision_runs_on_the_gpu(
 
 
 @pytest.mark.cuda
-def test_half_backward_off_the_tensor_cores_is_the_float32_computation():
-    """Where the tensor cores do not serve it (here, the simulator), a half-precision
-    backward on the GPU is the float32 kernels' on the widened operands, rounded."""
+def test_half_backward_off_the_tensor_cores_is_the_float32_computation(monkeypatch):
+    """Where the tensor cores do not serve it (switched off here; the simulator never
+    runs them), a half-precision backward on the GPU is the float32 kernels' on the
+    widened operands, rounded."""
+    monkeypatch.setenv("TFMATH_CUDA_TENSOR_CORE_BACKWARD", "0")
     dtype = np.dtype(np.float16)
     q, k, v = _half_inputs(dtype, n_features=64, n_query=9, n_key=7, n_values=64)
     grad = np.random.default_rng(4).standard_normal(q.shape).astype(dtype)
