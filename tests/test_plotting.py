@@ -212,3 +212,42 @@ def test_the_cli_prints_the_notice_on_stderr_when_the_cache_is_cold(tmp_path, mo
     (tmp_path / "k.nbi").write_bytes(b"")
     cli._print_compilation_notice()
     assert capsys.readouterr().err == ""
+
+
+def test_isoflop_curves_draw_a_left_out_budgets_runs_apart():
+    """The runs of a budget the fit left out (no minimum among its sizes) are drawn as
+    grey crosses of their own, not as dots of the nearest kept budget's colour (which
+    labelled them with that budget before)."""
+    import warnings
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from tfmath.analysis.compute_optimal import fit_isoflop
+    from tfmath.plotting.compute_optimal import isoflop_curves
+
+    rng = np.random.default_rng(0)
+    sizes = np.geomspace(1e6, 3e7, 7)
+    rows = []
+    for c in (1e15, 3e15, 1e16, 3e16):
+        for n in sizes:
+            d = c / (6 * n)
+            # Budget 1e15's loss falls over every size: its optimum is not among them.
+            loss = 4.0 - 0.1 * np.log(n) if c == 1e15 else 1.7 + 400 / n**0.34 + 410 / d**0.28
+            rows.append((c, n, d, loss + rng.normal(0, 0.002)))
+    compute, n, d, loss = map(np.array, zip(*rows, strict=True))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fit = fit_isoflop(compute, n, d, loss, n_bootstrap=20)
+    assert [c for c, _ in fit.left_out] == [1e15]
+    fig, ax = plt.subplots()
+    isoflop_curves(fit, n, loss, compute, ax=ax)
+    lines = {line.get_label(): line for line in ax.get_lines()}
+    left_out = lines["C = 1.0e+15: left out"]
+    assert np.allclose(left_out.get_ydata(), loss[compute == 1e15])
+    for curve in fit.curves:
+        dots = lines[f"C = {curve.compute:.1e}"]
+        assert np.allclose(dots.get_ydata(), loss[compute == curve.compute])
+    plt.close(fig)

@@ -33,7 +33,8 @@ PUBLISHED_A = (("Kaplan et al.", 0.73, "--"), ("Hoffmann et al.", 0.50, ":"))
 
 def isoflop_curves(fit, n, loss, compute, *, ax=None):
     """Every run as a dot, each budget's model of its valley over the sizes trained, its
-    minimum a star.
+    minimum a star; the runs of a budget the fit left out (no minimum to read,
+    :attr:`IsoFlopFit.left_out`) as grey crosses, so that no run vanishes from the figure.
 
     Parameters
     ----------
@@ -48,9 +49,18 @@ def isoflop_curves(fit, n, loss, compute, *, ax=None):
     """
     ax = axes_or_new(ax)
     n, loss, compute = (np.asarray(x, dtype=float) for x in (n, loss, compute))
-    # Each run belongs to the curve of the nearest budget (budgets may be bins of C).
-    centres = np.log([curve.compute for curve in fit.curves])
+    # Each run belongs to the nearest budget, kept or left out (budgets may be bins of C):
+    # a left-out budget's runs must not join a kept curve of the same sizes.
+    budgets = [curve.compute for curve in fit.curves] + [c for c, _ in fit.left_out]
+    centres = np.log(budgets)
     nearest = np.argmin(np.abs(np.log(compute)[:, None] - centres[None, :]), axis=1)
+    entries = len(fit.curves)
+    for j, (budget, _) in enumerate(fit.left_out):
+        rows = nearest == len(fit.curves) + j
+        if rows.any():
+            ax.semilogx(n[rows], loss[rows], "x", color="0.55", ms=5,
+                        label=f"C = {budget:.1e}: left out")  # fmt: skip
+            entries += 1
     for k, curve in enumerate(fit.curves):
         rows = (nearest == k) & np.isin(n, curve.sizes)
         colour = f"C{k % 10}"
@@ -63,13 +73,13 @@ def isoflop_curves(fit, n, loss, compute, *, ax=None):
     ax.set(xlabel="non-embedding parameters N", ylabel="validation loss (nats/token)")
     ax.set_title(f"IsoFLOP curves: runs (dots), {_VALLEY_NAMES[fit.optimum]}, minima (stars)",
                  fontsize=10)  # fmt: skip
-    if len(fit.curves) <= 4:
+    if entries <= 4:
         ax.legend(fontsize=8)
     else:
         # A legend of more budgets would cover the valleys: two columns in headroom above
         # the runs, a row per two budgets.
         low, high = ax.get_ylim()
-        ax.set_ylim(low, high + (high - low) * 0.08 * -(-len(fit.curves) // 2))
+        ax.set_ylim(low, high + (high - low) * 0.08 * -(-entries // 2))
         ax.legend(fontsize=7, ncol=2, loc="upper center")
     return ax
 
