@@ -18,9 +18,10 @@ tests first); on its own::
    each the median of CUDA-event timings after warm-up, every forward through
    the public API on the torch tensors (float16 and bfloat16 take the short
    path of plain CUDA tensors to the tensor cores). The float16 backward runs
-   the float32 kernels on copies widened on the device; bfloat16's is not
-   timed (no CUDA array shares bfloat16 with Numba, so only the forward's
-   short path takes bfloat16 tensors).
+   on the tensor cores (this script switches the tensor-core backward on:
+   ``TFMATH_CUDA_TENSOR_CORE_BACKWARD=1`` unless set); bfloat16's is not timed
+   here (no CUDA array shares bfloat16 with Numba, so only the forward's short
+   path takes bfloat16 tensors) but by ``--backward``, on the tensors' bits.
 
 3. ``--backward``: the tensor-core backward (``TFMATH_CUDA_TENSOR_CORE_BACKWARD=1``,
    opt-in until this run has checked it): float16 and bfloat16 gradients against the
@@ -222,15 +223,21 @@ def check_backward_case(dtype_name, case, rng):
 
 
 def _half_backward(q, k, v, grad, dtype_name, is_causal):
-    """The tensor-core forward and backward on device copies of the inputs' 16-bit
-    patterns (what the kernels cost with the batch index and allocations)."""
-    from tfmath import _cuda
+    """The tensor-core forward and backward on the tensors' own 16-bit patterns, as
+    Numba views of their device memory (what the kernels cost with the batch index and
+    allocations; no copy). The problem is validated on empty host arrays of the shapes."""
+    import torch
+
     from tfmath._contract.attention import attention_problem
     from tfmath.kernels.cuda import tensor_core
 
-    host = [t.float().cpu().numpy().astype(_dtype(dtype_name)) for t in (q, k, v, grad)]
-    problem = attention_problem(*host[:3], is_causal=is_causal, backend="cuda")
-    bits = [_cuda.to_device(a.view(np.uint16)) for a in host]
+    dtype = _dtype(dtype_name)
+    shapes = [np.empty(t.shape, dtype) for t in (q, k, v)]
+    problem = attention_problem(*shapes, is_causal=is_causal, backend="cuda")
+    bits = [
+        numba_cuda().as_cuda_array(t.contiguous().view(torch.int16)).view(np.uint16)
+        for t in (q, k, v, grad)
+    ]
     on_device = problem._replace(query=bits[0], key=bits[1], value=bits[2], on_device=True)
     grad_bits = bits[3].reshape((-1, *bits[3].shape[-2:]))
     return lambda: tensor_core.attention_grad(on_device, grad_bits)
