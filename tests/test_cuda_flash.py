@@ -484,7 +484,7 @@ print(json.dumps(found))
 
 def test_each_kernel_links_only_its_entry_points():
     """Each Numba kernel links ``tensor_core.cu`` with its own entry points only (the
-    whole file took NVRTC and ptxas about eight times as long): the forward's two block
+    whole file took NVRTC and ptxas four to thirteen times as long): the forward's two block
     shapes, or the backward's two kernels, of one format and head size."""
     from tfmath.kernels.cuda import tensor_core
 

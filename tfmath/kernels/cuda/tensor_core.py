@@ -137,8 +137,8 @@ def entry_name(format_name, head_dim, warps):
 def linked_source(kind, format_name, head_dim):
     """The C++ a Numba kernel links: ``tensor_core.cu`` with the entry points of one kind
     (``"FORWARD"`` or ``"BACKWARD"``), format and head size only. numba-cuda compiles
-    and links the C++ afresh for each kernel: NVRTC and ptxas took 8 s over the whole
-    file's sixteen entry points, 0.5 to 1 s over a kernel's own two (AMD EPYC Zen 5)."""
+    and links the C++ afresh for each kernel: NVRTC and ptxas took 6.5 s over the whole
+    file's sixteen entry points, 0.5 to 1.6 s over a kernel's own two (AMD EPYC Zen 5)."""
     wanted = f"TFMATH_WANT_{kind}_{FORMATS[format_name]}_{head_dim}"
     prefix = f'#define TFMATH_SELECT 1\n#define {wanted} 1\n#line 1 "{SOURCE.name}"\n'
     return cuda.CUSource(prefix + SOURCE.read_text(), name=SOURCE.name)
