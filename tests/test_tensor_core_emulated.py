@@ -244,11 +244,14 @@ def test_the_emulator_reports_a_deadlock_instead_of_hanging(tmp_path):
         warp_emulator.flash_backward(query, key, value, out, grad, log_sum_exp, kernels=kernels)
 
 
-def test_the_emulator_refuses_heads_the_kernels_lack():
+def test_the_emulator_refuses_heads_and_blocks_the_kernels_lack():
     dtype = FORMATS["float16"][0]
     query, key, value, _ = _operands(np.random.default_rng(7), dtype, 1, 8, 8, 32)
     with pytest.raises(ValueError, match="heads of 64 or 128, got 32"):
         warp_emulator.flash_forward(query, key, value)
+    query, key, value, _ = _operands(np.random.default_rng(7), dtype, 1, 8, 8, 64)
+    with pytest.raises(ValueError, match="blocks of 4 or 8 warps, got 2"):
+        warp_emulator.flash_forward(query, key, value, warps=2)
 
 
 @pytest.mark.parametrize("format_name", FORMATS)

@@ -44,7 +44,8 @@ DRIVER = Path(__file__).with_name("warp_emulator.cpp")
 KERNELS = Path(__file__).parents[1] / "kernels" / "cuda" / "tensor_core.cu"
 #: The suffix of each 16-bit format's entry points, by NumPy dtype name.
 FORMATS = {"float16": "f16", "bfloat16": "bf16"}
-#: Warps per block of the forward entry points the driver exports, by head size.
+#: Warps per block of the forward entry points ``warp_emulator.cpp`` exports, by head
+#: size (``tensor_core.WARP_CHOICES``; kept here so that the emulator needs no numba-cuda).
 FORWARD_WARPS = {64: (4, 8), 128: (4, 8)}
 #: Warps per block of the backward's (``tensor_core.BACKWARD_WARPS``).
 BACKWARD_WARPS = {64: 4, 128: 4}
@@ -158,6 +159,8 @@ def flash_forward(
     dtype = np.dtype(query.dtype)
     _check(query, key, value, bias)
     n_batch, n_query, head_dim = query.shape
+    if warps not in FORWARD_WARPS[head_dim]:
+        raise ValueError(f"the forward has blocks of 4 or 8 warps, got {warps}")
     n_key = key.shape[1]
     scale = 1 / np.sqrt(head_dim) if scale is None else scale
     q, k, v = (_bits(a, dtype) for a in (query, key, value))
