@@ -27,7 +27,9 @@ tests first); on its own::
    opt-in until this run has checked it): float16 and bfloat16 gradients against the
    float64 reference on :data:`BACKWARD_CASES`, then the forward and backward at the
    issue's rows (L = 4096, H = 16), the kernels alone on device operands against
-   PyTorch's forward and backward; writes ``backward_rows.json``.
+   PyTorch's forward and backward; writes ``backward_rows.json``. ``--backward-caps``
+   times it per register cap (:data:`BACKWARD_CAPS`), the registers and spills each
+   cap compiles to beside.
 
 4. Resources: the registers, local and shared memory of each kernel, and the
    share of a multiprocessor's warps its blocks can hold at once (occupancy),
@@ -222,7 +224,7 @@ def check_backward_case(dtype_name, case, rng):
     return [(*row, bool(row[3] <= row[4])) for row in rows]
 
 
-def _half_backward(q, k, v, grad, dtype_name, is_causal):
+def _half_backward(q, k, v, grad, dtype_name, is_causal, max_registers=None):
     """The tensor-core forward and backward on the tensors' own 16-bit patterns, as
     Numba views of their device memory (what the kernels cost with the batch index and
     allocations; no copy). The problem is validated on empty host arrays of the shapes."""
@@ -240,7 +242,7 @@ def _half_backward(q, k, v, grad, dtype_name, is_causal):
     ]
     on_device = problem._replace(query=bits[0], key=bits[1], value=bits[2], on_device=True)
     grad_bits = bits[3].reshape((-1, *bits[3].shape[-2:]))
-    return lambda: tensor_core.attention_grad(on_device, grad_bits)
+    return lambda: tensor_core.attention_grad(on_device, grad_bits, None, max_registers)
 
 
 def _torch_step(sdpa, leaves, grad, is_causal):
@@ -277,6 +279,36 @@ def time_backward_rows(torch, quick):
               f"{torch_ms:7.3f} tfmath {tfmath_ms:7.3f} ms  ratio {torch_ms / tfmath_ms:5.2f}"
               f"  {flops / tfmath_ms / 1e9:6.1f} TFLOP/s", flush=True)  # fmt: skip
     return rows
+
+
+#: Register caps tried on the backward's kernels by ``--backward-caps``: none, and caps
+#: that let a multiprocessor hold more blocks (ptxas gives the C++ alone 160-167
+#: registers for the dQ kernel and 186-242 for the dK/dV kernel, and no spills).
+BACKWARD_CAPS = (None, 168, 128)
+
+
+def time_backward_caps(torch):
+    """The float16 forward and backward on the tensor cores at B = 4, H = 16, L = 4096,
+    the kernels alone, for each cap of :data:`BACKWARD_CAPS`, with the registers and
+    local memory (spills) each backward kernel compiles to: how a cap would be chosen."""
+    from tfmath.kernels.cuda import tensor_core
+
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    for head in tensor_core.HEAD_DIMS:
+        q, k, v, grad = (torch.randn((4, 16, 4096, head), device="cuda", dtype=torch.float16)
+                         for _ in range(4))  # fmt: skip
+        for causal in (False, True):
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            theirs = functools.partial(_torch_step, sdpa, leaves, grad, causal)
+            torch_ms = median_ms(torch, theirs, 1, 5)
+            for cap in BACKWARD_CAPS:
+                ms = median_ms(torch, _half_backward(q, k, v, grad, "float16", causal, cap), 1, 5)
+                kernels = tensor_core._backward_kernels("float16", head, cap)
+                registers = [list(kernel.get_regs_per_thread().values()) for kernel in kernels]
+                local = [list(kernel.get_local_mem_per_thread().values()) for kernel in kernels]
+                print(f"backward d={head} causal={causal!s:<5} cap={cap!s:<4} registers (dQ, "
+                      f"dK dV)={registers} local={local} {ms:7.3f} ms torch {torch_ms:7.3f} "
+                      f"ratio {torch_ms / ms:5.2f}", flush=True)  # fmt: skip
 
 
 def run_backward(out, quick):
@@ -727,6 +759,11 @@ def main(argv=None):
         help="only the tensor-core backward: its checks and the issue's rows",
     )
     parser.add_argument(
+        "--backward-caps",
+        action="store_true",
+        help="only the tensor-core backward's time per register cap",
+    )
+    parser.add_argument(
         "--host-profile",
         action="store_true",
         help="only cProfile's account of the wrapper's and the public API's host time",
@@ -751,6 +788,9 @@ def main(argv=None):
         return 0
     if args.backward:
         return run_backward(args.out, args.quick)
+    if args.backward_caps:
+        time_backward_caps(_torch())
+        return 0
     if args.host_profile:
         profile_host(_torch())
         return 0

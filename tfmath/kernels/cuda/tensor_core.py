@@ -307,8 +307,11 @@ def backward_functions(format_name, head_dim):
 
 
 @functools.cache
-def _backward_kernels(format_name, head_dim):
-    return tuple(cuda.jit(f) for f in backward_functions(format_name, head_dim))
+def _backward_kernels(format_name, head_dim, max_registers=None):
+    # The simulator has no registers to cap (and its jit no such option).
+    capped = max_registers is not None and not _cuda.simulator_requested()
+    options = {"max_registers": max_registers} if capped else {}
+    return tuple(cuda.jit(**options)(f) for f in backward_functions(format_name, head_dim))
 
 
 def backward_signature():
@@ -469,12 +472,14 @@ def _non_finite_kernel():
     return scan
 
 
-def attention_grad(problem, grad_output, saved=None):
+def attention_grad(problem, grad_output, saved=None, max_registers=None):
     """The gradients of a validated half-precision ``problem`` that
     :func:`serves_backward` accepts, on the tensor cores: the forward here too unless
     ``saved`` holds its ``(output, log_sum_exp)``; float32 gradients per broadcast batch
     entry (the caller sums and rounds them), on the device for device operands. Every
-    operand, ``grad_output`` and the saved output must be finite (:func:`finite`)."""
+    operand, ``grad_output`` and the saved output must be finite (:func:`finite`).
+    ``max_registers`` caps the backward kernels' registers (none by default; ``python3
+    tools/gpu/check.py --backward-caps`` times the caps on a GPU)."""
     dtype, head_dim = problem.dtype, problem.n_features
     query, key, value, mask, index = _problem_bias(problem)
     n_batch, n_query, n_key = index.shape[0], problem.n_query, problem.n_key
@@ -494,7 +499,7 @@ def attention_grad(problem, grad_output, saved=None):
     grad_key = _cuda.device_empty((n_batch, n_key, head_dim), np.float32)
     grad_value = _cuda.device_empty((n_batch, n_key, head_dim), np.float32)
     index = _device_index(np.ascontiguousarray(index, np.int64).tobytes(), n_batch)
-    query_kernel, key_kernel = _backward_kernels(dtype.name, head_dim)
+    query_kernel, key_kernel = _backward_kernels(dtype.name, head_dim, max_registers)
     threads = 32 * BACKWARD_WARPS[head_dim]
     block_rows = 16 * BACKWARD_WARPS[head_dim]
     bias = 0 if mask is None else address(mask)
