@@ -9,10 +9,10 @@
 // instruction); the scheduler then resumes the others. It runs one warp at a time as
 // far as it goes before the next, in orders shuffled by a generator seeded with the
 // block's index: runs are reproducible, and warps get ahead of each other as far as
-// the barriers let them. The warp-wide instructions (`__shfl_xor_sync`, `ldmatrix`, `mma.sync`) are
-// exchanges through a warp's slots between two barriers: each lane writes its
-// operands, then reads what its result is made of, as the PTX ISA defines the
-// fragments ("Matrix fragments for mma.m16n8k16", "ldmatrix"). The forward kernel
+// the barriers let them. The warp-wide instructions (`__shfl_xor_sync`, `ldmatrix`,
+// `mma.sync`) are exchanges through a warp's slots between two barriers: each lane
+// writes its operands, then reads what its result is made of, as the PTX ISA defines
+// the fragments ("Matrix fragments for mma.m16n8k16", "ldmatrix"). The forward kernel
 // was checked on an H200 against the float64 reference, and its results here agree
 // with it within rounding, which checks these definitions where the kernels use them.
 //
@@ -243,7 +243,9 @@ inline __nv_bfloat162 __floats2bfloat162_rn(float low, float high) {
     return {{warp_emulator::bfloat16_from_float(low)}, {warp_emulator::bfloat16_from_float(high)}};
 }
 inline __nv_bfloat16 __ushort_as_bfloat16(unsigned short bits) { return {bits}; }
-inline float __bfloat162float(__nv_bfloat16 b) { return warp_emulator::float_from_bfloat16(b.bits); }
+inline float __bfloat162float(__nv_bfloat16 b) {
+    return warp_emulator::float_from_bfloat16(b.bits);
+}
 
 // ---- Asynchronous copies -------------------------------------------------------------
 
@@ -280,16 +282,13 @@ inline void load_matrix_x4(unsigned r[4], const void* p, bool transposed) {
     warp.barrier.wait();
     for (int m = 0; m < 4; ++m) {
         unsigned short low, high;
+        auto row = [&](int r) { return static_cast<const unsigned short*>(warp.slots[r].pointer); };
         if (!transposed) {
-            const auto* row = static_cast<const unsigned short*>(warp.slots[8 * m + lane / 4].pointer);
-            low = row[2 * (lane % 4)];
-            high = row[2 * (lane % 4) + 1];
+            low = row(8 * m + lane / 4)[2 * (lane % 4)];
+            high = row(8 * m + lane / 4)[2 * (lane % 4) + 1];
         } else {
-            const auto* row0 = static_cast<const unsigned short*>(warp.slots[8 * m + 2 * (lane % 4)].pointer);
-            const auto* row1 =
-                static_cast<const unsigned short*>(warp.slots[8 * m + 2 * (lane % 4) + 1].pointer);
-            low = row0[lane / 4];
-            high = row1[lane / 4];
+            low = row(8 * m + 2 * (lane % 4))[lane / 4];
+            high = row(8 * m + 2 * (lane % 4) + 1)[lane / 4];
         }
         r[m] = low | (static_cast<unsigned>(high) << 16);
     }
