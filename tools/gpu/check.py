@@ -258,12 +258,7 @@ def time_backward_rows(torch, quick):
     sdpa = torch.nn.functional.scaled_dot_product_attention
     rows = []
     for dtype_name, head, batch, causal in ISSUE_ROWS:
-        generator = torch.Generator(device="cuda").manual_seed(head + batch)
-        q, k, v, grad = (
-            torch.randn((batch, heads, n, head), device="cuda", generator=generator,
-                        dtype=getattr(torch, dtype_name))
-            for _ in range(4)
-        )  # fmt: skip
+        q, k, v, grad = _issue_row_tensors(torch, dtype_name, head, batch, 4)
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
         try:
             theirs = functools.partial(_torch_step, sdpa, leaves, grad, causal)
@@ -439,6 +434,17 @@ def time_block_shapes(torch):
                           f"torch {torch_ms:6.3f} ratio {ratio:5.2f}", flush=True)  # fmt: skip
 
 
+def _issue_row_tensors(torch, dtype_name, head, batch, count):
+    """``count`` random CUDA tensors ``(batch, 16, 4096, head)`` of one of the issue's rows,
+    the same ones for every step that times the row (seeded by the row)."""
+    generator = torch.Generator(device="cuda").manual_seed(head + batch)
+    return [
+        torch.randn((batch, 16, 4096, head), device="cuda", generator=generator,
+                    dtype=getattr(torch, dtype_name))
+        for _ in range(count)
+    ]  # fmt: skip
+
+
 def time_issue_rows(torch, quick):
     """Rows ``(dtype, d, B, causal, torch ms, kernel ms, wrapper ms, public API ms, kernel
     ms per warps per block...)`` at L = 4096, H = 16: the issue's targets for the
@@ -454,12 +460,7 @@ def time_issue_rows(torch, quick):
     sdpa = torch.nn.functional.scaled_dot_product_attention
     rows = []
     for dtype_name, head, batch, causal in ISSUE_ROWS:
-        generator = torch.Generator(device="cuda").manual_seed(head + batch)
-        q, k, v = (
-            torch.randn((batch, heads, n, head), device="cuda", generator=generator,
-                        dtype=getattr(torch, dtype_name))
-            for _ in range(3)
-        )  # fmt: skip
+        q, k, v = _issue_row_tensors(torch, dtype_name, head, batch, 3)
         public_ms = float("nan")
         by_warps = [float("nan")] * len(tensor_core.WARP_CHOICES)
         try:

@@ -157,6 +157,29 @@ def _entry(format_name, head_dim, warps):
     )
 
 
+@functools.cache
+def _batch_operands():
+    """The device function every kernel here starts with: for output batch entry ``b``,
+    the device addresses of the query, key and value rows it reads, of its bias rows (0
+    without a bias) and whether it has a bias, from row ``b`` of the batch ``index``
+    (the entries of query, key, value and bias that output entry ``b`` reads)."""
+    types = _cuda.numba_types()
+    i32, i64 = types.int32, types.int64
+
+    @cuda.jit(device=True)
+    def operands(query, key, value, bias, index, b, n_query, n_key, row_bytes):
+        query_bytes, key_bytes = i64(n_query * row_bytes), i64(n_key * row_bytes)
+        return (
+            query + index[b, 0] * query_bytes,
+            key + index[b, 1] * key_bytes,
+            value + index[b, 2] * key_bytes,
+            bias + index[b, 3] * i64(4 * n_query * n_key) if bias != 0 else i64(0),
+            i32(1) if bias != 0 else i32(0),
+        )
+
+    return operands
+
+
 def forward_function(format_name, head_dim, warps):
     """The forward kernel as a Python function, for :func:`_forward_kernel` and PTX checks.
 
@@ -179,18 +202,23 @@ def forward_function(format_name, head_dim, warps):
     block_rows = 16 * warps
     row_bytes = 2 * head_dim
 
+    batch_operands = _batch_operands()
+
     def kernel(query, key, value, bias, index, n_query, n_key, is_causal, scale, out, lse):
         n_batch = index.shape[0]
         n_tiles = (n_query + block_rows - 1) // block_rows
         b = cuda.blockIdx.x % n_batch
         row_tile = n_tiles - 1 - cuda.blockIdx.x // n_batch
-        query_bytes, key_bytes = i64(n_query * row_bytes), i64(n_key * row_bytes)
+        query_bytes = i64(n_query * row_bytes)
+        q, k, v, bias_rows, has_bias = batch_operands(
+            query, key, value, bias, index, b, n_query, n_key, row_bytes
+        )
         forward(
-            query + index[b, 0] * query_bytes,
-            key + index[b, 1] * key_bytes,
-            value + index[b, 2] * key_bytes,
-            bias + index[b, 3] * i64(4 * n_query * n_key) if bias != 0 else i64(0),
-            i32(1) if bias != 0 else i32(0),
+            q,
+            k,
+            v,
+            bias_rows,
+            has_bias,
             i32(n_query),
             i32(n_key),
             i32(1) if is_causal else i32(0),
@@ -251,6 +279,7 @@ def backward_functions(format_name, head_dim):
     i32, i64 = types.int32, types.int64
     block_rows = 16 * BACKWARD_WARPS[head_dim]
     row_bytes = 2 * head_dim
+    batch_operands = _batch_operands()
 
     def query_kernel(
         query, key, value, out, grad_out, lse, bias, index, n_query, n_key, is_causal, scale,
@@ -259,16 +288,19 @@ def backward_functions(format_name, head_dim):
         n_batch = index.shape[0]
         n_tiles = (n_query + block_rows - 1) // block_rows
         b = cuda.blockIdx.x % n_batch
-        query_bytes, key_bytes = i64(n_query * row_bytes), i64(n_key * row_bytes)
+        query_bytes = i64(n_query * row_bytes)
+        q, k, v, bias_rows, has_bias = batch_operands(
+            query, key, value, bias, index, b, n_query, n_key, row_bytes
+        )
         query_entry(
-            query + index[b, 0] * query_bytes,
-            key + index[b, 1] * key_bytes,
-            value + index[b, 2] * key_bytes,
+            q,
+            k,
+            v,
             out + b * query_bytes,
             grad_out + b * query_bytes,
             lse + b * i64(4 * n_query),
-            bias + index[b, 3] * i64(4 * n_query * n_key) if bias != 0 else i64(0),
-            i32(1) if bias != 0 else i32(0),
+            bias_rows,
+            has_bias,
             i32(n_query),
             i32(n_key),
             i32(1) if is_causal else i32(0),
@@ -285,15 +317,18 @@ def backward_functions(format_name, head_dim):
         n_batch = index.shape[0]
         b = cuda.blockIdx.x % n_batch
         query_bytes, key_bytes = i64(n_query * row_bytes), i64(n_key * row_bytes)
+        q, k, v, bias_rows, has_bias = batch_operands(
+            query, key, value, bias, index, b, n_query, n_key, row_bytes
+        )
         key_entry(
-            query + index[b, 0] * query_bytes,
-            key + index[b, 1] * key_bytes,
-            value + index[b, 2] * key_bytes,
+            q,
+            k,
+            v,
             grad_out + b * query_bytes,
             lse + b * i64(4 * n_query),
             delta + b * i64(4 * n_query),
-            bias + index[b, 3] * i64(4 * n_query * n_key) if bias != 0 else i64(0),
-            i32(1) if bias != 0 else i32(0),
+            bias_rows,
+            has_bias,
             i32(n_query),
             i32(n_key),
             i32(1) if is_causal else i32(0),
