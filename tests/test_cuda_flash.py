@@ -361,13 +361,33 @@ def test_cuda_tensors_take_the_short_path_with_the_general_paths_bits(format_nam
 
 
 @pytest.mark.cuda
-def test_bfloat16_cuda_tensors_beyond_the_tensor_cores_are_refused_by_name():
-    """On a GPU only: Numba shares no bfloat16 with CUDA arrays, so a bfloat16 tensor the
-    tensor-core forward does not take (a head of 32) is refused, saying what to do."""
+@pytest.mark.parametrize("format_name", ["float16", "bfloat16"])
+@pytest.mark.parametrize("head_dim", [32, 64])
+def test_half_cuda_tensors_with_masks_gqa_and_gradients_stay_on_the_gpu(format_name, head_dim):
+    """On a GPU only: CUDA tensors of either format, any head (32: the widened kernels;
+    64: the tensor cores), with a key-padding mask on the GPU, grouped-query heads and
+    autograd, give CUDA tensors of their format within rounding of the CPU's results."""
     torch = _torch_on_a_gpu()
-    q = torch.ones((1, 2, 8, 32), device="cuda", dtype=torch.bfloat16)
-    with pytest.raises(tfmath.DTypeError, match=r"query is a bfloat16 CUDA tensor.*query\.half"):
-        tfmath.scaled_dot_product_attention(q, q, q)
+    dtype = getattr(torch, format_name)
+    generator = torch.Generator().manual_seed(11)
+    shapes = ((2, 4, 33, head_dim), (2, 2, 40, head_dim), (2, 2, 40, head_dim))
+    host = [torch.randn(shape, generator=generator).to(dtype) for shape in shapes]
+    mask = torch.ones((2, 1, 1, 40), dtype=torch.bool)
+    mask[0, ..., 30:] = False
+    grad = torch.randn((2, 4, 33, head_dim), generator=generator).to(dtype)
+    results = {}
+    for device in ("cpu", "cuda"):
+        q, k, v = (t.to(device).requires_grad_() for t in host)
+        output = tfmath.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask.to(device), enable_gqa=True
+        )
+        output.backward(grad.to(device))
+        results[device] = [output.detach(), q.grad, k.grad, v.grad]
+    tolerance = {"float16": 5e-3, "bfloat16": 3e-2}[format_name]
+    for on_gpu, on_cpu in zip(results["cuda"], results["cpu"], strict=True):
+        assert on_gpu.device.type == "cuda" and on_gpu.dtype == dtype
+        error = (on_gpu.cpu().double() - on_cpu.double()).norm() / on_cpu.double().norm()
+        assert error <= tolerance
 
 
 def _cuda_tensor_core():

@@ -339,6 +339,7 @@ def _half(rng, dtype, shape):
         ("float16", 128, "shared key heads, boolean mask"),
         ("bfloat16", 64, "broadcast batch, additive mask"),
         ("float16", 64, "device arrays, causal"),
+        ("bfloat16", 64, "device arrays, a shared key head, boolean mask"),
     ],
 )
 def test_the_public_api_on_the_emulated_tensor_cores_matches_float64(
@@ -378,22 +379,29 @@ def test_the_public_api_on_the_emulated_tensor_cores_matches_float64(
     elif layout == "broadcast batch, additive mask":
         kv_shape = (1, 2, n_key, head_dim)
         mask = rng.standard_normal((2, 1, n_query, n_key)).astype(np.float32)
-    elif layout.startswith("device arrays"):
+    elif layout == "device arrays, causal":
         # One head: the simulator scans device operands for inf a Python thread a number.
         q_shape, kv_shape = (1, 1, n_query, head_dim), (1, 1, n_key, head_dim)
+    elif layout == "device arrays, a shared key head, boolean mask":
+        # Two query heads read one key head: the key's gradients are summed on the
+        # device; the mask, on the device too, is expanded there.
+        q_shape, kv_shape = (2, n_query, head_dim), (1, n_key, head_dim)
+        mask = rng.random((1, n_query, n_key)) < 0.6
+        mask[..., 0] = True
     query, grad = _half(rng, dtype, q_shape), _half(rng, dtype, q_shape)
     key, value = _half(rng, dtype, kv_shape), _half(rng, dtype, kv_shape)
-    operands = [query, key, value, grad]
+    operands = [query, key, value, grad, mask]
     if layout.startswith("device arrays"):
-        operands = [_cuda.to_device(a) for a in operands]
+        operands = [None if a is None else _cuda.to_device(a) for a in operands]
     output, log_sum_exp = tfmath.scaled_dot_product_attention(
-        *operands[:3], mask, is_causal, return_log_sum_exp=True, backend="cuda"
+        *operands[:3], operands[4], is_causal, return_log_sum_exp=True, backend="cuda"
     )
     grads = tfmath.attention_grad(
-        *operands, mask, is_causal, output=output, log_sum_exp=log_sum_exp, backend="cuda"
+        *operands, is_causal, output=output, log_sum_exp=log_sum_exp, backend="cuda"
     )
     assert calls == ["flash_attention", "attention_grad"]
     if layout.startswith("device arrays"):
+        assert _cuda.is_device_array(output)
         assert all(_cuda.is_device_array(g) for g in grads)
         output, grads = _cuda.to_host(output), [_cuda.to_host(g) for g in grads]
     wide = [np.asarray(a, np.float64) for a in (query, key, value, grad)]

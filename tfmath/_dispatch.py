@@ -62,6 +62,8 @@ ROUTINES = {
     # half-precision storage: widening to the compute dtype and rounding back
     "widen": "half",
     "narrow": "half",
+    # gradients of broadcast operands summed back to their shapes
+    "sum_to_shape": "broadcast",
     # tfmath.training.layers
     "layer_norm": "layers",
     "layer_norm_backward": "layers",

@@ -23,7 +23,6 @@ from tfmath._contract.attention import (
     plain_attention_problem,
     plain_layout,
     saved_forward,
-    sum_to_shape,
 )
 from tfmath._contract.backend import auto_stays_on_host, resolve_backend
 from tfmath._contract.checks import (
@@ -726,6 +725,7 @@ def gradients(problem, grad_output, saved=None):
     Gradients of broadcast operands are summed back to the operands' shapes.
     """
     grads = run("attention_grad", problem, grad_output, saved)
+    sum_to_shape = implementation("sum_to_shape", problem.backend)
     return tuple(
         narrowed(problem, sum_to_shape(grad, shape_of(operand)))
         for grad, operand in zip(grads, (problem.query, problem.key, problem.value), strict=True)

@@ -172,13 +172,18 @@ class AttentionProblem(NamedTuple):
         )
 
     def on_host(self):
-        """The same problem with every operand in host memory."""
-        if not self.on_device:
+        """The same problem with every operand in host memory (a device mask read as a
+        host one is)."""
+        mask = self.attn_mask
+        if not (self.on_device or _cuda.is_device_array(mask)):
             return self
+        if _cuda.is_device_array(mask):
+            mask = _host_mask(mask, self.compute_dtype)
         return self._replace(
             query=_cuda.to_host(self.query),
             key=_cuda.to_host(self.key),
             value=_cuda.to_host(self.value),
+            attn_mask=mask,
             on_device=False,
         )
 
@@ -230,7 +235,7 @@ def attention_problem(
         key = cast_operand("key", key, dtype)
         value = cast_operand("value", value, dtype)
     accumulation = compute_dtype(dtype, accumulate, backend)
-    mask = _attention_mask(attn_mask, query_shape[-2], key_shape[-2], accumulation)
+    mask = _attention_mask(attn_mask, query_shape[-2], key_shape[-2], accumulation, backend)
     batch_shape = query_shape[:-2]
     if mask is not None or not batch_shape == key_shape[:-2] == value_shape[:-2]:
         named_batches = {
@@ -411,23 +416,22 @@ def cast_operand(name, array, dtype):
     return array.astype(dtype)
 
 
-def _attention_mask(attn_mask, n_query, n_key, dtype):
+def _attention_mask(attn_mask, n_query, n_key, dtype, backend):
+    """The mask checked, in the scores' ``dtype`` (floating masks) and at least 2-D.
+
+    For the ``"cuda"`` backend a C-contiguous mask on the device stays there in its own
+    dtype: the kernels expand and cast it on the device, where its values are checked
+    (``tfmath/kernels/cuda/masks.py``). Any other mask is read on the host.
+    """
     if attn_mask is None:
         return None
-    mask = host_array("attn_mask", _cuda.to_host(attn_mask))
-    if isinstance(attn_mask, list | tuple) and mask.dtype.kind in "iu":
-        # Nested lists read as every operand's do: numbers become float64 (here, an
-        # additive mask); booleans stay a boolean mask.
-        mask = mask.astype(np.float64)
-    if mask.dtype != np.bool_:
-        if mask.dtype.kind != "f" and not is_half(mask.dtype):
-            raise DTypeError(
-                f"attn_mask must be boolean (True = may attend) or floating (added to "
-                f"the scores), got dtype {mask.dtype}"
-            )
-        mask = _mask_in(mask, dtype)
-    if mask.ndim < 2:
-        mask = mask.reshape((1,) * (2 - mask.ndim) + mask.shape)
+    if backend == "cuda" and _on_device_contiguous(attn_mask):
+        mask = _cuda.as_device_array(attn_mask)
+        _check_mask_dtype(np.dtype(mask.dtype))
+    else:
+        mask = _host_mask(attn_mask, dtype)
+    if len(shape_of(mask)) < 2:
+        mask = mask.reshape((1,) * (2 - len(shape_of(mask))) + shape_of(mask))
     rows, columns = shape_of(mask)[-2:]
     if rows not in (1, n_query) or columns not in (1, n_key):
         raise ShapeError(
@@ -435,6 +439,29 @@ def _attention_mask(attn_mask, n_query, n_key, dtype):
             f"got shape {tuple(np.shape(attn_mask))}"
         )
     return mask
+
+
+def _on_device_contiguous(array):
+    return _cuda.is_device_array(array) and _cuda.as_device_array(array).is_c_contiguous()
+
+
+def _check_mask_dtype(dtype):
+    if dtype != np.bool_ and dtype.kind != "f" and not is_half(dtype):
+        raise DTypeError(
+            "attn_mask must be boolean (True = may attend) or floating (added to "
+            f"the scores), got dtype {dtype}"
+        )
+
+
+def _host_mask(attn_mask, dtype):
+    """A mask read on the host: boolean, or floating in ``dtype``."""
+    mask = host_array("attn_mask", _cuda.to_host(attn_mask))
+    if isinstance(attn_mask, list | tuple) and mask.dtype.kind in "iu":
+        # Nested lists read as every operand's do: numbers become float64 (here, an
+        # additive mask); booleans stay a boolean mask.
+        mask = mask.astype(np.float64)
+    _check_mask_dtype(mask.dtype)
+    return mask if mask.dtype == np.bool_ else _mask_in(mask, dtype)
 
 
 def _mask_in(mask, dtype):
@@ -451,14 +478,18 @@ def _mask_in(mask, dtype):
     if mask.dtype.itemsize >= dtype.itemsize:
         overflowed = np.isinf(cast) & np.isfinite(mask)
         if overflowed.any():
-            example = mask[overflowed].flat[0]
-            raise DTypeError(
-                f"attn_mask holds finite values beyond the range of {dtype}, the dtype the "
-                f"scores are computed in (for example {example:g}), which would become "
-                f"infinite there and forbid their pairs; forbid pairs with -inf or a boolean "
-                f"mask, keep shifts within {dtype}'s range, or compute in float64"
-            )
+            raise mask_overflow_error(mask[overflowed].flat[0], dtype)
     return cast
+
+
+def mask_overflow_error(example, dtype):
+    """The error for a floating mask whose finite ``example`` is infinite in ``dtype``."""
+    return DTypeError(
+        f"attn_mask holds finite values beyond the range of {dtype}, the dtype the "
+        f"scores are computed in (for example {example:g}), which would become "
+        f"infinite there and forbid their pairs; forbid pairs with -inf or a boolean "
+        f"mask, keep shifts within {dtype}'s range, or compute in float64"
+    )
 
 
 def output_gradient(problem, grad_output):
@@ -500,17 +531,6 @@ def saved_forward(problem, output, log_sum_exp):
             )
         saved.append(array if problem.backend == "cuda" else _cuda.to_host(array))
     return tuple(saved)
-
-
-def sum_to_shape(grad, shape):
-    """Sum a gradient over the dimensions its operand was broadcast along."""
-    if shape_of(grad) == shape:
-        return grad
-    grad = _cuda.to_host(grad)
-    leading = grad.ndim - len(shape)
-    grad = grad.sum(axis=tuple(range(leading)))
-    stretched = tuple(i for i, n in enumerate(shape) if n == 1 and grad.shape[i] != 1)
-    return grad.sum(axis=stretched, keepdims=True) if stretched else grad
 
 
 class HeadGroups(NamedTuple):
@@ -569,15 +589,17 @@ def group_query_heads(query, key, value, attn_mask):
     key = key.reshape((*key_shape[:-2], 1, *key_shape[-2:]))
     value = value.reshape((*value_shape[:-2], 1, *value_shape[-2:]))
     if attn_mask is not None:
-        attn_mask = host_array("attn_mask", _cuda.to_host(attn_mask))
-        if attn_mask.ndim >= 3:
-            mask_heads = attn_mask.shape[-3]
+        if not _on_device_contiguous(attn_mask):
+            attn_mask = host_array("attn_mask", _cuda.to_host(attn_mask))
+        mask_shape = shape_of(attn_mask)
+        if len(mask_shape) >= 3:
+            mask_heads = mask_shape[-3]
             if mask_heads not in (1, n_query_heads):
                 raise ShapeError(
                     f"attn_mask has {mask_heads} heads (third dimension from the end, shape "
-                    f"{attn_mask.shape}); with enable_gqa=True it must have 1 or the "
+                    f"{mask_shape}); with enable_gqa=True it must have 1 or the "
                     f"query's {n_query_heads}"
                 )
             split = (n_kv_heads, group) if mask_heads > 1 else (1, 1)
-            attn_mask = attn_mask.reshape((*attn_mask.shape[:-3], *split, *attn_mask.shape[-2:]))
+            attn_mask = attn_mask.reshape((*mask_shape[:-3], *split, *mask_shape[-2:]))
     return query, key, value, attn_mask, groups

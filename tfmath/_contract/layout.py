@@ -48,3 +48,17 @@ def as_batched_3d(array, batch_size):
     if not _cuda.is_device_array(array):
         array = np.ascontiguousarray(array)
     return array.reshape((batch_size, *shape_of(array)[-2:]))
+
+
+def sum_to_shape(grad, shape):
+    """``grad`` summed over the dimensions its operand (of ``shape``) was broadcast
+    along, with NumPy: the leading dimensions the operand lacks, and those where it has
+    1. The CPU and reference backends' ``sum_to_shape``; the CUDA one sums on the
+    device."""
+    grad = np.asarray(grad)
+    if grad.shape == tuple(shape):
+        return grad
+    leading = grad.ndim - len(shape)
+    grad = grad.sum(axis=tuple(range(leading)))
+    stretched = tuple(i for i, n in enumerate(shape) if n == 1 and grad.shape[i] != 1)
+    return grad.sum(axis=stretched, keepdims=True) if stretched else grad

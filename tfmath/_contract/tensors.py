@@ -2,8 +2,9 @@
 
 tfmath computes on NumPy arrays (and, on the GPU, Numba device arrays). A
 public function given a ``torch.Tensor`` reads the tensor's memory without a
-copy (``Tensor.numpy()`` on the CPU, bfloat16 through an int16 view and
-``ml_dtypes.bfloat16``; ``__cuda_array_interface__`` on the GPU), computes, and
+copy (``Tensor.numpy()`` on the CPU, ``__cuda_array_interface__`` on the GPU;
+bfloat16, which neither carries, through an int16 view as ``ml_dtypes.bfloat16``),
+computes, and
 wraps its results back as tensors on the tensor's device (``torch.from_numpy``,
 again without a copy). Tensors that require gradients go through a
 ``torch.autograd.Function`` whose backward is tfmath's own (:func:`differentiable`).
@@ -70,14 +71,12 @@ def to_array(name, tensor):
     device = tensor.device.type
     if device == "cuda":
         if tensor.dtype is torch.bfloat16:
-            # CUDA arrays share no bfloat16 with Numba: only the short path of plain
-            # calls (plain_cuda_call) reads such tensors, by their addresses.
-            raise DTypeError(
-                f"{name} is a bfloat16 CUDA tensor, which tfmath computes only in the "
-                "tensor-core forward: heads of 64 or 128 features, keys and values as "
-                "wide, no mask, no GQA, the output alone, no gradient; otherwise pass "
-                f"{name}.half() or {name}.float()"
-            )
+            # No CUDA array interface carries bfloat16: the tensor's 16-bit words are
+            # read as int16 and viewed as ml_dtypes.bfloat16 (as on the CPU).
+            import ml_dtypes
+
+            words = _cuda.as_device_array(tensor.view(torch.int16))
+            return words.view(ml_dtypes.bfloat16)
         return _cuda.as_device_array(tensor)
     if device != "cpu":
         raise DTypeError(
@@ -209,6 +208,9 @@ def to_tensor(array, device):
     strides allow (torch has no negative strides)."""
     torch = sys.modules["torch"]
     if _cuda.is_device_array(array):
+        if array.dtype.kind == "V" and array.dtype.name == "bfloat16":
+            words = torch.as_tensor(array.view(np.int16), device=device)
+            return words.view(torch.bfloat16)
         return torch.as_tensor(array, device=device)
     array = np.asarray(array)
     if min(array.strides, default=0) < 0 or not array.flags.writeable:

@@ -16,7 +16,7 @@ import math
 import numpy as np
 
 from tfmath import _cuda
-from tfmath._contract.attention import dense_additive_mask
+from tfmath.kernels.cuda.masks import dense_bias
 
 cuda = _cuda.numba_cuda()
 
@@ -197,7 +197,7 @@ def naive_attention(problem):
     out = _cuda.device_empty((n_batch, problem.n_query, problem.value_dim), dtype)
     weights_shape = (n_batch, problem.n_query, problem.n_key)
     weights = _cuda.device_empty(weights_shape if problem.return_weights else (1, 0, 0), dtype)
-    mask = dense_additive_mask(mask, problem.n_query, problem.n_key, dtype)
+    mask = dense_bias(mask, problem.n_query, problem.n_key, dtype)
     if mask is None:
         mask = np.empty((1, 0, 0), dtype=dtype)
     blocks = n_batch * ((problem.n_query + rows - 1) // rows)

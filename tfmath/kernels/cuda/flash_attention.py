@@ -37,10 +37,10 @@ from typing import NamedTuple
 import numpy as np
 
 from tfmath import _cuda, _cuda_switches
-from tfmath._contract.attention import dense_additive_mask
 from tfmath._contract.checks import is_half
 from tfmath.kernels.cuda import half
 from tfmath.kernels.cuda.attention import SHARED_MEMORY_BYTES
+from tfmath.kernels.cuda.masks import dense_bias
 
 cuda = _cuda.numba_cuda()
 
@@ -582,7 +582,7 @@ def _launch(build, shared_elements, problem, n_batch, n_rows, *args):
 
 
 def _mask_or_empty(mask, problem):
-    mask = dense_additive_mask(mask, problem.n_query, problem.n_key, problem.dtype)
+    mask = dense_bias(mask, problem.n_query, problem.n_key, problem.dtype)
     return np.empty((1, 0, 0), dtype=problem.dtype) if mask is None else mask
 
 

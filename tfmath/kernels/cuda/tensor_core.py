@@ -44,7 +44,7 @@ from typing import NamedTuple
 import numpy as np
 
 from tfmath import _cuda, _cuda_switches
-from tfmath._contract.attention import dense_additive_mask
+from tfmath.kernels.cuda.masks import dense_bias
 
 cuda = _cuda.numba_cuda()
 
@@ -433,8 +433,8 @@ def _problem_bias(problem):
     """The kernel operands of ``problem`` with its mask as one flat float32 row of biases
     per mask batch entry on the device (None without a mask)."""
     query, key, value, mask, index = problem.kernel_operands()
-    mask = dense_additive_mask(mask, problem.n_query, problem.n_key, np.float32)
-    mask = None if mask is None else _cuda.to_device(_cuda.to_host(mask).reshape(-1))
+    mask = dense_bias(mask, problem.n_query, problem.n_key, np.float32)
+    mask = None if mask is None else mask.reshape(mask.size)
     return query, key, value, mask, index
 
 
@@ -448,7 +448,6 @@ def flash_attention(problem):
     bits = bits.reshape(problem.output_shape())
     log_sum_exp = log_sum_exp.reshape((*problem.batch_shape, problem.n_query))
     if problem.on_device:
-        # Device operands are float16 (no CUDA array shares bfloat16 with Numba).
         return bits.view(problem.dtype), log_sum_exp
     return bits.copy_to_host().view(problem.dtype), log_sum_exp.copy_to_host()
 
