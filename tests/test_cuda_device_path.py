@@ -166,3 +166,59 @@ def test_an_empty_batch_sums_to_zeros():
 
     summed = broadcast.sum_to_shape(_cuda.to_device(np.ones((0, 3, 2))), (1, 3, 2))
     np.testing.assert_array_equal(summed.copy_to_host(), np.zeros((1, 3, 2)))
+
+
+# --- streams ----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """The stream of every kernel launch on the simulator (None: launched without one),
+    with ``_cuda.stream_of`` giving a simulator stream for any handle (the simulator has
+    no external streams)."""
+    cuda = _cuda.numba_cuda()
+    from numba.cuda.simulator.kernel import FakeCUDAKernel
+
+    side = cuda.stream()
+    monkeypatch.setattr(
+        _cuda, "stream_of", lambda handle: side if handle else cuda.default_stream()
+    )
+    recorded = []
+    original = FakeCUDAKernel.__getitem__
+
+    def recording(self, configuration):
+        recorded.append(configuration[2] if len(configuration) > 2 else None)
+        return original(self, configuration)
+
+    monkeypatch.setattr(FakeCUDAKernel, "__getitem__", recording)
+    return side, recorded
+
+
+def test_every_kernel_launches_on_the_callers_stream(launches):
+    """Within ``launching_on`` (set to torch's current stream for CUDA tensors) every
+    CUDA routine launches its kernels on that stream, none on the default stream, which
+    a side stream created by torch does not wait for."""
+    side, recorded = launches
+    rng = np.random.default_rng(4)
+
+    def device(*shape, dtype=np.float32):
+        return _cuda.to_device(rng.standard_normal(shape).astype(dtype))
+
+    q = device(2, 2, 5, 4, dtype=np.float16)
+    k, v = (device(2, 1, 6, 4, dtype=np.float16) for _ in "kv")
+    mask = _cuda.to_device(rng.random((2, 1, 5, 6)) > 0.3)
+    x = device(2, 5, 4)
+    with _cuda.launching_on(1234):
+        output = tfmath.scaled_dot_product_attention(q, k, v, attn_mask=mask, backend="cuda")
+        tfmath.attention_grad(q, k, v, output, attn_mask=mask, backend="cuda")
+        tfmath.scaled_dot_product_attention(x, x, x, method="naive", backend="cuda")
+        tfmath.softmax(x, backend="cuda")
+        tfmath.linear_attention(x, x, x, backend="cuda")
+        tfmath.sparse_attention(x, x, x, pattern="local", window=2, backend="cuda")
+        tfmath.rotary_embedding(x, backend="cuda")
+        tfmath.sinusoidal_encoding(5, 4, backend="cuda")
+        tfmath.alibi_bias(2, 3, 3, backend="cuda")
+        tfmath.softmax_row_statistics(x.copy_to_host()[0], backend="cuda")
+        tfmath.layer_norm(x, np.ones(4, np.float32), np.zeros(4, np.float32), backend="cuda")
+    assert len(recorded) >= 12
+    assert all(stream is side for stream in recorded), recorded

@@ -9,6 +9,7 @@ kernels stage tiles in shared memory and keep their micro-tiles in registers,
 and the half-precision forward multiplies on the tensor cores.
 """
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -366,7 +367,8 @@ def test_cuda_tensors_take_the_short_path_with_the_general_paths_bits(format_nam
 def test_half_cuda_tensors_with_masks_gqa_and_gradients_stay_on_the_gpu(format_name, head_dim):
     """On a GPU only: CUDA tensors of either format, any head (32: the widened kernels;
     64: the tensor cores), with a key-padding mask on the GPU, grouped-query heads and
-    autograd, give CUDA tensors of their format within rounding of the CPU's results."""
+    autograd, on a side stream, give CUDA tensors of their format within rounding of the
+    CPU's results."""
     torch = _torch_on_a_gpu()
     dtype = getattr(torch, format_name)
     generator = torch.Generator().manual_seed(11)
@@ -378,10 +380,19 @@ def test_half_cuda_tensors_with_masks_gqa_and_gradients_stay_on_the_gpu(format_n
     results = {}
     for device in ("cpu", "cuda"):
         q, k, v = (t.to(device).requires_grad_() for t in host)
-        output = tfmath.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask.to(device), enable_gqa=True
-        )
-        output.backward(grad.to(device))
+        on_device_mask, on_device_grad = mask.to(device), grad.to(device)
+        # On a side stream, which does not wait for the default stream: tfmath's kernels
+        # must launch on it (the inputs were made on the default stream, hence the wait).
+        side = torch.cuda.Stream() if device == "cuda" else None
+        if side is not None:
+            side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            output = tfmath.scaled_dot_product_attention(
+                q, k, v, attn_mask=on_device_mask, enable_gqa=True
+            )
+            output.backward(on_device_grad)
+        if side is not None:
+            torch.cuda.current_stream().wait_stream(side)
         results[device] = [output.detach(), q.grad, k.grad, v.grad]
     tolerance = {"float16": 5e-3, "bfloat16": 3e-2}[format_name]
     for on_gpu, on_cpu in zip(results["cuda"], results["cpu"], strict=True):

@@ -7,10 +7,13 @@ asks for it: ``import tfmath`` works, and stays fast, on machines without a GPU.
 
 Launch conventions shared by every CUDA kernel live here too: the Numba type
 of each dtype (:func:`numba_dtype`), the block size of one-dimensional
-launches (:data:`THREADS_PER_BLOCK`, :func:`launch_shape`), and the
-transfers between host and device (:func:`to_device`, :func:`to_host`).
+launches (:data:`THREADS_PER_BLOCK`, :func:`launch_shape`), the stream they
+launch on (:func:`stream`, :func:`launching_on`), and the transfers between host
+and device (:func:`to_device`, :func:`to_host`).
 """
 
+import contextlib
+import contextvars
 import functools
 import os
 import sys
@@ -154,22 +157,69 @@ def as_device_array(array):
     return cuda.as_cuda_array(array)
 
 
+#: The handle of the CUDA stream that kernels launch on, where a caller set one
+#: (:func:`launching_on`); None: Numba's default stream.
+_STREAM_HANDLE = contextvars.ContextVar("tfmath_cuda_stream", default=None)
+
+
+@contextlib.contextmanager
+def launching_on(handle):
+    """Within the block, every kernel launches, and every copy is ordered, on the CUDA
+    stream ``handle`` (a ``cudaStream_t`` as an integer; 0: the default stream).
+
+    The public functions set it to torch's current stream for CUDA tensors, so that a
+    call is ordered with the caller's work on that stream, as PyTorch's own operators
+    are: a side stream created by torch does not wait for the default stream, and
+    kernels launched there would otherwise race the work that made their inputs.
+    """
+    token = _STREAM_HANDLE.set(handle)
+    try:
+        yield
+    finally:
+        _STREAM_HANDLE.reset(token)
+
+
+def stream():
+    """The Numba stream kernels launch on here: the one :func:`launching_on` set, else
+    Numba's default stream."""
+    return stream_of(_STREAM_HANDLE.get())
+
+
+@functools.lru_cache(maxsize=32)
+def stream_of(handle):
+    """Numba's view of the CUDA stream ``handle`` (0 or None: the default stream)."""
+    cuda = numba_cuda()
+    return cuda.external_stream(handle) if handle else cuda.default_stream()
+
+
 def to_device(array):
-    """Copy a host array to the device (a device array is returned as it is).
+    """Copy a host array to the device (a device array is returned as it is), on
+    :func:`stream`.
 
     A strided host view is made contiguous first: the driver copies one memory
     region (the simulator accepts any view, so only a real GPU would notice).
     """
     if is_device_array(array):
         return as_device_array(array)
-    return numba_cuda().to_device(np.ascontiguousarray(array))
+    handle = _STREAM_HANDLE.get()
+    contiguous = np.ascontiguousarray(array)
+    if not handle:
+        return numba_cuda().to_device(contiguous)
+    return numba_cuda().to_device(contiguous, stream=stream_of(handle))
 
 
 def to_host(array):
-    """Copy a device array to a host NumPy array (a host array is returned as it is)."""
-    if is_device_array(array):
+    """Copy a device array to a host NumPy array (a host array is returned as it is),
+    after the work on :func:`stream` that came before it."""
+    if not is_device_array(array):
+        return array
+    handle = _STREAM_HANDLE.get()
+    if not handle:
         return as_device_array(array).copy_to_host()
-    return array
+    ordered = stream_of(handle)
+    host = as_device_array(array).copy_to_host(stream=ordered)
+    ordered.synchronize()
+    return host
 
 
 def device_empty(shape, dtype):

@@ -14,6 +14,7 @@ if torch has been imported already, so :func:`any_tensor` looks it up in
 ``sys.modules``, a dictionary lookup when it is absent.
 """
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -272,11 +273,21 @@ def call_with_arrays(function, name, args, kwargs, autograd=None, reads_outputs=
         )
     device = _first_device(values)
     names = _parameter_names(function, len(args))
-    result = function(
-        *(_unwrap(name, value) for name, value in zip(names, args, strict=True)),
-        **{key: _unwrap(key, value) for key, value in kwargs.items()},
-    )
+    with on_torch_stream(device):
+        result = function(
+            *(_unwrap(name, value) for name, value in zip(names, args, strict=True)),
+            **{key: _unwrap(key, value) for key, value in kwargs.items()},
+        )
     return _wrap_results(result, device)
+
+
+def on_torch_stream(device):
+    """For a CUDA ``device``: kernels launch on torch's current stream there, as torch's
+    own operators do (:func:`tfmath._cuda.launching_on`); for the CPU, nothing."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    torch = sys.modules["torch"]
+    return _cuda.launching_on(torch.cuda.current_stream(device).cuda_stream)
 
 
 def _parameter_names(function, count):
@@ -427,7 +438,8 @@ def _function_class():
         def forward(ctx, rule, names, *inputs):
             device = _first_device(inputs)
             arrays = [_unwrap(name, value) for name, value in zip(names, inputs, strict=True)]
-            outputs, saved = rule.forward(*arrays)
+            with on_torch_stream(device):
+                outputs, saved = rule.forward(*arrays)
             results = tuple(to_tensor(output, device) for output in outputs)
             # The inputs (and outputs the backward reads) are saved as tensors, so that
             # torch's version counters catch an in-place change between the forward and
@@ -440,10 +452,12 @@ def _function_class():
         @staticmethod
         def backward(ctx, *grad_outputs):
             saved = ctx.saved_tensors  # raises if an input was changed in place
-            grads = ctx.rule.backward(
-                ctx.saved,
-                *(None if g is None else _unwrap("grad_output", g) for g in grad_outputs),
-            )
+            # Autograd runs a backward on the stream its forward ran on.
+            with on_torch_stream(ctx.device):
+                grads = ctx.rule.backward(
+                    ctx.saved,
+                    *(None if g is None else _unwrap("grad_output", g) for g in grad_outputs),
+                )
             # Only inputs that are tensors needing a gradient get one (NumPy arrays mixed
             # with tensors, a weight without requires_grad, get None).
             wanted = ctx.needs_input_grad[2:]

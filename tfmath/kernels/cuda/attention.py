@@ -170,8 +170,9 @@ def softmax(x):
     device_x = _cuda.to_device(x)
     out = _cuda.device_empty(device_x.shape, device_x.dtype)
     blocks, threads = _cuda.launch_shape(device_x.shape[0])
-    _softmax_kernel(_cuda.numba_dtype(np.dtype(device_x.dtype)))[blocks, threads](device_x, out)
-    return out if on_device else out.copy_to_host()
+    kernel = _softmax_kernel(_cuda.numba_dtype(np.dtype(device_x.dtype)))
+    kernel[blocks, threads, _cuda.stream()](device_x, out)
+    return out if on_device else _cuda.to_host(out)
 
 
 def _rows_per_block(problem):
@@ -203,7 +204,7 @@ def naive_attention(problem):
     blocks = n_batch * ((problem.n_query + rows - 1) // rows)
     if blocks > 0:
         shared_bytes = rows * (key.shape[2] + value.shape[2]) * dtype.itemsize
-        _attention_kernel(_cuda.numba_dtype(dtype))[blocks, rows, 0, shared_bytes](
+        _attention_kernel(_cuda.numba_dtype(dtype))[blocks, rows, _cuda.stream(), shared_bytes](
             _cuda.to_device(query),
             _cuda.to_device(key),
             _cuda.to_device(value),
@@ -218,4 +219,4 @@ def naive_attention(problem):
     weights = weights.reshape(problem.weights_shape()) if problem.return_weights else None
     if problem.on_device:
         return out, weights
-    return out.copy_to_host(), (None if weights is None else weights.copy_to_host())
+    return _cuda.to_host(out), (None if weights is None else _cuda.to_host(weights))

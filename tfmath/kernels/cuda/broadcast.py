@@ -65,5 +65,6 @@ def sum_to_shape(grad, shape):
     out = _cuda.device_empty((sources.shape[0], width), grad.dtype)
     if out.size:
         flat = grad.reshape((math.prod(grad_shape[:-2]), width))
-        _sum_kernel()[_cuda.launch_shape(out.size)](flat, _cuda.to_device(sources), out)
+        blocks, threads = _cuda.launch_shape(out.size)
+        _sum_kernel()[blocks, threads, _cuda.stream()](flat, _cuda.to_device(sources), out)
     return out.reshape(shape)

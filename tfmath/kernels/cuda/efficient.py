@@ -43,7 +43,7 @@ def _device_operands(problem):
 
 def _finish(problem, out):
     out = out.reshape(problem.output_shape())
-    return out if problem.on_device else out.copy_to_host()
+    return out if problem.on_device else _cuda.to_host(out)
 
 
 # --- sparse attention ---------------------------------------------------------------------
@@ -108,7 +108,7 @@ def sparse_attention(problem, pattern):
     n_threads = index.shape[0] * problem.n_query
     if n_threads:
         blocks, threads = _cuda.launch_shape(n_threads)
-        _sparse_kernel(_cuda.numba_dtype(dtype))[blocks, threads](
+        _sparse_kernel(_cuda.numba_dtype(dtype))[blocks, threads, _cuda.stream()](
             query, key, value, index, code, window, stride, block_size,
             _cuda.to_device(row_starts), _cuda.to_device(key_blocks), problem.is_causal,
             dtype.type(problem.scale), out,
@@ -206,14 +206,18 @@ def linear_attention(problem, feature_code, eps):
         column = _cuda.device_empty((n_batch, n_values, n_features), np.float64)
         normaliser = _cuda.device_empty((n_batch, n_values, n_features), np.float64)
         blocks, threads = _cuda.launch_shape(n_batch * n_values)
-        _causal_kernel[blocks, threads](
+        _causal_kernel[blocks, threads, _cuda.stream()](
             query, key, value, index, feature_code, eps, column, normaliser, out
         )
         return _finish(problem, out)
     state = _cuda.device_empty((n_batch, n_features, n_values), np.float64)
     normaliser = _cuda.device_empty((n_batch, n_features), np.float64)
     blocks, threads = _cuda.launch_shape(n_batch * n_features * (n_values + 1))
-    _global_state_kernel[blocks, threads](key, value, index, feature_code, state, normaliser)
+    _global_state_kernel[blocks, threads, _cuda.stream()](
+        key, value, index, feature_code, state, normaliser
+    )
     blocks, threads = _cuda.launch_shape(n_batch * problem.n_query * n_values)
-    _global_output_kernel[blocks, threads](query, index, feature_code, eps, state, normaliser, out)
+    _global_output_kernel[blocks, threads, _cuda.stream()](
+        query, index, feature_code, eps, state, normaliser, out
+    )
     return _finish(problem, out)

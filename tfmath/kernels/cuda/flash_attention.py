@@ -578,7 +578,8 @@ def _launch(build, shared_elements, problem, n_batch, n_rows, *args):
     n_blocks = n_batch * math.ceil(n_rows / tiles.block_rows)
     shared_bytes = shared_elements(tiles, n_features, n_values) * dtype.itemsize
     if n_blocks > 0:
-        kernel[n_blocks, (tiles.col_threads, tiles.row_threads), 0, shared_bytes](*args)
+        threads = (tiles.col_threads, tiles.row_threads)
+        kernel[n_blocks, threads, _cuda.stream(), shared_bytes](*args)
 
 
 def _mask_or_empty(mask, problem):
@@ -627,7 +628,7 @@ def flash_attention(problem):
     log_sum_exp = log_sum_exp.reshape((*problem.batch_shape, problem.n_query))
     if problem.on_device:
         return out, log_sum_exp
-    return out.copy_to_host(), log_sum_exp.copy_to_host()
+    return _cuda.to_host(out), _cuda.to_host(log_sum_exp)
 
 
 def _tensor_cores_serve(problem):
@@ -712,4 +713,4 @@ def attention_grad(problem, grad_output, saved=None):
         grad_key.reshape((*batch, n_key, E)),
         grad_value.reshape((*batch, n_key, Ev)),
     )
-    return grads if problem.on_device else tuple(g.copy_to_host() for g in grads)
+    return grads if problem.on_device else tuple(_cuda.to_host(g) for g in grads)

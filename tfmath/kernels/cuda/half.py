@@ -76,7 +76,8 @@ def _bfloat16_round_kernel():
 
 def _launch_flat(kernel, source, out):
     if out.size:
-        kernel()[_cuda.launch_shape(out.size)](source, out)
+        blocks, threads = _cuda.launch_shape(out.size)
+        kernel()[blocks, threads, _cuda.stream()](source, out)
 
 
 def _convert_on_device(array, dtype):

@@ -25,7 +25,7 @@ def _launch(kernel, n_threads, *args):
     if n_threads == 0:
         return
     blocks, threads = _cuda.launch_shape(n_threads)
-    kernel[blocks, threads](*args)
+    kernel[blocks, threads, _cuda.stream()](*args)
 
 
 class _Transfer:
@@ -44,7 +44,7 @@ class _Transfer:
     def outputs(self, *arrays):
         if self.on_device:
             return arrays
-        return tuple(a.copy_to_host() for a in arrays)
+        return tuple(_cuda.to_host(a) for a in arrays)
 
 
 @cuda.jit

@@ -76,7 +76,7 @@ def dense_bias(mask, n_query, n_key, dtype):
     n_biases = mask.shape[0] * n_query * n_key
     out = _cuda.device_empty(n_biases, dtype)
     if n_biases:
-        shape = _cuda.launch_shape(n_biases)
+        shape = (*_cuda.launch_shape(n_biases), _cuda.stream())
         if mask.dtype == np.bool_:
             _boolean_kernel()[shape](mask, n_query, n_key, out)
         else:
@@ -91,8 +91,8 @@ def _expand_floating(mask, n_query, n_key, out, shape):
     _floating_kernel()[shape](mask, n_query, n_key, out, overflowed)
     if mask.dtype.itemsize > out.dtype.itemsize:
         # Only a narrowing cast can overflow; reading the flag waits for the kernel.
-        i = int(overflowed.copy_to_host()[0])
+        i = int(_cuda.to_host(overflowed)[0])
         if i >= 0:
             m, row, col = _position(i, n_query, n_key, mask)
-            example = mask[m : m + 1, row : row + 1, col : col + 1].copy_to_host()
+            example = _cuda.to_host(mask[m : m + 1, row : row + 1, col : col + 1])
             raise mask_overflow_error(example.flat[0], out.dtype)

@@ -49,10 +49,10 @@ def sinusoidal_encoding(n_positions, d_model, offset, table, dtype):
     n_threads = n_positions * table.n_pairs
     if n_threads:
         blocks, threads = _cuda.launch_shape(n_threads)
-        _sinusoidal_kernel[blocks, threads](
+        _sinusoidal_kernel[blocks, threads, _cuda.stream()](
             np.int64(offset), _cuda.to_device(table.halves), _cuda.to_device(table.remainder), out
         )
-    return out.copy_to_host()
+    return _cuda.to_host(out)
 
 
 @functools.cache
@@ -84,14 +84,15 @@ def rotary_embedding(x, positions, table):
     n_threads = n_batch * n_rows * (n_features // 2)
     if n_threads:
         blocks, threads = _cuda.launch_shape(n_threads)
-        _rotary_kernel(_cuda.numba_dtype(np.dtype(device_x.dtype)))[blocks, threads](
+        kernel = _rotary_kernel(_cuda.numba_dtype(np.dtype(device_x.dtype)))
+        kernel[blocks, threads, _cuda.stream()](
             device_x,
             _cuda.to_device(positions),
             _cuda.to_device(table.halves),
             _cuda.to_device(table.remainder),
             out,
         )
-    return out if on_device else out.copy_to_host()
+    return out if on_device else _cuda.to_host(out)
 
 
 @cuda.jit
@@ -112,8 +113,8 @@ def alibi_bias(slopes, n_query, n_key):
     n_threads = slopes.shape[0] * n_query * n_key
     if n_threads:
         blocks, threads = _cuda.launch_shape(n_threads)
-        _alibi_kernel[blocks, threads](_cuda.to_device(slopes), out)
-    return out.copy_to_host()
+        _alibi_kernel[blocks, threads, _cuda.stream()](_cuda.to_device(slopes), out)
+    return _cuda.to_host(out)
 
 
 @cuda.jit
@@ -143,7 +144,7 @@ def embed(tokens, embedding_matrix, positional, scale):
     n_threads = n_batch * n_rows * d_model
     if n_threads:
         blocks, threads = _cuda.launch_shape(n_threads)
-        _embed_kernel[blocks, threads](
+        _embed_kernel[blocks, threads, _cuda.stream()](
             _cuda.to_device(tokens),
             _cuda.to_device(embedding_matrix),
             _cuda.to_device(positional),
@@ -151,7 +152,7 @@ def embed(tokens, embedding_matrix, positional, scale):
             scale,
             out,
         )
-    return out.copy_to_host()
+    return _cuda.to_host(out)
 
 
 @cuda.jit
@@ -171,13 +172,13 @@ def offset_distances(first_offset, n_offsets, table):
     out = _cuda.device_empty((n_offsets,), np.float64)
     if n_offsets:
         blocks, threads = _cuda.launch_shape(n_offsets)
-        _offset_distance_kernel[blocks, threads](
+        _offset_distance_kernel[blocks, threads, _cuda.stream()](
             np.int64(first_offset),
             _cuda.to_device(table.halves),
             _cuda.to_device(table.remainder),
             out,
         )
-    return out.copy_to_host()
+    return _cuda.to_host(out)
 
 
 @cuda.jit
@@ -211,7 +212,7 @@ def min_pairwise_distance(points):
     best = _cuda.device_empty((n,), np.float64)
     best_q = _cuda.device_empty((n,), np.int64)
     blocks, threads = _cuda.launch_shape(n)
-    _row_minimum_kernel[blocks, threads](_cuda.to_device(points), best, best_q)
-    best, best_q = best.copy_to_host(), best_q.copy_to_host()
+    _row_minimum_kernel[blocks, threads, _cuda.stream()](_cuda.to_device(points), best, best_q)
+    best, best_q = _cuda.to_host(best), _cuda.to_host(best_q)
     p = int(np.argmin(best))
     return float(np.sqrt(best[p])), p, int(best_q[p])

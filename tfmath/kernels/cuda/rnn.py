@@ -65,4 +65,4 @@ def elman_rnn(problem):
             states,
         )
     states = states.reshape(problem.output_shape())
-    return states if problem.on_device else states.copy_to_host()
+    return states if problem.on_device else _cuda.to_host(states)

@@ -390,14 +390,8 @@ def _identity_index(n_batch):
     return _device_index(index.tobytes(), n_batch)
 
 
-@functools.cache
-def _stream(handle):
-    """Numba's view of the CUDA stream ``handle`` (0: the default stream)."""
-    return cuda.external_stream(handle) if handle else cuda.default_stream()
-
-
 def launch(problem, warps=None, max_registers=None):
-    """The kernel, its grid, its block, its arguments and the arrays they point to for
+    """The kernel, its launch (grid, block, stream), its arguments and the arrays they point to for
     ``problem`` (the outputs last: the output's 16-bit patterns and the log-sum-exp),
     with every operand on the device: what :func:`flash_attention` launches. Without
     ``warps`` per block, the head size's :data:`BLOCK_SHAPES` gives them and the register
@@ -419,7 +413,7 @@ def launch(problem, warps=None, max_registers=None):
         index, problem.n_query, problem.n_key, bool(problem.is_causal),
         np.float32(problem.scale), address(out), address(log_sum_exp),
     )  # fmt: skip
-    return kernel, (n_blocks, 32 * warps), arguments, arrays
+    return kernel, (n_blocks, 32 * warps, _cuda.stream()), arguments, arrays
 
 
 def _on_device(array):
@@ -449,7 +443,7 @@ def flash_attention(problem):
     log_sum_exp = log_sum_exp.reshape((*problem.batch_shape, problem.n_query))
     if problem.on_device:
         return bits.view(problem.dtype), log_sum_exp
-    return bits.copy_to_host().view(problem.dtype), log_sum_exp.copy_to_host()
+    return _cuda.to_host(bits).view(problem.dtype), _cuda.to_host(log_sum_exp)
 
 
 def plain_forward(format_name, shape, key_rows, addresses, is_causal, scale, stream):
@@ -467,7 +461,7 @@ def plain_forward(format_name, shape, key_rows, addresses, is_causal, scale, str
     kernel = _forward_kernel(format_name, head_dim, warps, max_registers)
     query, key, value, out = addresses
     n_blocks = n_batch * ((n_query + 16 * warps - 1) // (16 * warps))
-    kernel[n_blocks, 32 * warps, _stream(stream)](
+    kernel[n_blocks, 32 * warps, _cuda.stream_of(stream)](
         query, key, value, 0, _identity_index(n_batch), n_query, key_rows, is_causal,
         np.float32(scale), out, 0,
     )  # fmt: skip
@@ -488,8 +482,9 @@ def finite(array, dtype):
     words = array.reshape(array.size).view(np.uint16)
     found = _cuda.to_device(np.zeros(1, np.int32))
     if array.size:
-        _non_finite_kernel()[_cuda.launch_shape(array.size)](words, exponent, found)
-    return int(found.copy_to_host()[0]) == 0
+        blocks, threads = _cuda.launch_shape(array.size)
+        _non_finite_kernel()[blocks, threads, _cuda.stream()](words, exponent, found)
+    return int(_cuda.to_host(found)[0]) == 0
 
 
 @functools.cache
@@ -538,11 +533,11 @@ def attention_grad(problem, grad_output, saved=None, max_registers=None):
     block_rows = 16 * BACKWARD_WARPS[head_dim]
     bias = 0 if mask is None else address(mask)
     common = (index, n_query, n_key, bool(problem.is_causal), np.float32(problem.scale))
-    query_kernel[n_batch * math.ceil(n_query / block_rows), threads](
+    query_kernel[n_batch * math.ceil(n_query / block_rows), threads, _cuda.stream()](
         address(query), address(key), address(value), address(out), address(grad_out),
         address(log_sum_exp), bias, *common, address(grad_query), address(delta),
     )  # fmt: skip
-    key_kernel[n_batch * math.ceil(n_key / block_rows), threads](
+    key_kernel[n_batch * math.ceil(n_key / block_rows), threads, _cuda.stream()](
         address(query), address(key), address(value), address(grad_out),
         address(log_sum_exp), address(delta), bias, *common, address(grad_key),
         address(grad_value),
@@ -553,7 +548,7 @@ def attention_grad(problem, grad_output, saved=None, max_registers=None):
         grad_key.reshape((*batch, n_key, head_dim)),
         grad_value.reshape((*batch, n_key, head_dim)),
     )
-    return grads if problem.on_device else tuple(g.copy_to_host() for g in grads)
+    return grads if problem.on_device else tuple(_cuda.to_host(g) for g in grads)
 
 
 def _in_format(array, dtype):

@@ -177,7 +177,7 @@ def score_samples(problem):
     out = _cuda.device_empty((problem.n_rows, problem.n_keys), np.float64)
     blocks, threads = _cuda.launch_shape(problem.n_rows)
     with _wrapping_uint64():
-        _scores_kernel[blocks, threads](
+        _scores_kernel[blocks, threads, _cuda.stream()](
             states,
             np.uint64(problem.stream_base()),
             problem.kind,
@@ -187,7 +187,7 @@ def score_samples(problem):
             problem.own_weight,
             out,
         )
-    return out.copy_to_host()
+    return _cuda.to_host(out)
 
 
 @functools.cache
@@ -242,7 +242,7 @@ def softmax_row_statistics(scores, scale):
     out = _cuda.device_empty((3, device_scores.shape[0]), dtype)
     if device_scores.shape[0] > 0:
         blocks, threads = _cuda.launch_shape(device_scores.shape[0])
-        _row_statistics_kernel(_cuda.numba_dtype(dtype))[blocks, threads](
+        _row_statistics_kernel(_cuda.numba_dtype(dtype))[blocks, threads, _cuda.stream()](
             device_scores, dtype.type(scale), out
         )
-    return out if on_device else out.copy_to_host()
+    return out if on_device else _cuda.to_host(out)
