@@ -18,7 +18,7 @@ import numpy as np
 
 from tfmath import _cuda
 from tfmath._contract.backend import auto_stays_on_host
-from tfmath.errors import AllocationError, ArgumentError, DTypeError, ShapeError
+from tfmath.errors import AllocationError, ArgumentError, DTypeError, LayoutError, ShapeError
 
 #: The floating dtypes the kernels are compiled for.
 KERNEL_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
@@ -170,6 +170,16 @@ def float_operand(name, value, *, half=False):
     if _cuda.is_device_array(value):
         array = _cuda.as_device_array(value)
         _check_dtype(name, np.dtype(array.dtype), half)
+        if not array.is_c_contiguous():
+            # The CUDA backend flattens batch dimensions as views, which a strided
+            # device array cannot give without a copy (a real GPU's Numba refuses;
+            # the simulator's host arrays would copy silently).
+            raise LayoutError(
+                f"{name} is a strided device array (shape {tuple(array.shape)}, strides "
+                f"{tuple(array.strides)} bytes); the CUDA kernels read C-contiguous device "
+                f"arrays: pass a contiguous copy, such as cupy.ascontiguousarray({name}) "
+                "(CUDA tensors are made contiguous by tfmath itself)"
+            )
         return array
     array = host_array(name, value)
     if not isinstance(value, np.ndarray | np.generic) and array.dtype.kind in "biu":

@@ -56,9 +56,11 @@ def needs_grad(*values):
 def to_array(name, tensor):
     """The tensor's data as a NumPy array (CPU) or Numba device array (CUDA), without a copy.
 
-    Strides carry over as they are; the kernels' own layout rules decide later
-    whether a contiguous copy is needed, exactly as for a NumPy view. A tensor of
-    another layout (sparse, MKL-DNN) is refused as such, naming its layout.
+    On the CPU strides carry over as they are; the kernels' own layout rules decide
+    later whether a contiguous copy is needed, exactly as for a NumPy view. A strided
+    CUDA tensor is copied contiguous on the device (the CUDA kernels read contiguous
+    arrays). A tensor of another layout (sparse, MKL-DNN) is refused as such, naming
+    its layout.
     """
     torch = sys.modules["torch"]
     if tensor.layout is not torch.strided:
@@ -71,6 +73,10 @@ def to_array(name, tensor):
         tensor = tensor.resolve_conj().resolve_neg()
     device = tensor.device.type
     if device == "cuda":
+        # A strided tensor (heads transposed out of (batch, L, heads, E), say) is copied
+        # contiguous by torch, on the device and its current stream, as the CUDA kernels
+        # read C-contiguous arrays; PyTorch's own attention takes any strides.
+        tensor = tensor.contiguous()
         if tensor.dtype is torch.bfloat16:
             # No CUDA array interface carries bfloat16: the tensor's 16-bit words are
             # read as int16 and viewed as ml_dtypes.bfloat16 (as on the CPU).

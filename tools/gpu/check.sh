@@ -67,7 +67,8 @@ echo "backward: exit ${PIPESTATUS[0]}"
 # step 3 checks random inputs too.
 echo "== CUDA tests on the GPU"
 timeout 120 "$PYTHON" -m pytest -q -m cuda \
-    -p no:cacheprovider tests/test_cuda_flash.py tests/test_attention.py \
+    -p no:cacheprovider tests/test_cuda_device_path.py tests/test_cuda_flash.py \
+    tests/test_attention.py \
     tests/test_half_precision.py 2>&1 | tee "$OUT/tests.txt" | tail -15
 echo "tests: exit ${PIPESTATUS[0]}"
 
