@@ -79,7 +79,10 @@ def test_tensor_core_kernel_takes_the_heads_its_tiles_hold():
     assert not tensor_core.supports(problem(np.float16, 96, 96))  # 12 chunks a row
     assert not tensor_core.supports(problem(np.float16, 256, 256))  # tiles too large
     assert not tensor_core.supports(problem(np.float16, 64, 32))  # Ev unlike E
-    assert not tensor_core.supports(problem(np.float32, 64, 64))
+    # float32: TF32, heads of 64 only (at 128 its tiles would need 96 KiB).
+    assert tensor_core.supports(problem(np.float32, 64, 64))
+    assert not tensor_core.supports(problem(np.float32, 128, 128))
+    assert not tensor_core.supports(problem(np.float64, 64, 64))
 
 
 def _half_inputs(dtype, n_features=16, n_query=5, n_key=6, seed=3, n_values=8):
@@ -149,6 +152,36 @@ def test_half_flash_goes_to_the_tensor_cores_only_when_asked_on_a_gpu(
         # The kernel gets the operands as stored, 16 bits a number, not widened copies.
         assert spy.problems[0].dtype == np.dtype(dtype)
         assert np.all(output == 0)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize(
+    ("switch", "n_features", "served"),
+    [(None, 64, False), ("0", 64, False), ("1", 64, True), ("1", 128, False), ("1", 32, False)],
+)
+def test_float32_flash_goes_to_tf32_only_when_switched_on(switch, n_features, served, monkeypatch):
+    """TF32 rounds the operands to 10 significand bits: float32 runs on the tensor cores
+    only with TFMATH_CUDA_TF32=1 (never silently), heads of 64 only; the backward stays
+    on the float32 kernels either way."""
+    from tfmath.kernels.cuda import tensor_core
+
+    spy = _TensorCoreSpy()
+    monkeypatch.setattr(tensor_core, "flash_attention", spy)
+    monkeypatch.setattr(tensor_core, "runs_here", lambda: True)
+    monkeypatch.setattr(_cuda, "status", lambda: _cuda.CudaStatus(True, True, "a pretend GPU"))
+    if switch is None:
+        monkeypatch.delenv("TFMATH_CUDA_TF32", raising=False)
+    else:
+        monkeypatch.setenv("TFMATH_CUDA_TF32", switch)
+    monkeypatch.setenv("TFMATH_CUDA_TENSOR_CORE_BACKWARD", "1")
+    q, k, v = _half_inputs(
+        np.dtype(np.float32), n_features=n_features, n_query=2, n_key=2, n_values=n_features
+    )
+    output = tfmath.scaled_dot_product_attention(q, k, v, method="flash", backend="cuda")
+    assert output.dtype == np.float32
+    assert len(spy.problems) == int(served)
+    problem = attention_problem(q, k, v, backend="cuda")
+    assert not tensor_core.serves_backward(problem)
 
 
 class _BackwardSpy:
@@ -284,6 +317,29 @@ def test_tfmath_info_says_where_half_precision_runs_on_the_gpu(
         else:
             monkeypatch.setenv(name, value)
     assert expected in cli._describe_tensor_cores()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize(
+    ("switch", "real_gpu", "expected"),
+    [
+        (None, True, "float32 kernels (TFMATH_CUDA_TF32=1: heads of 64 as TF32"),
+        ("1", True, "heads of 64: forward as TF32 on the tensor cores"),
+        ("1", False, "TFMATH_CUDA_TF32=1 needs a GPU"),
+    ],
+)
+def test_tfmath_info_says_where_float32_runs_on_the_gpu(switch, real_gpu, expected, monkeypatch):
+    from tfmath import cli
+    from tfmath.kernels.cuda import tensor_core
+
+    monkeypatch.setattr(tensor_core, "runs_here", lambda: True)
+    status = _cuda.CudaStatus(True, real_gpu, "a pretend GPU")
+    monkeypatch.setattr(_cuda, "status", lambda: status)
+    if switch is None:
+        monkeypatch.delenv("TFMATH_CUDA_TF32", raising=False)
+    else:
+        monkeypatch.setenv("TFMATH_CUDA_TF32", switch)
+    assert expected in cli._describe_tf32()
 
 
 @pytest.mark.cuda
@@ -510,6 +566,10 @@ for kind in ("FORWARD", "BACKWARD"):
             ptx = _cuda.nvrtc_ptx(source._data, source.name, (8, 0))
             names = re.findall(r"\\.visible \\.func\\s+(?:\\([^)]*\\)\\s*)?(tfmath_\\w+)", ptx)
             found[f"{kind} {format_name} {head_dim}"] = sorted(set(names))
+source = tensor_core.linked_source("FORWARD", "float32", tensor_core.TF32_HEAD_DIM)
+ptx = _cuda.nvrtc_ptx(source._data, source.name, (8, 0))
+names = re.findall(r"\\.visible \\.func\\s+(?:\\([^)]*\\)\\s*)?(tfmath_\\w+)", ptx)
+found["FORWARD float32"] = sorted(set(names))
 print(json.dumps(found))
 """
 
@@ -535,6 +595,7 @@ def test_each_kernel_links_only_its_entry_points():
             backward = tensor_core.backward_entry_names(format_name, head_dim)
             assert found[f"FORWARD {format_name} {head_dim}"] == sorted(forward)
             assert found[f"BACKWARD {format_name} {head_dim}"] == sorted(backward)
+    assert found["FORWARD float32"] == [tensor_core.entry_name("float32", 64, 4)]
 
 
 #: Registers per thread the design needs, by head size: the output (D/2 floats), the
@@ -567,12 +628,13 @@ def test_tensor_core_compiles_every_entry_point(ptx_files, cc):
     for f in tensor_core.FORMATS:
         for d in tensor_core.HEAD_DIMS:
             expected.update(tensor_core.backward_entry_names(f, d))
+    expected.add(tensor_core.entry_name("float32", 64, 4))
     assert set(resources) == expected
 
 
 @pytest.mark.parametrize("cc", ["80", "90"])
 def test_tensor_core_forward_fits_its_register_budget_without_spills(ptx_files, cc):
-    for name, entry in _resources(ptx_files, cc, "forward").items():
+    for name, entry in _resources(ptx_files, cc, "forward_f").items():
         head_dim = int(name.split("_")[-2])
         assert entry["stack"] == entry["spill_stores"] == entry["spill_loads"] == 0, name
         assert entry["registers"] <= REGISTER_BUDGET[head_dim], name
@@ -591,12 +653,28 @@ def _needs_sass(entry):
 
 @pytest.mark.parametrize("cc", ["80", "90"])
 def test_tensor_core_forward_machine_code_uses_hmma_and_ldsm(ptx_files, cc):
-    for name, entry in _resources(ptx_files, cc, "forward").items():
+    for name, entry in _resources(ptx_files, cc, "forward_f").items():
         _needs_sass(entry)
         head_dim = int(name.split("_")[-2])
         # Per key tile: (D / 16) x 8 score products and 4 x (D / 8) output products.
         assert entry["HMMA"] == head_dim // 16 * 8 + 4 * (head_dim // 8), name
         assert entry["LDSM"] > 0 and entry["LDGSTS"] > 0, name
+
+
+@pytest.mark.parametrize("cc", ["80", "90"])
+def test_tf32_forward_fits_its_budget_and_multiplies_on_the_tensor_cores(ptx_files, cc):
+    """The TF32 forward (d = 64, 4 warps) holds what the 16-bit forward holds at d = 128,
+    in words: the 16 x 64 float32 output, the scores, Q's fragments (8 steps of 4
+    registers) and the weights' (8 of 4), within 176 registers and no spills, so that a
+    multiprocessor keeps 12 warps; 48 KiB of tiles. Per key tile 64 score products and
+    64 output products, m16n8k8 on TF32 (HMMA.1688)."""
+    (entry,) = _resources(ptx_files, cc, "forward_tf32").values()
+    assert entry["stack"] == entry["spill_stores"] == entry["spill_loads"] == 0
+    assert entry["registers"] <= 176 and entry["warps"] >= 12
+    assert entry["shared"] <= 48 * 1024
+    _needs_sass(entry)
+    assert entry["HMMA"] == 8 * 8 + 8 * 8
+    assert entry["LDSM"] > 0 and entry["LDGSTS"] > 0
 
 
 #: Registers per thread the backward's kernels need, by kernel and head size. The dQ

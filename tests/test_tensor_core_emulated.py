@@ -135,6 +135,79 @@ def test_emulated_forward_matches_float64_within_the_rounded_weights(
     assert np.allclose(log_sum_exp, exact_lse, rtol=2e-6 * head_dim**0.5, atol=1e-5)
 
 
+# --- TF32: the float32 forward on the tensor cores (TFMATH_CUDA_TF32=1) -------------------
+
+#: TF32's unit roundoff: 10 bits of significand after the leading one, as float16.
+TF32_UNIT = 2.0**-11
+
+
+def _tf32(values):
+    """float32 ``values`` rounded to TF32 as ``cvt.rna`` defines it (to nearest, ties away
+    from zero, 10 significand bits), computed here in float64 independently of the
+    emulator: the spacing of TF32 numbers at |x| is 2^(floor(log2 |x|) - 10)."""
+    x = np.asarray(values, np.float64)
+    spacing = np.exp2(np.floor(np.log2(np.abs(x))) - 10)
+    return (np.sign(x) * np.floor(np.abs(x) / spacing + 0.5) * spacing).astype(np.float32)
+
+
+def test_emulated_tf32_rounding_is_cvt_rna():
+    """The emulator's ``cvt.rna.tf32.f32`` against the definition, on normal numbers of
+    every binade and on ties, which go away from zero (1 + 2^-11 is halfway between
+    TF32's 1 and 1 + 2^-10); infinities stay."""
+    rng = np.random.default_rng(4)
+    # Normal numbers (TF32 keeps float32's subnormals' top 10 stored bits, as the bit
+    # arithmetic of the emulator does, not 10 significant ones).
+    binades = np.exp2(rng.integers(-100, 100, 50_000))
+    values = (rng.standard_normal(50_000) * binades).astype(np.float32)
+    ties = np.array(
+        [1 + 2**-11, -(1 + 2**-11), 1 + 3 * 2**-11, (1 + 2**-11) * 2.0**-20], np.float32
+    )
+    got = warp_emulator.round_to(np.concatenate([values, ties]), np.float32)
+    assert np.array_equal(got[: values.size], _tf32(values))
+    expected_ties = [1 + 2**-10, -(1 + 2**-10), 1 + 2**-9, (1 + 2**-10) * 2.0**-20]
+    assert np.array_equal(got[values.size :], expected_ties)
+    assert np.array_equal(
+        warp_emulator.round_to(np.array([np.inf, -np.inf], np.float32), np.float32),
+        [np.inf, -np.inf],
+    )
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    n_query=st.integers(1, 140),
+    n_key=st.integers(1, 140),
+    bias_kind=st.sampled_from([None, "random", "with -inf"]),
+    is_causal=st.booleans(),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_emulated_tf32_forward_matches_float64_of_the_rounded_operands(
+    n_query, n_key, bias_kind, is_causal, seed
+):
+    """Against float64 attention of the operands rounded to TF32 (as the kernel rounds
+    them), the output errs by the weights' rounding to TF32 before P V, at most
+    u max|v|, and float32's sums; against the float32 operands themselves, by their
+    rounding too, which is the error a user of TFMATH_CUDA_TF32 takes on: about u
+    times the scores' scale (docs/backends.rst)."""
+    rng = np.random.default_rng(seed)
+    query, key, value, _ = _operands(rng, np.float32, 2, n_query, n_key, 64)
+    bias = _bias(rng, bias_kind, 2, n_query, n_key)
+    scale = 1 / 8
+    out, log_sum_exp = warp_emulator.flash_forward(query, key, value, bias, is_causal, scale)
+    rounded = [_tf32(a) for a in (query, key, value)]
+    scores = _scores(rounded[0], rounded[1], bias, is_causal, scale)
+    top = scores.max(-1, keepdims=True)
+    weights = np.exp(scores - top)
+    total = weights.sum(-1, keepdims=True)
+    exact = (weights / total) @ np.asarray(rounded[2], np.float64)
+    largest = np.abs(np.asarray(value, np.float64)).max(axis=(1, 2))[:, None, None]
+    # The weights' rounding (u max|v|), and float32's: products of TF32 numbers are exact,
+    # sums of 64 or of n_key terms round by at most 2^-24 each.
+    bound = TF32_UNIT * largest + (64 + n_key) * 2.0**-24 * largest
+    assert out.dtype == np.float32
+    assert np.all(np.abs(out.astype(np.float64) - exact) <= 2 * bound)
+    assert np.allclose(log_sum_exp, (top + np.log(total))[..., 0], rtol=1e-5, atol=1e-5)
+
+
 @settings(max_examples=25, deadline=None)
 @given(
     format_name=st.sampled_from(list(FORMATS)),
@@ -416,13 +489,52 @@ def test_the_public_api_on_the_emulated_tensor_cores_matches_float64(
         assert np.allclose(got.astype(np.float64), want, rtol=0, atol=6 * u * np.abs(want).max())
 
 
-@pytest.mark.parametrize("format_name", FORMATS)
+@pytest.mark.cuda
+@pytest.mark.parametrize("on_device", [False, True])
+def test_the_public_api_runs_float32_as_tf32_when_switched_on(
+    emulated_tensor_cores, monkeypatch, on_device
+):
+    """With TFMATH_CUDA_TF32=1, ``scaled_dot_product_attention`` on float32 heads of 64
+    reaches the TF32 forward (host arrays, and device arrays with a mask on the device),
+    and its output lies within TF32's rounding of the float64 reference of the operands
+    rounded to TF32, as the kernel-level test bounds it."""
+    import tfmath
+    from tfmath import _cuda
+
+    calls = []
+    forward = emulated_tensor_cores.flash_attention
+    monkeypatch.setattr(
+        emulated_tensor_cores,
+        "flash_attention",
+        lambda problem: calls.append(problem.dtype) or forward(problem),
+    )
+    monkeypatch.setenv("TFMATH_CUDA_TF32", "1")
+    rng = np.random.default_rng(21)
+    query, key, value, _ = _operands(rng, np.float32, 2, 37, 70, 64)
+    mask = rng.random((1, 37, 70)) < 0.7
+    mask[..., 0] = True
+    operands = [query, key, value, mask]
+    if on_device:
+        operands = [_cuda.to_device(a) for a in operands]
+    output = tfmath.scaled_dot_product_attention(
+        *operands[:3], attn_mask=operands[3], backend="cuda"
+    )
+    assert calls == [np.dtype(np.float32)]
+    assert _cuda.is_device_array(output) == on_device
+    rounded = [np.asarray(_tf32(a), np.float64) for a in (query, key, value)]
+    exact = tfmath.scaled_dot_product_attention(*rounded, attn_mask=mask, backend="reference")
+    largest = np.abs(rounded[2]).max()
+    bound = TF32_UNIT * largest + (64 + 70) * 2.0**-24 * largest
+    assert np.all(np.abs(_cuda.to_host(output) - exact) <= 2 * bound)
+
+
+@pytest.mark.parametrize("format_name", [*FORMATS, "float32"])
 @pytest.mark.parametrize("where", ["masked keys", "above the causal diagonal"])
 def test_non_finite_values_behind_a_mask_never_reach_the_output(format_name, where):
     """The tensor cores multiply every pair (0 * inf is NaN): the forward scans a value
     tile with a masked position for inf and NaN and then skips zero weights, so values
-    that no row attends leave the output as it is without them."""
-    dtype = FORMATS[format_name][0]
+    that no row attends leave the output as it is without them (float32: TF32)."""
+    dtype = np.dtype(np.float32) if format_name == "float32" else FORMATS[format_name][0]
     rng = np.random.default_rng(10)
     query, key, value, _ = _operands(rng, dtype, 1, 90, 130, 64)
     bias, is_causal = None, where == "above the causal diagonal"
@@ -438,4 +550,9 @@ def test_non_finite_values_behind_a_mask_never_reach_the_output(format_name, whe
     clean = warp_emulator.flash_forward(query, key, value, bias, is_causal)[0]
     dirty = warp_emulator.flash_forward(query, key, garbage, bias, is_causal)[0]
     assert np.isfinite(clean.astype(np.float32)).all()
-    assert np.array_equal(dirty.view(np.uint16), clean.view(np.uint16))
+    if format_name == "float32":
+        # The careful loop sums each 8 keys in their order, P V's products took them
+        # 0, 2, 4, 6, 1, 3, 5, 7: float32's rounding apart, the same.
+        assert np.allclose(dirty, clean, rtol=1e-6, atol=1e-6)
+    else:
+        assert np.array_equal(dirty.view(np.uint16), clean.view(np.uint16))

@@ -9,6 +9,10 @@ or called:
     ``1`` runs half-precision flash attention backwards on the tensor cores (read
     at each call; default ``0``: widened to the float32 kernels); see
     :func:`cuda_tensor_core_backward`.
+``TFMATH_CUDA_TF32``
+    ``1`` runs float32 flash attention forwards with heads of 64 on the tensor cores
+    as TF32 (read at each call; default ``0``: the float32 kernels); see
+    :func:`cuda_tf32`.
 ``TFMATH_CUDA_MAX_REGISTERS``
     A cap on the registers per thread of the float32 and float64 CUDA flash
     kernels; see :func:`cuda_max_registers`.
@@ -33,6 +37,16 @@ def cuda_tensor_core_backward():
     float64 reference (``tools/gpu/check.sh`` does, with this switch on); the host
     emulation of its kernels has (:mod:`tfmath.tools.warp_emulator`)."""
     return os.environ.get("TFMATH_CUDA_TENSOR_CORE_BACKWARD", "0") == "1"
+
+
+def cuda_tf32():
+    """Whether the float32 flash forward with heads of 64 runs on the tensor cores as TF32
+    (:mod:`tfmath.kernels.cuda.tensor_core`) on a real GPU: only with
+    ``TFMATH_CUDA_TF32=1``, as PyTorch's attention keeps float32 unless TF32 is allowed.
+    TF32 keeps 10 bits of each operand's significand, as float16 does: the output then
+    errs by about 5e-4 of its scale (float16's error), where the float32 kernels err by
+    about 1e-7 (docs/backends.rst)."""
+    return os.environ.get("TFMATH_CUDA_TF32", "0") == "1"
 
 
 def cuda_max_registers():

@@ -271,6 +271,7 @@ def _info(args):
     if _cuda.status().usable:
         print(f"  CUDA target: {_cuda.device_version()}")
         print(f"  CUDA half precision: {_describe_tensor_cores()}")
+        print(f"  CUDA float32: {_describe_tf32()}")
     print(
         f"threading layer: {_jit.threading_layer()} "
         f"({numba.config.NUMBA_NUM_THREADS} threads, TFMATH_THREADING_LAYER="
@@ -283,6 +284,19 @@ def _info(args):
     print(f"fast-math flags: {', '.join(sorted(_jit.FASTMATH_FLAGS))}")
     print(f"routines: {', '.join(sorted(ROUTINES))}")
     return 0
+
+
+def _describe_tf32():
+    """Where the CUDA flash forward puts float32 attention: the float32 kernels, or, with
+    TFMATH_CUDA_TF32=1 on a GPU that runs it, heads of 64 on the tensor cores as TF32."""
+    from tfmath import _cuda, _cuda_switches
+    from tfmath._dispatch import direct
+
+    if not _cuda_switches.cuda_tf32():
+        return "float32 kernels (TFMATH_CUDA_TF32=1: heads of 64 as TF32 on the tensor cores)"
+    if not (_cuda.status().real_gpu and direct("cuda_tensor_core").runs_here()):
+        return "float32 kernels (TFMATH_CUDA_TF32=1 needs a GPU of compute capability 8.0)"
+    return "heads of 64: forward as TF32 on the tensor cores (10-bit significands), others float32"
 
 
 def _describe_tensor_cores():

@@ -97,6 +97,11 @@ def kernel_ptx(cc):
                 found[f"flash_backward_{part}_{format_name}_{head_dim}_w{warps}"] = (
                     _cuda.compile_ptx(function, tensor_core.backward_signature(), cc)
                 )
+    head_dim, warps = tensor_core.TF32_HEAD_DIM, tensor_core.TF32_BLOCK.warps
+    function = tensor_core.forward_function("float32", head_dim, warps)
+    found[f"flash_forward_tf32_{head_dim}_w{warps}"] = _cuda.compile_ptx(
+        function, tensor_core.forward_signature(), cc
+    )
     source = tensor_core.SOURCE
     found["tensor_core.cu"] = _cuda.nvrtc_ptx(source.read_text(), source.name, cc)
     return found
@@ -110,7 +115,11 @@ MULTIPROCESSOR = {
     (9, 0): {"registers": 65536, "threads": 2048, "shared": 228 * 1024},
 }
 #: SASS instructions that show the tensor-core design in machine code.
-SASS_PATTERNS = {"HMMA": r"\bHMMA\.16816\.", "LDSM": r"\bLDSM\.", "LDGSTS": r"\bLDGSTS\."}
+SASS_PATTERNS = {
+    "HMMA": r"\bHMMA\.(?:16816|1688)\.",  # m16n8k16 (16-bit formats), m16n8k8 (TF32)
+    "LDSM": r"\bLDSM\.",
+    "LDGSTS": r"\bLDGSTS\.",
+}
 
 
 def resident_blocks(registers, shared_bytes, threads, cc):

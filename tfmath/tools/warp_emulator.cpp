@@ -19,7 +19,8 @@ inline long long at(const void* base, long long offset_bytes) {
 
 }  // namespace
 
-#define EMULATE_FORWARD(SUFFIX, D, WARPS)                                                     \
+// BYTES: the size of an operand's number (2, or 4 for TF32's float32).
+#define EMULATE_FORWARD(SUFFIX, D, WARPS, BYTES)                                              \
     extern "C" int emulate_flash_forward_##SUFFIX##_##D##_w##WARPS(                            \
         const Bits* query, const Bits* key, const Bits* value, const float* bias, int n_batch, \
         int n_query, int n_key, int is_causal, float scale, Bits* out, float* log_sum_exp) {  \
@@ -28,21 +29,22 @@ inline long long at(const void* base, long long offset_bytes) {
             const long long b = blockIdx.x % n_batch;                                          \
             const int row_tile = n_tiles - 1 - blockIdx.x / n_batch;                           \
             tfmath_flash_forward_##SUFFIX##_##D##_w##WARPS(                                    \
-                at(query, 2 * b * n_query * D), at(key, 2 * b * n_key * D),                    \
-                at(value, 2 * b * n_key * D), at(bias, 4 * b * n_query * n_key),              \
+                at(query, BYTES * b * n_query * D), at(key, BYTES * b * n_key * D),            \
+                at(value, BYTES * b * n_key * D), at(bias, 4 * b * n_query * n_key),          \
                 bias != nullptr, n_query, n_key, is_causal, scale, row_tile,                   \
-                at(out, 2 * b * n_query * D), at(log_sum_exp, 4 * b * n_query));               \
+                at(out, BYTES * b * n_query * D), at(log_sum_exp, 4 * b * n_query));           \
         });                                                                                    \
     }
 
-EMULATE_FORWARD(f16, 64, 4)
-EMULATE_FORWARD(f16, 64, 8)
-EMULATE_FORWARD(f16, 128, 4)
-EMULATE_FORWARD(f16, 128, 8)
-EMULATE_FORWARD(bf16, 64, 4)
-EMULATE_FORWARD(bf16, 64, 8)
-EMULATE_FORWARD(bf16, 128, 4)
-EMULATE_FORWARD(bf16, 128, 8)
+EMULATE_FORWARD(f16, 64, 4, 2)
+EMULATE_FORWARD(f16, 64, 8, 2)
+EMULATE_FORWARD(f16, 128, 4, 2)
+EMULATE_FORWARD(f16, 128, 8, 2)
+EMULATE_FORWARD(bf16, 64, 4, 2)
+EMULATE_FORWARD(bf16, 64, 8, 2)
+EMULATE_FORWARD(bf16, 128, 4, 2)
+EMULATE_FORWARD(bf16, 128, 8, 2)
+EMULATE_FORWARD(tf32, 64, 4, 4)
 
 #define EMULATE_BACKWARD(SUFFIX, D, WARPS)                                                     \
     extern "C" int emulate_flash_backward_##SUFFIX##_##D##_w##WARPS(                           \
@@ -88,6 +90,11 @@ extern "C" void emulate_round_f16(const float* values, Bits* bits, long n) {
 
 extern "C" void emulate_round_bf16(const float* values, Bits* bits, long n) {
     for (long i = 0; i < n; ++i) bits[i] = warp_emulator::bfloat16_from_float(values[i]);
+}
+
+// TF32's rounding (cvt.rna) of `n` float32 numbers, as float32 bit patterns.
+extern "C" void emulate_round_tf32(const float* values, unsigned* bits, long n) {
+    for (long i = 0; i < n; ++i) bits[i] = warp_emulator::tf32_bits(values[i]);
 }
 
 // One block of an entry point, on the arguments the Numba kernels of
@@ -140,6 +147,7 @@ EMULATE_FORWARD_BLOCK(bf16, 64, 4)
 EMULATE_FORWARD_BLOCK(bf16, 64, 8)
 EMULATE_FORWARD_BLOCK(bf16, 128, 4)
 EMULATE_FORWARD_BLOCK(bf16, 128, 8)
+EMULATE_FORWARD_BLOCK(tf32, 64, 4)
 EMULATE_BACKWARD_BLOCKS(f16, 64, 4)
 EMULATE_BACKWARD_BLOCKS(f16, 128, 4)
 EMULATE_BACKWARD_BLOCKS(bf16, 64, 4)

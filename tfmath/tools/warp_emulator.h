@@ -58,6 +58,12 @@ struct __attribute__((aligned(16))) uint4 {
     unsigned x, y, z, w;
 };
 
+struct __attribute__((aligned(8))) float2 {
+    float x, y;
+};
+
+inline float2 make_float2(float x, float y) { return {x, y}; }
+
 namespace warp_emulator {
 
 // The copies a thread has issued and not yet waited for, by commit group.
@@ -177,6 +183,8 @@ inline unsigned float_bits(float x) {
     return bits;
 }
 
+inline float __uint_as_float(unsigned bits) { return __int_as_float(static_cast<int>(bits)); }
+
 namespace warp_emulator {
 
 // float -> IEEE binary16, rounded to nearest even (overflow to inf, NaN kept quiet).
@@ -216,6 +224,14 @@ inline unsigned short bfloat16_from_float(float x) {
 
 inline float float_from_bfloat16(unsigned short b) {
     return __int_as_float(static_cast<int>(static_cast<unsigned>(b) << 16));
+}
+
+// cvt.rna.tf32.f32: float -> TF32 (a float32 whose 13 low significand bits are 0),
+// rounded to nearest, ties away from zero; inf and NaN kept as they are.
+inline unsigned tf32_bits(float x) {
+    const unsigned bits = float_bits(x);
+    if ((bits & 0x7f800000u) == 0x7f800000u) return bits;
+    return (bits + 0x1000u) & 0xffffe000u;
 }
 
 }  // namespace warp_emulator
@@ -323,6 +339,34 @@ void mma_16816(float c[4], const unsigned a[4], unsigned b0, unsigned b1) {
             // B(k, col): lane 4 col + (k % 8) / 2, register b0 (k < 8) or b1.
             const Slot& b_lane = warp.slots[4 * col + (k % 8) / 2];
             const float b_value = T::to_float(half_of(b_lane.words[4 + (k >= 8)], k));
+            sum += a_value * b_value;
+        }
+        c[e] = sum;
+    }
+    warp.barrier.wait();
+}
+
+// mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32, D = A B + C, operands float32
+// registers of which the tensor cores read the TF32 part (the 13 low significand bits
+// ignored). With g = lane / 4 and t = lane % 4: A's a0..a3 hold rows (g, g + 8, g,
+// g + 8) at columns (t, t, t + 4, t + 4); B's b0, b1 rows t, t + 4 of column g; C as for
+// m16n8k16.
+inline void mma_1688_tf32(float c[4], const unsigned a[4], unsigned b0, unsigned b1) {
+    auto& warp = this_warp(threadIdx.x);
+    const int lane = threadIdx.x & 31;
+    Slot& mine = warp.slots[lane];
+    for (int i = 0; i < 4; ++i) mine.words[i] = a[i];
+    mine.words[4] = b0;
+    mine.words[5] = b1;
+    warp.barrier.wait();
+    auto tf32 = [](unsigned word) { return __uint_as_float(word & 0xffffe000u); };
+    const int g = lane / 4, t = lane % 4;
+    for (int e = 0; e < 4; ++e) {
+        const int row = g + 8 * (e >> 1), col = 2 * t + (e & 1);
+        float sum = c[e];
+        for (int k = 0; k < 8; ++k) {
+            const float a_value = tf32(warp.slots[4 * (row % 8) + k % 4].words[(row >= 8) + 2 * (k >= 4)]);
+            const float b_value = tf32(warp.slots[4 * col + k % 4].words[4 + (k >= 4)]);
             sum += a_value * b_value;
         }
         c[e] = sum;

@@ -42,11 +42,13 @@ HEADER = Path(__file__).with_name("warp_emulator.h")
 DRIVER = Path(__file__).with_name("warp_emulator.cpp")
 #: The kernels' CUDA C++.
 KERNELS = Path(__file__).parents[1] / "kernels" / "cuda" / "tensor_core.cu"
-#: The suffix of each 16-bit format's entry points, by NumPy dtype name.
-FORMATS = {"float16": "f16", "bfloat16": "bf16"}
+#: The suffix of each format's entry points, by NumPy dtype name (float32: TF32).
+FORMATS = {"float16": "f16", "bfloat16": "bf16", "float32": "tf32"}
 #: Warps per block of the forward entry points ``warp_emulator.cpp`` exports, by head
 #: size (``tensor_core.WARP_CHOICES``; kept here so that the emulator needs no numba-cuda).
 FORWARD_WARPS = {64: (4, 8), 128: (4, 8)}
+#: TF32's forward: heads of 64, blocks of 4 warps (``tensor_core.TF32_BLOCK``).
+TF32_FORWARD = (64, 4)
 #: Warps per block of the backward's (``tensor_core.BACKWARD_WARPS``).
 BACKWARD_WARPS = {64: 4, 128: 4}
 
@@ -155,17 +157,20 @@ def flash_forward(
     """The tensor-core forward, emulated: ``(out, log_sum_exp)`` of float16 or bfloat16
     ``query (B, L, d)``, ``key`` and ``value (B, S, d)`` and an optional float32
     ``bias (B, L, S)``; ``out`` in the operands' format, the log-sum-exp in float32.
-    ``kernels`` names the CUDA C++ (see :func:`library`)."""
+    float32 operands run the TF32 forward (heads of 64, 4 warps). ``kernels`` names the
+    CUDA C++ (see :func:`library`)."""
     dtype = np.dtype(query.dtype)
     _check(query, key, value, bias)
     n_batch, n_query, head_dim = query.shape
+    if dtype == np.float32 and (head_dim, warps) != TF32_FORWARD:
+        raise ValueError(f"the TF32 forward has heads of 64 and 4 warps, got {head_dim}, {warps}")
     if warps not in FORWARD_WARPS[head_dim]:
         raise ValueError(f"the forward has blocks of 4 or 8 warps, got {warps}")
     n_key = key.shape[1]
     scale = 1 / np.sqrt(head_dim) if scale is None else scale
     q, k, v = (_bits(a, dtype) for a in (query, key, value))
     bias = None if bias is None else np.ascontiguousarray(bias, np.float32)
-    out = np.zeros(query.shape, np.uint16)
+    out = np.zeros(query.shape, np.float32 if dtype == np.float32 else np.uint16)
     log_sum_exp = np.zeros((n_batch, n_query), np.float32)
     name = f"emulate_flash_forward_{FORMATS[dtype.name]}_{head_dim}_w{warps}"
     _call(
@@ -241,10 +246,11 @@ def entry_point(name, kernels=KERNELS):
 def round_to(values, dtype):
     """float32 ``values`` rounded to float16 or bfloat16 by the emulator's conversions
     (those of ``cuda_fp16.h``'s ``__floats2half2_rn`` and ``cuda_bf16.h``'s
-    ``__floats2bfloat162_rn``: to nearest even)."""
+    ``__floats2bfloat162_rn``: to nearest even), or for float32 to TF32 (``cvt.rna``:
+    to nearest, ties away from zero), as float32."""
     dtype = np.dtype(dtype)
     values = np.ascontiguousarray(values, np.float32)
-    bits = np.zeros(values.shape, np.uint16)
+    bits = np.zeros(values.shape, np.uint32 if dtype == np.float32 else np.uint16)
     function = getattr(library(), f"emulate_round_{FORMATS[dtype.name]}")
     function.argtypes = [_POINTER, _POINTER, ctypes.c_long]
     function.restype = None
@@ -286,6 +292,12 @@ def main(argv=None):
                     f"{dtype.name:<9} {head_dim:>4} {is_causal!s:>6}",
                     *(f"{e:9.2e}" for e in errors),
                 )
+    for is_causal in (False, True):
+        # TF32: float32 operands, the forward only (heads of 64).
+        q, k, v = (rng.standard_normal((2, args.rows, 64)).astype(np.float32) for _ in range(3))
+        out, _ = flash_forward(q, k, v, is_causal=is_causal)
+        exact = exact_attention(q, k, v, np.zeros_like(q), is_causal=is_causal)[0]
+        print(f"{'tf32':<9} {64:>4} {is_causal!s:>6} {_relative_error(out, exact):9.2e}")
     return 0
 
 

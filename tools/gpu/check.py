@@ -17,11 +17,9 @@ tests first); on its own::
    float32, on both sides: tfmath's float32 kernels use no tensor cores),
    each the median of CUDA-event timings after warm-up, every forward through
    the public API on the torch tensors (float16 and bfloat16 take the short
-   path of plain CUDA tensors to the tensor cores). The float16 backward runs
-   on the tensor cores (this script switches the tensor-core backward on:
-   ``TFMATH_CUDA_TENSOR_CORE_BACKWARD=1`` unless set); bfloat16's is not timed
-   here (no CUDA array shares bfloat16 with Numba, so only the forward's short
-   path takes bfloat16 tensors) but by ``--backward``, on the tensors' bits.
+   path of plain CUDA tensors to the tensor cores). The half-precision backward
+   runs on the tensor cores (this script switches the tensor-core backward on:
+   ``TFMATH_CUDA_TENSOR_CORE_BACKWARD=1`` unless set).
 
 3. ``--backward``: the tensor-core backward (``TFMATH_CUDA_TENSOR_CORE_BACKWARD=1``,
    opt-in until this run has checked it): float16 and bfloat16 gradients against the
@@ -31,7 +29,13 @@ tests first); on its own::
    times it per register cap (:data:`BACKWARD_CAPS`), the registers and spills each
    cap compiles to beside.
 
-4. Resources: the registers, local and shared memory of each kernel, and the
+4. ``--tf32``: the float32 forward as TF32 on the tensor cores
+   (``TFMATH_CUDA_TF32=1``, opt-in): against the float64 reference on
+   :data:`TF32_CASES` (that TF32 ran, and its error, which is float16's), then timed at
+   L = 4096, H = 16, d = 64 against PyTorch's float32 SDPA with TF32 off and on, and
+   against tfmath's float32 kernels; writes ``tf32.json``.
+
+5. Resources: the registers, local and shared memory of each kernel, and the
    share of a multiprocessor's warps its blocks can hold at once (occupancy),
    at the timed shape; ``--resources`` prints these alone (about 20 s).
    ``TFMATH_CUDA_MAX_REGISTERS`` caps the float32 kernels' registers.
@@ -79,6 +83,16 @@ ISSUE_ROWS = [
     for causal in (False, True)
 ]
 LENGTHS = (1024, 2048, 4096, 8192)
+#: (batch, heads, L, S, causal, boolean mask): the TF32 forward's checks (d = 64).
+TF32_CASES = [
+    (1, 2, 100, 130, False, False),
+    (2, 2, 200, 200, True, False),
+    (1, 3, 77, 200, False, True),
+    (1, 2, 300, 260, True, True),
+]
+#: TF32 keeps 10 significand bits, as float16: its error is float16's (about 4e-4 of
+#: the output's norm on the emulator), and so is its tolerance.
+TF32_TOLERANCE = 5e-3
 #: (batch, heads, L, S, d, causal, mask): the tensor-core backward's checks; tile edges,
 #: both head sizes, a boolean and an additive mask, and more keys than queries.
 BACKWARD_CASES = [
@@ -132,10 +146,8 @@ def check_case(dtype_name, case, rng):
         )
         for label, grad, want in zip(("dQ", "dK", "dV"), grads, expected, strict=True):
             rows.append((dtype_name, name, label, _relative_error(grad, want), 4 * tolerance))
-    # bfloat16 CUDA tensors take only the tensor cores' heads (others are refused).
-    if dtype_name == "float16" or (dtype_name == "bfloat16" and head in (64, 128)):
-        if not with_mask:
-            rows += _tensor_rows(dtype_name, name, q, k, v, causal, reference)
+    if dtype_name != "float32" and not with_mask:
+        rows += _tensor_rows(dtype_name, name, q, k, v, causal, reference)
     if with_mask:
         # NaN where no row attends must not reach the output.
         garbage = v.copy()
@@ -323,6 +335,90 @@ def run_backward(out, quick):
     (out / "backward_rows.json").write_text(json.dumps({"checks": checks, "rows": rows}))
     failed = [row for row in checks if not row[-1]]
     print(f"{len(checks) - len(failed)} of {len(checks)} backward checks within tolerance")
+    return 1 if failed else 0
+
+
+def check_tf32_case(case, rng):
+    """``(case, relative error, tolerance, ok)`` of the TF32 forward through the public
+    API on CUDA tensors, and whether the TF32 kernel ran."""
+    import torch
+
+    import tfmath
+    from tfmath.kernels.cuda import tensor_core
+
+    batch, heads, n_query, n_key, causal, with_mask = case
+    shapes = [(batch, heads, n, 64) for n in (n_query, n_key, n_key)]
+    q, k, v = (rng.standard_normal(shape).astype(np.float32) for shape in shapes)
+    mask = rng.random((n_query, n_key)) < 0.7 if with_mask else None
+    reference = tfmath.scaled_dot_product_attention(
+        *(a.astype(np.float64) for a in (q, k, v)), attn_mask=mask, is_causal=causal,
+        backend="reference",
+    )  # fmt: skip
+    ran = []
+    forward = tensor_core.flash_attention
+    tensor_core.flash_attention = lambda problem: ran.append(problem.dtype) or forward(problem)
+    try:
+        tensors = [torch.from_numpy(a).cuda() for a in (q, k, v)]
+        on_gpu_mask = None if mask is None else torch.from_numpy(mask).cuda()
+        output = tfmath.scaled_dot_product_attention(
+            *tensors, attn_mask=on_gpu_mask, is_causal=causal, backend="cuda"
+        )
+    finally:
+        tensor_core.flash_attention = forward
+    error = _relative_error(output.cpu().numpy(), reference)
+    name = f"B{batch} H{heads} L{n_query} S{n_key} d64" + " causal" * causal + " mask" * with_mask
+    return name, error, TF32_TOLERANCE, bool(error <= TF32_TOLERANCE and ran)
+
+
+def time_tf32_rows(torch, quick):
+    """Rows ``(B, causal, torch float32 ms, torch TF32 ms, tfmath float32 ms, tfmath TF32
+    ms)`` at L = 4096, H = 16, d = 64: PyTorch's SDPA with TF32 off, then allowed;
+    tfmath's float32 kernels, then TF32, both through the public API on the tensors."""
+    import tfmath
+
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    repeats = 3 if quick else 10
+    rows = []
+    for batch in (1, 4):
+        q, k, v = _issue_row_tensors(torch, "float32", 64, batch, 3)
+        for causal in (False, True):
+            torch_call = functools.partial(sdpa, q, k, v, is_causal=causal)
+            tfmath_call = functools.partial(
+                tfmath.scaled_dot_product_attention, q, k, v, is_causal=causal, backend="cuda"
+            )
+            times = []
+            for allow in (False, True):
+                torch.backends.cuda.matmul.allow_tf32 = allow
+                times.append(median_ms(torch, torch_call, 1, repeats))
+            torch.backends.cuda.matmul.allow_tf32 = False
+            for switch in ("0", "1"):
+                os.environ["TFMATH_CUDA_TF32"] = switch
+                times.append(median_ms(torch, tfmath_call, 1, repeats))
+            os.environ["TFMATH_CUDA_TF32"] = "1"
+            rows.append((batch, causal, *times))
+            labels = ("torch f32", "torch tf32", "tfmath f32", "tfmath tf32")
+            timed = ", ".join(f"{label} {ms:.3f}" for label, ms in zip(labels, times, strict=True))
+            print(f"tf32 row B={batch} causal={causal}: {timed} ms", flush=True)
+    return rows
+
+
+def run_tf32(out, quick):
+    """The TF32 forward's checks and rows; 0 when every check passed."""
+    os.environ["TFMATH_CUDA_TF32"] = "1"
+    rng = np.random.default_rng(int(time.time()))
+    checks = []
+    for case in TF32_CASES:
+        try:
+            checks.append(check_tf32_case(case, rng))
+        except Exception:
+            traceback.print_exc()
+            checks.append((str(case), float("nan"), TF32_TOLERANCE, False))
+    for row in checks:
+        print("tf32 check", *row, flush=True)
+    rows = time_tf32_rows(_torch(), quick)
+    (out / "tf32.json").write_text(json.dumps({"checks": checks, "rows": rows}))
+    failed = [row for row in checks if not row[-1]]
+    print(f"{len(checks) - len(failed)} of {len(checks)} TF32 checks within tolerance")
     return 1 if failed else 0
 
 
@@ -563,11 +659,8 @@ def time_dtype(torch, dtype_name, n, quick):
         )
         tfmath.attention_grad(q, k, v, grad, output=output, log_sum_exp=log_sum_exp, backend="cuda")
 
-    # bfloat16 CUDA tensors reach only the short path (no CUDA array shares bfloat16
-    # with Numba), which has no backward.
-    if dtype_name != "bfloat16":
-        add("forward+backward", "torch sdpa", torch_step)
-        add("forward+backward", "tfmath", tfmath_step)
+    add("forward+backward", "torch sdpa", torch_step)
+    add("forward+backward", "tfmath", tfmath_step)
     return rows
 
 
@@ -760,6 +853,9 @@ def main(argv=None):
         help="only the tensor-core backward: its checks and the issue's rows",
     )
     parser.add_argument(
+        "--tf32", action="store_true", help="only the TF32 forward: its checks and rows"
+    )
+    parser.add_argument(
         "--backward-caps",
         action="store_true",
         help="only the tensor-core backward's time per register cap",
@@ -789,6 +885,8 @@ def main(argv=None):
         return 0
     if args.backward:
         return run_backward(args.out, args.quick)
+    if args.tf32:
+        return run_tf32(args.out, args.quick)
     if args.backward_caps:
         time_backward_caps(_torch())
         return 0

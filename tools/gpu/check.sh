@@ -14,8 +14,10 @@
 #    forward + backward, at L = 1024..8192 against PyTorch, with a figure;
 # 4. runs tools/gpu/check.py --backward: the tensor-core backward (opt-in until this
 #    checks it) against the float64 reference, then timed at the same rows;
-# 5. runs the CUDA tests on the GPU (not the simulator);
-# 6. runs `tfmath bench attention --backend cuda` (float32, against PyTorch).
+# 5. runs tools/gpu/check.py --tf32: the float32 forward as TF32 (opt-in) against the
+#    float64 reference, then timed against PyTorch with TF32 off and on;
+# 6. runs the CUDA tests on the GPU (not the simulator);
+# 7. runs `tfmath bench attention --backend cuda` (float32, against PyTorch).
 # The measurements come first, so that a lease cut short still brings them back.
 #
 # Every output lands in $OUT (the device tool's folder that comes back) or ./gpu_check;
@@ -63,17 +65,22 @@ timeout 90 "$PYTHON" tools/gpu/check.py --backward --out "$OUT" $QUICK 2>&1 \
     | tee "$OUT/backward.txt" | tail -25
 echo "backward: exit ${PIPESTATUS[0]}"
 
+echo "== TF32: checks, then L = 4096 against PyTorch"
+timeout 30 "$PYTHON" tools/gpu/check.py --tf32 --out "$OUT" $QUICK 2>&1 \
+    | tee "$OUT/tf32.txt" | tail -15
+echo "tf32: exit ${PIPESTATUS[0]}"
+
 # Each new shape compiles its kernels, so the limit may cut the hypothesis tests short;
 # step 3 checks random inputs too.
 echo "== CUDA tests on the GPU"
-timeout 120 "$PYTHON" -m pytest -q -m cuda \
+timeout 105 "$PYTHON" -m pytest -q -m cuda \
     -p no:cacheprovider tests/test_cuda_device_path.py tests/test_cuda_flash.py \
     tests/test_attention.py \
     tests/test_half_precision.py 2>&1 | tee "$OUT/tests.txt" | tail -15
 echo "tests: exit ${PIPESTATUS[0]}"
 
 echo "== tfmath bench attention --backend cuda (float32)"
-timeout 60 "$PYTHON" -m tfmath bench attention --backend cuda --quick 2>&1 \
+timeout 45 "$PYTHON" -m tfmath bench attention --backend cuda --quick 2>&1 \
     | tee "$OUT/bench_attention.txt" | tail -25
 echo "bench: exit ${PIPESTATUS[0]}"
 

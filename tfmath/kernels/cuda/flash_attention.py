@@ -614,14 +614,16 @@ def flash_attention(problem):
     Half-precision operands arrive as they are (see ``_dispatch.HALF_NATIVE``): on a
     real GPU they run on the tensor cores when :func:`.tensor_core.supports` the problem
     (unless ``TFMATH_CUDA_TENSOR_CORES=0``); otherwise they are widened to float32.
-    Either way the results are float32, which the caller rounds.
+    Either way the results are float32, which the caller rounds. float32 heads of 64
+    run on the tensor cores as TF32 where ``TFMATH_CUDA_TF32=1``.
     """
-    if problem.needs_widening:
+    if problem.needs_widening or problem.dtype == np.float32:
         if _tensor_cores_serve(problem):
             from tfmath.kernels.cuda import tensor_core
 
             return tensor_core.flash_attention(problem)
-        problem = problem.widened(half.widen)
+        if problem.needs_widening:
+            problem = problem.widened(half.widen)
     _check_head_size(problem)
     out, log_sum_exp = _launch_forward(problem, _device_operands(problem))
     out = out.reshape(problem.output_shape())

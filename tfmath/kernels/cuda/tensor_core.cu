@@ -53,6 +53,7 @@ constexpr float LN2 = 0.6931471805599453f;
 #define NEG_INF __int_as_float(0xff800000)
 
 struct F16 {
+    static constexpr bool WIDE = false;  // 16-bit operands
     static __device__ unsigned pack(float low, float high) {
         __half2 h = __floats2half2_rn(low, high);
         return *reinterpret_cast<unsigned*>(&h);
@@ -64,6 +65,7 @@ struct F16 {
 };
 
 struct BF16 {
+    static constexpr bool WIDE = false;
     static __device__ unsigned pack(float low, float high) {
         __nv_bfloat162 h = __floats2bfloat162_rn(low, high);
         return *reinterpret_cast<unsigned*>(&h);
@@ -72,6 +74,19 @@ struct BF16 {
         return __bfloat162float(__ushort_as_bfloat16(x));
     }
     static constexpr unsigned short EXPONENT = 0x7F80;
+};
+
+// TF32: float32 operands in memory, multiplied on the tensor cores (m16n8k8) with
+// 10 bits of significand, as float16 has, and float32's range; each operand is
+// rounded to that (to nearest, ties away from zero: cvt.rna) in registers. Only the
+// forward, heads of 64, opt-in (TFMATH_CUDA_TF32=1): its error is float16's, not
+// float32's (docs/backends.rst). A float32 row of D numbers is a tile row of 2 D
+// 16-bit words, so the tiles, their swizzle, the copies and the `ldmatrix` loads of
+// Q and K are the 16-bit formats' at twice the width: an 8 x 8 matrix of 16-bit
+// words is an 8 x 4 matrix of float32, and the four of `ldmatrix.x4` are the
+// m16n8k8 A fragment (or two B fragments) exactly.
+struct TF32 {
+    static constexpr bool WIDE = true;
 };
 
 // The instructions of the tensor cores and asynchronous copies, in PTX; under
@@ -93,6 +108,11 @@ __device__ __forceinline__ void load_matrix_x4(unsigned r[4], const void* p) {
 __device__ __forceinline__ void load_matrix_x4_transposed(unsigned r[4], const void* p) {
     warp_emulator::load_matrix_x4(r, p, true);
 }
+__device__ __forceinline__ void mma_1688_tf32(float c[4], const unsigned a[4], unsigned b0,
+                                              unsigned b1) {
+    warp_emulator::mma_1688_tf32(c, a, b0, b1);
+}
+__device__ __forceinline__ unsigned to_tf32(float x) { return warp_emulator::tf32_bits(x); }
 #else
 template <class T>
 __device__ __forceinline__ void mma_16816(float c[4], const unsigned a[4], unsigned b0,
@@ -116,6 +136,22 @@ __device__ __forceinline__ void mma_16816<BF16>(float c[4], const unsigned a[4],
         "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void mma_1688_tf32(float c[4], const unsigned a[4], unsigned b0,
+                                              unsigned b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// float32 -> TF32, to nearest, ties away from zero (the bits of a float32).
+__device__ __forceinline__ unsigned to_tf32(float x) {
+    unsigned bits;
+    asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(bits) : "f"(x));
+    return bits;
 }
 
 __device__ __forceinline__ unsigned shared_address(const void* p) {
@@ -234,6 +270,66 @@ __device__ __forceinline__ void add_product(float c[D / 8][4], const unsigned fr
     }
 }
 
+// The scores' product of format T: m16n8k16 on 16-bit operands, m16n8k8 on TF32
+// ones (the same registers hold 16 x 16 16-bit words or 16 x 8 float32).
+template <class T>
+__device__ __forceinline__ void multiply(float c[4], const unsigned a[4], unsigned b0,
+                                         unsigned b1) {
+    if constexpr (T::WIDE)
+        mma_1688_tf32(c, a, b0, b1);
+    else
+        mma_16816<T>(c, a, b0, b1);
+}
+
+// Operands loaded as float32, rounded to TF32 in place (16-bit formats: nothing).
+template <class T, int N>
+__device__ __forceinline__ void as_operands(unsigned r[N]) {
+    if constexpr (T::WIDE) {
+        #pragma unroll
+        for (int i = 0; i < N; ++i) r[i] = to_tf32(__uint_as_float(r[i]));
+    }
+}
+
+// The weights of a warp's 16 x (8 NT) scores as TF32 A fragments of P V, one per 8
+// keys. A k8 fragment holds inner columns t and t + 4 of its thread's rows, the
+// accumulators columns 2t and 2t + 1: so P V takes each 8 keys in the order 0, 2, 4,
+// 6, 1, 3, 5, 7 (key 2t as inner index t, key 2t + 1 as t + 4), add_product_tf32
+// reads the value rows in that order, and no shuffle is needed.
+template <int NT>
+__device__ __forceinline__ void weights_to_tf32(unsigned frag[NT][4], const float c[NT][4]) {
+    #pragma unroll
+    for (int j = 0; j < NT; ++j) {
+        frag[j][0] = to_tf32(c[j][0]);
+        frag[j][1] = to_tf32(c[j][2]);
+        frag[j][2] = to_tf32(c[j][1]);
+        frag[j][3] = to_tf32(c[j][3]);
+    }
+}
+
+// The float32 number at row `row`, feature f of a swizzled tile of D float32 a row
+// (2 D 16-bit words).
+template <int D>
+__device__ __forceinline__ float wide_at(const unsigned short* tile, int row, int f) {
+    return *reinterpret_cast<const float*>(tile + swizzled<2 * D>(row, f >> 2) + 2 * (f & 3));
+}
+
+// c (16 x D) += the TF32 weights (16 x 8 KS, keys ordered as weights_to_tf32 says)
+// times the value tile's first 8 KS rows, read one float32 a thread and rounded.
+template <int D, int KS>
+__device__ __forceinline__ void add_product_tf32(float c[D / 8][4], const unsigned frag[KS][4],
+                                                 const unsigned short* v_tile, int lane) {
+    const int g = lane >> 2, t = lane & 3;
+    #pragma unroll
+    for (int k = 0; k < KS; ++k) {
+        #pragma unroll
+        for (int j = 0; j < D / 8; ++j) {
+            const unsigned b0 = to_tf32(wide_at<D>(v_tile, 8 * k + 2 * t, 8 * j + g));
+            const unsigned b1 = to_tf32(wide_at<D>(v_tile, 8 * k + 2 * t + 1, 8 * j + g));
+            mma_1688_tf32(c[j], frag[k], b0, b1);
+        }
+    }
+}
+
 // Copies rows [first, first + ROWS) of a row-major (n_rows x D) matrix into a
 // swizzled tile; rows past n_rows become zeros.
 template <int D, int ROWS, int THREADS>
@@ -248,7 +344,8 @@ __device__ __forceinline__ void copy_tile(unsigned short* tile, const unsigned s
     }
 }
 
-// Whether a 16-bit number in the chunks this thread copied is inf or NaN.
+// Whether a number (16-bit, or float32 for TF32) in the chunks this thread copied
+// into a tile of D 16-bit words a row is inf or NaN.
 template <class T, int D, int THREADS>
 __device__ __forceinline__ bool copied_non_finite(const unsigned short* tile) {
     constexpr int CHUNKS = D / 8;
@@ -259,8 +356,12 @@ __device__ __forceinline__ bool copied_non_finite(const unsigned short* tile) {
         const unsigned words[4] = {bits.x, bits.y, bits.z, bits.w};
         #pragma unroll
         for (int w = 0; w < 4; ++w) {
-            found |= (words[w] & T::EXPONENT) == T::EXPONENT;
-            found |= ((words[w] >> 16) & T::EXPONENT) == T::EXPONENT;
+            if constexpr (T::WIDE) {
+                found |= (words[w] & 0x7F800000u) == 0x7F800000u;
+            } else {
+                found |= (words[w] & T::EXPONENT) == T::EXPONENT;
+                found |= ((words[w] >> 16) & T::EXPONENT) == T::EXPONENT;
+            }
         }
     }
     return found;
@@ -271,18 +372,20 @@ __device__ void flash_forward(const unsigned short* query, const unsigned short*
                               const unsigned short* value, const float* bias, int has_bias,
                               int n_query, int n_key, int is_causal, float scale, int row_tile,
                               unsigned short* out, float* log_sum_exp) {
-    constexpr int KSTEPS = D / 16;  // 16-wide steps of the scores' inner dimension
+    constexpr int W = T::WIDE ? 2 * D : D;  // 16-bit words a row of the operands
+    constexpr int KSTEPS = W / 16;  // steps of the scores' inner dimension (16 words each)
     constexpr int NTILES = BC / 8;  // 8-key column tiles of the scores
     constexpr int OTILES = D / 8;   // 8-feature column tiles of the output
+    constexpr int PSTEPS = T::WIDE ? BC / 8 : BC / 16;  // steps of P V's inner dimension
     constexpr int THREADS = 32 * WARPS, BR = 16 * WARPS;
     static_assert(BR <= 2 * BC, "the Q tile passes through the K and V tiles");
     // The K and V tiles, and first the Q tile, whose fragments then stay in registers.
-    __shared__ __align__(128) unsigned short kv_tile[2 * BC * D];
+    __shared__ __align__(128) unsigned short kv_tile[2 * BC * W];
     // The rounded weights of a value tile that needs the careful loop, each warp its rows.
-    __shared__ __align__(128) unsigned short weight_tile[BR * BC];
+    __shared__ __align__(128) unsigned short weight_tile[BR * BC * (T::WIDE ? 2 : 1)];
     unsigned short* const q_tile = kv_tile;
     unsigned short* const k_tile = kv_tile;
-    unsigned short* const v_tile = kv_tile + BC * D;
+    unsigned short* const v_tile = kv_tile + BC * W;
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int first_row = row_tile * BR;
@@ -295,18 +398,20 @@ __device__ void flash_forward(const unsigned short* query, const unsigned short*
     const int key_end = is_causal ? min(n_key, first_row + BR) : n_key;
     const int n_tiles = (key_end + BC - 1) / BC;
 
-    copy_tile<D, BR, THREADS>(q_tile, query, first_row, n_query);
+    copy_tile<W, BR, THREADS>(q_tile, query, first_row, n_query);
     commit_copies();
     wait_copies();
     __syncthreads();
 
     unsigned q_frag[KSTEPS][4];
     #pragma unroll
-    for (int k = 0; k < KSTEPS; ++k)
-        load_rows_fragment<D>(q_frag[k], q_tile, warp * 16, k, lane);
+    for (int k = 0; k < KSTEPS; ++k) {
+        load_rows_fragment<W>(q_frag[k], q_tile, warp * 16, k, lane);
+        as_operands<T, 4>(q_frag[k]);
+    }
     // Every warp holds its fragments before the first key tile overwrites Q's.
     __syncthreads();
-    copy_tile<D, BC, THREADS>(k_tile, key, 0, n_key);
+    copy_tile<W, BC, THREADS>(k_tile, key, 0, n_key);
     commit_copies();
 
     float acc[OTILES][4];
@@ -320,7 +425,7 @@ __device__ void flash_forward(const unsigned short* query, const unsigned short*
         // The key tile has landed; every warp is done with the last value tile.
         wait_copies();
         __syncthreads();
-        copy_tile<D, BC, THREADS>(v_tile, value, start, n_key);
+        copy_tile<W, BC, THREADS>(v_tile, value, start, n_key);
         commit_copies();
 
         float s[NTILES][4];
@@ -331,9 +436,10 @@ __device__ void flash_forward(const unsigned short* query, const unsigned short*
             #pragma unroll
             for (int j = 0; j < NTILES; j += 2) {
                 unsigned b[4];
-                load_transposed_operand<D>(b, k_tile, j, k, lane);
-                mma_16816<T>(s[j], q_frag[k], b[0], b[1]);
-                mma_16816<T>(s[j + 1], q_frag[k], b[2], b[3]);
+                load_transposed_operand<W>(b, k_tile, j, k, lane);
+                as_operands<T, 4>(b);
+                multiply<T>(s[j], q_frag[k], b[0], b[1]);
+                multiply<T>(s[j + 1], q_frag[k], b[2], b[3]);
             }
         }
 
@@ -388,8 +494,11 @@ __device__ void flash_forward(const unsigned short* query, const unsigned short*
         }
 
         // The weights, rounded to the operands' format: the A fragments of P V.
-        unsigned p_frag[BC / 16][4];
-        round_to_fragments<T, NTILES>(p_frag, s);
+        unsigned p_frag[PSTEPS][4];
+        if constexpr (T::WIDE)
+            weights_to_tf32<NTILES>(p_frag, s);
+        else
+            round_to_fragments<T, NTILES>(p_frag, s);
 
         // The value tile has landed; every warp is done with the key tile. Only a tile
         // with a masked position can pair a weight of 0 with inf or NaN: elsewhere every
@@ -400,14 +509,43 @@ __device__ void flash_forward(const unsigned short* query, const unsigned short*
         const bool may_mask = has_bias || (is_causal && start + BC - 1 > first_row);
         bool careful = false;
         if (may_mask)
-            careful = __syncthreads_or(copied_non_finite<T, D, THREADS>(v_tile));
+            careful = __syncthreads_or(copied_non_finite<T, W, THREADS>(v_tile));
         else
             __syncthreads();
-        if (tile + 1 < n_tiles) copy_tile<D, BC, THREADS>(k_tile, key, start + BC, n_key);
+        if (tile + 1 < n_tiles) copy_tile<W, BC, THREADS>(k_tile, key, start + BC, n_key);
         commit_copies();
 
         if (!careful) {
-            add_product<T, D, BC / 16>(acc, p_frag, v_tile, lane);
+            if constexpr (T::WIDE)
+                add_product_tf32<D, PSTEPS>(acc, p_frag, v_tile, lane);
+            else
+                add_product<T, D, BC / 16>(acc, p_frag, v_tile, lane);
+        } else if constexpr (T::WIDE) {
+            // As below, with float32 weights (TF32) and values rounded to TF32.
+            float* weights = reinterpret_cast<float*>(weight_tile) + warp * 16 * BC;
+            #pragma unroll
+            for (int j = 0; j < NTILES; ++j) {
+                #pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    weights[((lane >> 2) + 8 * (e >> 1)) * BC + 8 * j + pair + (e & 1)] =
+                        __uint_as_float(p_frag[j][(e >> 1) + 2 * (e & 1)]);
+            }
+            __syncwarp();
+            #pragma unroll
+            for (int j = 0; j < OTILES; ++j) {
+                #pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int r = (lane >> 2) + 8 * (e >> 1), f = 8 * j + pair + (e & 1);
+                    float sum = acc[j][e];
+                    #pragma unroll 4
+                    for (int t = 0; t < BC; ++t) {
+                        const float p = weights[r * BC + t];
+                        if (p != 0.f) sum += p * __uint_as_float(to_tf32(wide_at<D>(v_tile, t, f)));
+                    }
+                    acc[j][e] = sum;
+                }
+            }
+            __syncwarp();
         } else {
             // The rounded weights through shared memory (each warp its 16 rows),
             // then every output entry of this thread summed over the keys whose
@@ -452,12 +590,21 @@ __device__ void flash_forward(const unsigned short* query, const unsigned short*
         if (row >= n_query) continue;
         const bool empty = total == 0.f;
         const float inverse = empty ? 0.f : 1.f / total;
-        // Rounded to the operands' format here, two numbers a 4-byte store.
-        unsigned* out_row = reinterpret_cast<unsigned*>(out + (long long)row * D);
-        #pragma unroll
-        for (int j = 0; j < OTILES; ++j)
-            out_row[(8 * j + pair) / 2] =
-                T::pack(acc[j][2 * r] * inverse, acc[j][2 * r + 1] * inverse);
+        if constexpr (T::WIDE) {
+            // float32 out, two numbers an 8-byte store.
+            float2* out_row = reinterpret_cast<float2*>(out + (long long)row * W);
+            #pragma unroll
+            for (int j = 0; j < OTILES; ++j)
+                out_row[(8 * j + pair) / 2] =
+                    make_float2(acc[j][2 * r] * inverse, acc[j][2 * r + 1] * inverse);
+        } else {
+            // Rounded to the operands' format here, two numbers a 4-byte store.
+            unsigned* out_row = reinterpret_cast<unsigned*>(out + (long long)row * D);
+            #pragma unroll
+            for (int j = 0; j < OTILES; ++j)
+                out_row[(8 * j + pair) / 2] =
+                    T::pack(acc[j][2 * r] * inverse, acc[j][2 * r + 1] * inverse);
+        }
         if (log_sum_exp != nullptr && (lane & 3) == 0)
             log_sum_exp[row] = empty ? NEG_INF : (row_max[r] + log2f(total)) * LN2;
     }
@@ -806,6 +953,11 @@ TFMATH_FLASH_FORWARD(BF16, bf16, 64, 8)
 #if TFMATH_WANTED(FORWARD, bf16, 128)
 TFMATH_FLASH_FORWARD(BF16, bf16, 128, 4)
 TFMATH_FLASH_FORWARD(BF16, bf16, 128, 8)
+#endif
+// TF32: heads of 64 and 4 warps, whose float32 tiles fill the 48 KiB (at d = 128, or
+// 8 warps, they would not).
+#if TFMATH_WANTED(FORWARD, tf32, 64)
+TFMATH_FLASH_FORWARD(TF32, tf32, 64, 4)
 #endif
 
 // The backward's two entry points of one format and head size: WARPS warps a block,

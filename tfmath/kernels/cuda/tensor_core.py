@@ -27,6 +27,10 @@ that runs the forward, until a GPU run of ``tools/gpu/check.sh`` has checked it
 against the float64 reference; it was checked, with the forward, on the host by
 :mod:`tfmath.tools.warp_emulator` (tests/test_tensor_core_emulated.py).
 
+float32 heads of 64 run the same forward as TF32 (``mma.sync.m16n8k8.tf32``) where
+``TFMATH_CUDA_TF32=1``: opt-in, since TF32 keeps float16's 10 significand bits
+(docs/backends.rst, "float32 on the tensor cores").
+
 The Numba simulator cannot run CUDA C++ (the tests run it on the CPU through
 :mod:`tfmath.tools.warp_emulator`), so only a GPU runs this kernel for users; there it
 serves every problem :func:`supports` unless ``TFMATH_CUDA_TENSOR_CORES=0`` (see
@@ -52,6 +56,8 @@ cuda = _cuda.numba_cuda()
 SOURCE = Path(__file__).with_name("tensor_core.cu")
 #: The half-precision formats, by NumPy dtype name, and the suffix of their functions.
 FORMATS = {"float16": "f16", "bfloat16": "bf16"}
+#: The suffix of every format's functions, float32's TF32 forward among them.
+SUFFIXES = {**FORMATS, "float32": "tf32"}
 #: The head sizes compiled (the swizzled tiles need 8 or 16 chunks of 16 bytes a row).
 HEAD_DIMS = (64, 128)
 #: Warps per block compiled; each warp takes 16 query rows.
@@ -72,6 +78,16 @@ class BlockShape(NamedTuple):
 #: d = 128); the caps hold it where ptxas puts it alone, without spills, so that a
 #: multiprocessor keeps 2 blocks of 8 warps at d = 64 and 3 blocks of 4 at d = 128.
 BLOCK_SHAPES = {64: BlockShape(8, 128), 128: BlockShape(4, 168)}
+#: The TF32 forward's only shape: heads of 64 and 4 warps, whose float32 tiles fill the
+#: 48 KiB of static shared memory; no register cap (ptxas's choice, which a GPU has
+#: yet to time against others).
+TF32_HEAD_DIM = 64
+TF32_BLOCK = BlockShape(4, None)
+
+
+def block_shape(format_name, head_dim):
+    """The :class:`BlockShape` of the forward of one format and head size."""
+    return TF32_BLOCK if format_name == "float32" else BLOCK_SHAPES[head_dim]
 
 
 #: Warps per block of the backward's two kernels, by head size (each warp takes 16
@@ -97,24 +113,28 @@ def runs_here():
 
 
 def supports(problem):
-    """Whether this kernel computes ``problem`` (its format and head sizes)."""
+    """Whether this kernel computes ``problem``'s forward (its format and head sizes):
+    float16 and bfloat16 heads of 64 and 128, float32 heads of 64 (TF32)."""
+    heads = (TF32_HEAD_DIM,) if problem.dtype.name == "float32" else HEAD_DIMS
     return (
-        problem.dtype.name in FORMATS
-        and problem.n_features in HEAD_DIMS
+        problem.dtype.name in SUFFIXES
+        and problem.n_features in heads
         and problem.value_dim == problem.n_features
     )
 
 
 def serves(format_name, head_dim):
     """Whether the tensor-core forward takes operands of ``format_name`` (a NumPy dtype
-    name) and heads of ``head_dim`` here: the switch on, a real GPU that runs it."""
-    return (
-        format_name in FORMATS
-        and head_dim in HEAD_DIMS
-        and _cuda_switches.cuda_tensor_cores()
-        and _cuda.status().real_gpu
-        and runs_here()
-    )
+    name) and heads of ``head_dim`` here: its switch on (``TFMATH_CUDA_TENSOR_CORES``
+    for float16 and bfloat16, on by default; ``TFMATH_CUDA_TF32=1`` for float32), a real
+    GPU that runs it."""
+    if format_name == "float32":
+        wanted = head_dim == TF32_HEAD_DIM and _cuda_switches.cuda_tf32()
+    else:
+        wanted = (
+            format_name in FORMATS and head_dim in HEAD_DIMS and _cuda_switches.cuda_tensor_cores()
+        )
+    return wanted and _cuda.status().real_gpu and runs_here()
 
 
 def serves_backward(problem):
@@ -122,7 +142,8 @@ def serves_backward(problem):
     and ``TFMATH_CUDA_TENSOR_CORE_BACKWARD=1`` (see
     :func:`tfmath._cuda_switches.cuda_tensor_core_backward`)."""
     return (
-        supports(problem)
+        problem.dtype.name in FORMATS
+        and supports(problem)
         and _cuda_switches.cuda_tensor_core_backward()
         and serves(problem.dtype.name, problem.n_features)
     )
@@ -130,7 +151,7 @@ def serves_backward(problem):
 
 def entry_name(format_name, head_dim, warps):
     """The C++ entry point of one format, head size and number of warps per block."""
-    return f"tfmath_flash_forward_{FORMATS[format_name]}_{head_dim}_w{warps}"
+    return f"tfmath_flash_forward_{SUFFIXES[format_name]}_{head_dim}_w{warps}"
 
 
 @functools.cache
@@ -139,7 +160,7 @@ def linked_source(kind, format_name, head_dim):
     (``"FORWARD"`` or ``"BACKWARD"``), format and head size only. numba-cuda compiles
     and links the C++ afresh for each kernel: NVRTC and ptxas took 6.5 s over the whole
     file's sixteen entry points, 0.5 to 1.6 s over a kernel's own two (AMD EPYC Zen 5)."""
-    wanted = f"TFMATH_WANT_{kind}_{FORMATS[format_name]}_{head_dim}"
+    wanted = f"TFMATH_WANT_{kind}_{SUFFIXES[format_name]}_{head_dim}"
     prefix = f'#define TFMATH_SELECT 1\n#define {wanted} 1\n#line 1 "{SOURCE.name}"\n'
     return cuda.CUSource(prefix + SOURCE.read_text(), name=SOURCE.name)
 
@@ -186,8 +207,8 @@ def forward_function(format_name, head_dim, warps):
     Its operands are device addresses (integers) of C-contiguous arrays: query
     ``(n_q, L, d)``, key and value ``(n_kv, S, d)``, an optional float32 bias
     ``(n_mask, L, S)`` (address 0 without one), the output ``(n_batch, L, d)`` in the
-    operands' 16-bit format and the float32 log-sum-exp ``(n_batch, L)`` (address 0:
-    not written). Row ``b`` of ``index`` gives the entries of query, key, value and
+    operands' format and the float32 log-sum-exp ``(n_batch, L)`` (address 0: not
+    written). Row ``b`` of ``index`` gives the entries of query, key, value and
     bias that output entry ``b`` reads. Addresses keep the launch cheap: the
     dispatcher types integers at once, where each array argument costs it a
     descriptor, and any CUDA array (a torch tensor of bfloat16 too) has one.
@@ -200,7 +221,7 @@ def forward_function(format_name, head_dim, warps):
     types = _cuda.numba_types()
     i32, i64 = types.int32, types.int64
     block_rows = 16 * warps
-    row_bytes = 2 * head_dim
+    row_bytes = (4 if format_name == "float32" else 2) * head_dim
 
     batch_operands = _batch_operands()
 
@@ -400,8 +421,10 @@ def launch(problem, warps=None, max_registers=None):
     query, key, value, mask, index = _problem_bias(problem)
     n_batch, head_dim = index.shape[0], problem.n_features
     if warps is None:
-        warps, max_registers = BLOCK_SHAPES[head_dim]
-    out = _cuda.device_empty((n_batch, problem.n_query, head_dim), np.uint16)
+        warps, max_registers = block_shape(problem.dtype.name, head_dim)
+    # The 16-bit formats' patterns, or float32.
+    out_dtype = np.float32 if problem.dtype == np.float32 else np.uint16
+    out = _cuda.device_empty((n_batch, problem.n_query, head_dim), out_dtype)
     log_sum_exp = _cuda.device_empty((n_batch, problem.n_query), np.float32)
     kernel = _forward_kernel(problem.dtype.name, head_dim, warps, max_registers)
     n_blocks = n_batch * math.ceil(problem.n_query / (16 * warps))
@@ -417,7 +440,8 @@ def launch(problem, warps=None, max_registers=None):
 
 
 def _on_device(array):
-    """A half-precision operand on the device (copied there from the host)."""
+    """An operand on the device (copied there from the host; the kernels read its
+    bytes)."""
     if _cuda.is_device_array(array):
         return array
     return _cuda.to_device(np.ascontiguousarray(array).view(np.uint16))
@@ -433,9 +457,9 @@ def _problem_bias(problem):
 
 
 def flash_attention(problem):
-    """Output and log-sum-exp of a validated half-precision ``problem`` that
-    :func:`supports` accepts, on the tensor cores: the output in the operands' format
-    (rounded on the device), the log-sum-exp in float32."""
+    """Output and log-sum-exp of a validated ``problem`` that :func:`supports` accepts,
+    on the tensor cores: the output in the operands' format (rounded on the device; for
+    float32, TF32's products), the log-sum-exp in float32."""
     kernel, shape, arguments, arrays = launch(problem)
     kernel[shape](*arguments)
     bits, log_sum_exp = arrays[-2:]
