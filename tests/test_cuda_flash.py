@@ -161,8 +161,9 @@ def test_half_flash_goes_to_the_tensor_cores_only_when_asked_on_a_gpu(
 )
 def test_float32_flash_goes_to_tf32_only_when_switched_on(switch, n_features, served, monkeypatch):
     """TF32 rounds the operands to 10 significand bits: float32 runs on the tensor cores
-    only with TFMATH_CUDA_TF32=1 (never silently), heads of 64 only; the backward stays
-    on the float32 kernels either way."""
+    only with TFMATH_CUDA_TF32=1 (never silently), heads of 64 only, the backward where
+    the forward does (whatever TFMATH_CUDA_TENSOR_CORE_BACKWARD, the 16-bit formats'
+    switch, says)."""
     from tfmath.kernels.cuda import tensor_core
 
     spy = _TensorCoreSpy()
@@ -173,15 +174,18 @@ def test_float32_flash_goes_to_tf32_only_when_switched_on(switch, n_features, se
         monkeypatch.delenv("TFMATH_CUDA_TF32", raising=False)
     else:
         monkeypatch.setenv("TFMATH_CUDA_TF32", switch)
-    monkeypatch.setenv("TFMATH_CUDA_TENSOR_CORE_BACKWARD", "1")
+    monkeypatch.setenv("TFMATH_CUDA_TENSOR_CORE_BACKWARD", "0")
+    backward = _BackwardSpy()
+    monkeypatch.setattr(tensor_core, "attention_grad", backward)
     q, k, v = _half_inputs(
         np.dtype(np.float32), n_features=n_features, n_query=2, n_key=2, n_values=n_features
     )
     output = tfmath.scaled_dot_product_attention(q, k, v, method="flash", backend="cuda")
     assert output.dtype == np.float32
     assert len(spy.problems) == int(served)
-    problem = attention_problem(q, k, v, backend="cuda")
-    assert not tensor_core.serves_backward(problem)
+    grads = tfmath.attention_grad(q, k, v, np.ones_like(q), backend="cuda")
+    assert all(g.dtype == np.float32 for g in grads)
+    assert len(backward.calls) == int(served)
 
 
 class _BackwardSpy:
@@ -324,7 +328,7 @@ def test_tfmath_info_says_where_half_precision_runs_on_the_gpu(
     ("switch", "real_gpu", "expected"),
     [
         (None, True, "float32 kernels (TFMATH_CUDA_TF32=1: heads of 64 as TF32"),
-        ("1", True, "heads of 64: forward as TF32 on the tensor cores"),
+        ("1", True, "heads of 64: forward and backward as TF32 on the tensor cores"),
         ("1", False, "TFMATH_CUDA_TF32=1 needs a GPU"),
     ],
 )
@@ -566,10 +570,10 @@ for kind in ("FORWARD", "BACKWARD"):
             ptx = _cuda.nvrtc_ptx(source._data, source.name, (8, 0))
             names = re.findall(r"\\.visible \\.func\\s+(?:\\([^)]*\\)\\s*)?(tfmath_\\w+)", ptx)
             found[f"{kind} {format_name} {head_dim}"] = sorted(set(names))
-source = tensor_core.linked_source("FORWARD", "float32", tensor_core.TF32_HEAD_DIM)
-ptx = _cuda.nvrtc_ptx(source._data, source.name, (8, 0))
-names = re.findall(r"\\.visible \\.func\\s+(?:\\([^)]*\\)\\s*)?(tfmath_\\w+)", ptx)
-found["FORWARD float32"] = sorted(set(names))
+    source = tensor_core.linked_source(kind, "float32", tensor_core.TF32_HEAD_DIM)
+    ptx = _cuda.nvrtc_ptx(source._data, source.name, (8, 0))
+    names = re.findall(r"\\.visible \\.func\\s+(?:\\([^)]*\\)\\s*)?(tfmath_\\w+)", ptx)
+    found[f"{kind} float32"] = sorted(set(names))
 print(json.dumps(found))
 """
 
@@ -596,6 +600,7 @@ def test_each_kernel_links_only_its_entry_points():
             assert found[f"FORWARD {format_name} {head_dim}"] == sorted(forward)
             assert found[f"BACKWARD {format_name} {head_dim}"] == sorted(backward)
     assert found["FORWARD float32"] == [tensor_core.entry_name("float32", 64, 4)]
+    assert found["BACKWARD float32"] == sorted(tensor_core.backward_entry_names("float32", 64))
 
 
 #: Registers per thread the design needs, by head size: the output (D/2 floats), the
@@ -629,6 +634,7 @@ def test_tensor_core_compiles_every_entry_point(ptx_files, cc):
         for d in tensor_core.HEAD_DIMS:
             expected.update(tensor_core.backward_entry_names(f, d))
     expected.add(tensor_core.entry_name("float32", 64, 4))
+    expected.update(tensor_core.backward_entry_names("float32", 64))
     assert set(resources) == expected
 
 
@@ -692,7 +698,7 @@ BACKWARD_RESIDENT_WARPS = {"query": 12, "key": 8}
 @pytest.mark.parametrize("part", ["query", "key"])
 def test_tensor_core_backward_fits_its_register_budget_without_spills(ptx_files, cc, part):
     found = _resources(ptx_files, cc, f"backward_{part}")
-    assert len(found) == 4
+    assert len(found) == 5  # float16 and bfloat16 at d = 64 and 128, TF32 at 64
     for name, entry in found.items():
         head_dim = int(name.split("_")[-2])
         assert entry["stack"] == entry["spill_stores"] == entry["spill_loads"] == 0, name
@@ -709,10 +715,13 @@ def test_tensor_core_backward_machine_code_uses_hmma_and_ldsm(ptx_files, cc):
         for name, entry in _resources(ptx_files, cc, f"backward_{part}").items():
             _needs_sass(entry)
             head_dim = int(name.split("_")[-2])
-            tile = tensor_core.BACKWARD_TILE[head_dim]
+            tf32 = "_tf32_" in name
+            tile = tensor_core.TF32_BACKWARD_TILE if tf32 else tensor_core.BACKWARD_TILE[head_dim]
             # Per tile, every product is 16 x T x D or 16 x D x T a warp: T D / 128
-            # m16n8k16 products each (S and dP, then dQ; or S, dP, dV and dK).
-            assert entry["HMMA"] == products * tile * head_dim // 128, name
+            # m16n8k16 products each (S and dP, then dQ; or S, dP, dV and dK), twice as
+            # many m16n8k8 for TF32.
+            expected = products * tile * head_dim // 128 * (2 if tf32 else 1)
+            assert entry["HMMA"] == expected, name
             assert entry["LDSM"] > 0 and entry["LDGSTS"] > 0, name
 
 

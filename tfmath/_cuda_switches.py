@@ -10,8 +10,8 @@ or called:
     at each call; default ``0``: widened to the float32 kernels); see
     :func:`cuda_tensor_core_backward`.
 ``TFMATH_CUDA_TF32``
-    ``1`` runs float32 flash attention forwards with heads of 64 on the tensor cores
-    as TF32 (read at each call; default ``0``: the float32 kernels); see
+    ``1`` runs float32 flash attention with heads of 64, forward and backward, on the
+    tensor cores as TF32 (read at each call; default ``0``: the float32 kernels); see
     :func:`cuda_tf32`.
 ``TFMATH_CUDA_MAX_REGISTERS``
     A cap on the registers per thread of the float32 and float64 CUDA flash
@@ -40,8 +40,8 @@ def cuda_tensor_core_backward():
 
 
 def cuda_tf32():
-    """Whether the float32 flash forward with heads of 64 runs on the tensor cores as TF32
-    (:mod:`tfmath.kernels.cuda.tensor_core`) on a real GPU: only with
+    """Whether float32 flash attention with heads of 64, forward and backward, runs on the
+    tensor cores as TF32 (:mod:`tfmath.kernels.cuda.tensor_core`) on a real GPU: only with
     ``TFMATH_CUDA_TF32=1``, as PyTorch's attention keeps float32 unless TF32 is allowed.
     TF32 keeps 10 bits of each operand's significand, as float16 does: the output then
     errs by about 5e-4 of its scale (float16's error), where the float32 kernels err by

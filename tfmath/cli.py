@@ -287,7 +287,7 @@ def _info(args):
 
 
 def _describe_tf32():
-    """Where the CUDA flash forward puts float32 attention: the float32 kernels, or, with
+    """Where the CUDA flash kernels put float32 attention: the float32 kernels, or, with
     TFMATH_CUDA_TF32=1 on a GPU that runs it, heads of 64 on the tensor cores as TF32."""
     from tfmath import _cuda, _cuda_switches
     from tfmath._dispatch import direct
@@ -296,7 +296,7 @@ def _describe_tf32():
         return "float32 kernels (TFMATH_CUDA_TF32=1: heads of 64 as TF32 on the tensor cores)"
     if not (_cuda.status().real_gpu and direct("cuda_tensor_core").runs_here()):
         return "float32 kernels (TFMATH_CUDA_TF32=1 needs a GPU of compute capability 8.0)"
-    return "heads of 64: forward as TF32 on the tensor cores (10-bit significands), others float32"
+    return "heads of 64: forward and backward as TF32 on the tensor cores (float16's error)"
 
 
 def _describe_tensor_cores():

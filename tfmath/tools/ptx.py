@@ -102,6 +102,12 @@ def kernel_ptx(cc):
     found[f"flash_forward_tf32_{head_dim}_w{warps}"] = _cuda.compile_ptx(
         function, tensor_core.forward_signature(), cc
     )
+    warps = tensor_core.BACKWARD_WARPS[head_dim]
+    functions = tensor_core.backward_functions("float32", head_dim)
+    for part, function in zip(("query", "key"), functions, strict=True):
+        found[f"flash_backward_{part}_tf32_{head_dim}_w{warps}"] = _cuda.compile_ptx(
+            function, tensor_core.backward_signature(), cc
+        )
     source = tensor_core.SOURCE
     found["tensor_core.cu"] = _cuda.nvrtc_ptx(source.read_text(), source.name, cc)
     return found

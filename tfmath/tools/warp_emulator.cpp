@@ -20,17 +20,17 @@ inline long long at(const void* base, long long offset_bytes) {
 }  // namespace
 
 // BYTES: the size of an operand's number (2, or 4 for TF32's float32).
-#define EMULATE_FORWARD(SUFFIX, D, WARPS, BYTES)                                              \
+#define EMULATE_FORWARD(SUFFIX, D, WARPS, BYTES)                                               \
     extern "C" int emulate_flash_forward_##SUFFIX##_##D##_w##WARPS(                            \
         const Bits* query, const Bits* key, const Bits* value, const float* bias, int n_batch, \
-        int n_query, int n_key, int is_causal, float scale, Bits* out, float* log_sum_exp) {  \
-        const int n_tiles = (n_query + 16 * WARPS - 1) / (16 * WARPS);                        \
+        int n_query, int n_key, int is_causal, float scale, Bits* out, float* log_sum_exp) {   \
+        const int n_tiles = (n_query + 16 * WARPS - 1) / (16 * WARPS);                         \
         return warp_emulator::launch(n_batch * n_tiles, 32 * WARPS, [&] {                      \
             const long long b = blockIdx.x % n_batch;                                          \
             const int row_tile = n_tiles - 1 - blockIdx.x / n_batch;                           \
             tfmath_flash_forward_##SUFFIX##_##D##_w##WARPS(                                    \
                 at(query, BYTES * b * n_query * D), at(key, BYTES * b * n_key * D),            \
-                at(value, BYTES * b * n_key * D), at(bias, 4 * b * n_query * n_key),          \
+                at(value, BYTES * b * n_key * D), at(bias, 4 * b * n_query * n_key),           \
                 bias != nullptr, n_query, n_key, is_causal, scale, row_tile,                   \
                 at(out, BYTES * b * n_query * D), at(log_sum_exp, 4 * b * n_query));           \
         });                                                                                    \
@@ -46,9 +46,9 @@ EMULATE_FORWARD(bf16, 128, 4, 2)
 EMULATE_FORWARD(bf16, 128, 8, 2)
 EMULATE_FORWARD(tf32, 64, 4, 4)
 
-#define EMULATE_BACKWARD(SUFFIX, D, WARPS)                                                     \
+#define EMULATE_BACKWARD(SUFFIX, D, WARPS, BYTES)                                              \
     extern "C" int emulate_flash_backward_##SUFFIX##_##D##_w##WARPS(                           \
-        const Bits* query, const Bits* key, const Bits* value, const Bits* out,               \
+        const Bits* query, const Bits* key, const Bits* value, const Bits* out,                \
         const Bits* grad_out, const float* log_sum_exp, const float* bias, int n_batch,        \
         int n_query, int n_key, int is_causal, float scale, float* grad_query, float* delta,   \
         float* grad_key, float* grad_value) {                                                  \
@@ -58,9 +58,9 @@ EMULATE_FORWARD(tf32, 64, 4, 4)
         const int failed = warp_emulator::launch(n_batch * query_tiles, 32 * WARPS, [&] {      \
             const long long b = blockIdx.x % n_batch;                                          \
             tfmath_flash_backward_query_##SUFFIX##_##D##_w##WARPS(                             \
-                at(query, 2 * b * n_query * D), at(key, 2 * b * n_key * D),                    \
-                at(value, 2 * b * n_key * D), at(out, 2 * b * n_query * D),                    \
-                at(grad_out, 2 * b * n_query * D), at(log_sum_exp, 4 * b * n_query),           \
+                at(query, BYTES * b * n_query * D), at(key, BYTES * b * n_key * D),            \
+                at(value, BYTES * b * n_key * D), at(out, BYTES * b * n_query * D),            \
+                at(grad_out, BYTES * b * n_query * D), at(log_sum_exp, 4 * b * n_query),       \
                 at(bias, 4 * b * n_query * n_key), bias != nullptr, n_query, n_key, is_causal, \
                 scale, blockIdx.x / n_batch, at(grad_query, 4 * b * n_query * D),              \
                 at(delta, 4 * b * n_query));                                                   \
@@ -69,19 +69,20 @@ EMULATE_FORWARD(tf32, 64, 4, 4)
         return warp_emulator::launch(n_batch * key_tiles, 32 * WARPS, [&] {                    \
             const long long b = blockIdx.x % n_batch;                                          \
             tfmath_flash_backward_key_##SUFFIX##_##D##_w##WARPS(                               \
-                at(query, 2 * b * n_query * D), at(key, 2 * b * n_key * D),                    \
-                at(value, 2 * b * n_key * D), at(grad_out, 2 * b * n_query * D),               \
+                at(query, BYTES * b * n_query * D), at(key, BYTES * b * n_key * D),            \
+                at(value, BYTES * b * n_key * D), at(grad_out, BYTES * b * n_query * D),       \
                 at(log_sum_exp, 4 * b * n_query), at(delta, 4 * b * n_query),                  \
                 at(bias, 4 * b * n_query * n_key), bias != nullptr, n_query, n_key, is_causal, \
                 scale, blockIdx.x / n_batch, at(grad_key, 4 * b * n_key * D),                  \
-                at(grad_value, 4 * b * n_key * D));                                           \
+                at(grad_value, 4 * b * n_key * D));                                            \
         });                                                                                    \
     }
 
-EMULATE_BACKWARD(f16, 64, 4)
-EMULATE_BACKWARD(f16, 128, 4)
-EMULATE_BACKWARD(bf16, 64, 4)
-EMULATE_BACKWARD(bf16, 128, 4)
+EMULATE_BACKWARD(f16, 64, 4, 2)
+EMULATE_BACKWARD(f16, 128, 4, 2)
+EMULATE_BACKWARD(bf16, 64, 4, 2)
+EMULATE_BACKWARD(bf16, 128, 4, 2)
+EMULATE_BACKWARD(tf32, 64, 4, 4)
 
 // The 16-bit formats' rounding of `n` float32 numbers, as the kernels' T::pack does.
 extern "C" void emulate_round_f16(const float* values, Bits* bits, long n) {
@@ -112,31 +113,31 @@ int run_block(int threads, void (*entry)(Parameters...), Arguments... arguments)
 
 #define EMULATE_FORWARD_BLOCK(SUFFIX, D, WARPS)                                                \
     extern "C" int emulate_block_tfmath_flash_forward_##SUFFIX##_##D##_w##WARPS(               \
-        long long query, long long key, long long value, long long bias, int has_bias,        \
-        int n_query, int n_key, int is_causal, float scale, int row_tile, long long out,      \
+        long long query, long long key, long long value, long long bias, int has_bias,         \
+        int n_query, int n_key, int is_causal, float scale, int row_tile, long long out,       \
         long long log_sum_exp) {                                                               \
-        return run_block(32 * WARPS, tfmath_flash_forward_##SUFFIX##_##D##_w##WARPS, query,   \
-                         key, value, bias, has_bias, n_query, n_key, is_causal, scale,        \
+        return run_block(32 * WARPS, tfmath_flash_forward_##SUFFIX##_##D##_w##WARPS, query,    \
+                         key, value, bias, has_bias, n_query, n_key, is_causal, scale,         \
                          row_tile, out, log_sum_exp);                                          \
     }
 
 #define EMULATE_BACKWARD_BLOCKS(SUFFIX, D, WARPS)                                              \
     extern "C" int emulate_block_tfmath_flash_backward_query_##SUFFIX##_##D##_w##WARPS(        \
-        long long query, long long key, long long value, long long out, long long grad_out,   \
-        long long log_sum_exp, long long bias, int has_bias, int n_query, int n_key,          \
-        int is_causal, float scale, int row_tile, long long grad_query, long long delta) {    \
-        return run_block(32 * WARPS, tfmath_flash_backward_query_##SUFFIX##_##D##_w##WARPS,   \
-                         query, key, value, out, grad_out, log_sum_exp, bias, has_bias,       \
-                         n_query, n_key, is_causal, scale, row_tile, grad_query, delta);      \
+        long long query, long long key, long long value, long long out, long long grad_out,    \
+        long long log_sum_exp, long long bias, int has_bias, int n_query, int n_key,           \
+        int is_causal, float scale, int row_tile, long long grad_query, long long delta) {     \
+        return run_block(32 * WARPS, tfmath_flash_backward_query_##SUFFIX##_##D##_w##WARPS,    \
+                         query, key, value, out, grad_out, log_sum_exp, bias, has_bias,        \
+                         n_query, n_key, is_causal, scale, row_tile, grad_query, delta);       \
     }                                                                                          \
     extern "C" int emulate_block_tfmath_flash_backward_key_##SUFFIX##_##D##_w##WARPS(          \
-        long long query, long long key, long long value, long long grad_out,                  \
-        long long log_sum_exp, long long delta, long long bias, int has_bias, int n_query,    \
-        int n_key, int is_causal, float scale, int key_tile, long long grad_key,              \
+        long long query, long long key, long long value, long long grad_out,                   \
+        long long log_sum_exp, long long delta, long long bias, int has_bias, int n_query,     \
+        int n_key, int is_causal, float scale, int key_tile, long long grad_key,               \
         long long grad_value) {                                                                \
-        return run_block(32 * WARPS, tfmath_flash_backward_key_##SUFFIX##_##D##_w##WARPS,     \
-                         query, key, value, grad_out, log_sum_exp, delta, bias, has_bias,     \
-                         n_query, n_key, is_causal, scale, key_tile, grad_key, grad_value);   \
+        return run_block(32 * WARPS, tfmath_flash_backward_key_##SUFFIX##_##D##_w##WARPS,      \
+                         query, key, value, grad_out, log_sum_exp, delta, bias, has_bias,      \
+                         n_query, n_key, is_causal, scale, key_tile, grad_key, grad_value);    \
     }
 
 EMULATE_FORWARD_BLOCK(f16, 64, 4)
@@ -152,3 +153,4 @@ EMULATE_BACKWARD_BLOCKS(f16, 64, 4)
 EMULATE_BACKWARD_BLOCKS(f16, 128, 4)
 EMULATE_BACKWARD_BLOCKS(bf16, 64, 4)
 EMULATE_BACKWARD_BLOCKS(bf16, 128, 4)
+EMULATE_BACKWARD_BLOCKS(tf32, 64, 4)

@@ -190,10 +190,12 @@ def flash_backward(
     """The tensor-core backward, emulated: float32 ``(grad_query, grad_key, grad_value,
     delta)`` from the operands and ``bias`` as :func:`flash_forward` takes them, the
     forward's ``out`` and ``log_sum_exp`` and the output's gradient ``grad_out`` (in the
-    operands' format)."""
+    operands' format; float32: TF32, heads of 64)."""
     dtype = np.dtype(query.dtype)
     _check(query, key, value, bias)
     n_batch, n_query, head_dim = query.shape
+    if dtype == np.float32 and head_dim != TF32_FORWARD[0]:
+        raise ValueError(f"the TF32 backward has heads of 64, got {head_dim}")
     n_key = key.shape[1]
     scale = 1 / np.sqrt(head_dim) if scale is None else scale
     q, k, v, o, g = (_bits(a, dtype) for a in (query, key, value, out, grad_out))
@@ -293,11 +295,13 @@ def main(argv=None):
                     *(f"{e:9.2e}" for e in errors),
                 )
     for is_causal in (False, True):
-        # TF32: float32 operands, the forward only (heads of 64).
-        q, k, v = (rng.standard_normal((2, args.rows, 64)).astype(np.float32) for _ in range(3))
-        out, _ = flash_forward(q, k, v, is_causal=is_causal)
-        exact = exact_attention(q, k, v, np.zeros_like(q), is_causal=is_causal)[0]
-        print(f"{'tf32':<9} {64:>4} {is_causal!s:>6} {_relative_error(out, exact):9.2e}")
+        # TF32: float32 operands (heads of 64).
+        q, k, v, g = (rng.standard_normal((2, args.rows, 64)).astype(np.float32) for _ in range(4))
+        out, lse = flash_forward(q, k, v, is_causal=is_causal)
+        grads = flash_backward(q, k, v, out, g, lse, is_causal=is_causal)[:3]
+        exact = exact_attention(q, k, v, g, is_causal=is_causal)
+        errors = [_relative_error(a, b) for a, b in zip((out, *grads), exact, strict=True)]
+        print(f"{'tf32':<9} {64:>4} {is_causal!s:>6}", *(f"{e:9.2e}" for e in errors))
     return 0
 
 

@@ -29,11 +29,12 @@ tests first); on its own::
    times it per register cap (:data:`BACKWARD_CAPS`), the registers and spills each
    cap compiles to beside.
 
-4. ``--tf32``: the float32 forward as TF32 on the tensor cores
-   (``TFMATH_CUDA_TF32=1``, opt-in): against the float64 reference on
-   :data:`TF32_CASES` (that TF32 ran, and its error, which is float16's), then timed at
-   L = 4096, H = 16, d = 64 against PyTorch's float32 SDPA with TF32 off and on, and
-   against tfmath's float32 kernels; writes ``tf32.json``.
+4. ``--tf32``: float32 attention as TF32 on the tensor cores (``TFMATH_CUDA_TF32=1``,
+   opt-in): the forward and the gradients (autograd on CUDA tensors) against the
+   float64 reference on :data:`TF32_CASES` (that TF32 ran, and its error, which is
+   float16's), then the forward, and the forward and backward, timed at L = 4096,
+   H = 16, d = 64 against PyTorch's float32 SDPA with TF32 off and on, and against
+   tfmath's float32 kernels; writes ``tf32.json``.
 
 5. Resources: the registers, local and shared memory of each kernel, and the
    share of a multiprocessor's warps its blocks can hold at once (occupancy),
@@ -83,7 +84,7 @@ ISSUE_ROWS = [
     for causal in (False, True)
 ]
 LENGTHS = (1024, 2048, 4096, 8192)
-#: (batch, heads, L, S, causal, boolean mask): the TF32 forward's checks (d = 64).
+#: (batch, heads, L, S, causal, boolean mask): the TF32 kernels' checks (d = 64).
 TF32_CASES = [
     (1, 2, 100, 130, False, False),
     (2, 2, 200, 200, True, False),
@@ -339,8 +340,9 @@ def run_backward(out, quick):
 
 
 def check_tf32_case(case, rng):
-    """``(case, relative error, tolerance, ok)`` of the TF32 forward through the public
-    API on CUDA tensors, and whether the TF32 kernel ran."""
+    """Rows ``(case, what, relative error, tolerance, ok)`` of the TF32 forward and
+    gradients through the public API on CUDA tensors (autograd), each ok only where the
+    TF32 kernels ran."""
     import torch
 
     import tfmath
@@ -354,65 +356,91 @@ def check_tf32_case(case, rng):
         *(a.astype(np.float64) for a in (q, k, v)), attn_mask=mask, is_causal=causal,
         backend="reference",
     )  # fmt: skip
+    grad = rng.standard_normal(reference.shape).astype(np.float32)
+    expected = tfmath.attention_grad(
+        *(a.astype(np.float64) for a in (q, k, v, grad)), mask, causal, backend="reference"
+    )
     ran = []
-    forward = tensor_core.flash_attention
-    tensor_core.flash_attention = lambda problem: ran.append(problem.dtype) or forward(problem)
+    forward, backward = tensor_core.flash_attention, tensor_core.attention_grad
+    tensor_core.flash_attention = lambda *a: ran.append("forward") or forward(*a)
+    tensor_core.attention_grad = lambda *a: ran.append("backward") or backward(*a)
     try:
-        tensors = [torch.from_numpy(a).cuda() for a in (q, k, v)]
+        tensors = [torch.from_numpy(a).cuda().requires_grad_() for a in (q, k, v)]
         on_gpu_mask = None if mask is None else torch.from_numpy(mask).cuda()
         output = tfmath.scaled_dot_product_attention(
             *tensors, attn_mask=on_gpu_mask, is_causal=causal, backend="cuda"
         )
+        output.backward(torch.from_numpy(grad).cuda())
     finally:
-        tensor_core.flash_attention = forward
-    error = _relative_error(output.cpu().numpy(), reference)
+        tensor_core.flash_attention, tensor_core.attention_grad = forward, backward
     name = f"B{batch} H{heads} L{n_query} S{n_key} d64" + " causal" * causal + " mask" * with_mask
-    return name, error, TF32_TOLERANCE, bool(error <= TF32_TOLERANCE and ran)
+    results = [("output", output.detach(), reference)]
+    gradients = zip("QKV", tensors, expected, strict=True)
+    results += [(f"d{x}", tensor.grad, want) for x, tensor, want in gradients]
+    rows = []
+    for what, got, want in results:
+        error = _relative_error(got.cpu().numpy(), want)
+        ok = error <= TF32_TOLERANCE and ran == ["forward", "backward"]
+        rows.append((name, what, error, TF32_TOLERANCE, bool(ok)))
+    return rows
+
+
+def _forward_and_backward(sdpa_call, leaves, grad):
+    """One autograd step: the attention of ``leaves`` and its backward."""
+    sdpa_call(*leaves).backward(grad)
 
 
 def time_tf32_rows(torch, quick):
-    """Rows ``(B, causal, torch float32 ms, torch TF32 ms, tfmath float32 ms, tfmath TF32
-    ms)`` at L = 4096, H = 16, d = 64: PyTorch's SDPA with TF32 off, then allowed;
-    tfmath's float32 kernels, then TF32, both through the public API on the tensors."""
+    """Rows ``(B, causal, pass, torch float32 ms, torch TF32 ms, tfmath float32 ms,
+    tfmath TF32 ms)`` at L = 4096, H = 16, d = 64, for the forward and for forward and
+    backward (autograd): PyTorch's SDPA with TF32 off, then allowed; tfmath's float32
+    kernels, then TF32, both through the public API on the tensors."""
     import tfmath
 
     sdpa = torch.nn.functional.scaled_dot_product_attention
     repeats = 3 if quick else 10
     rows = []
     for batch in (1, 4):
-        q, k, v = _issue_row_tensors(torch, "float32", 64, batch, 3)
+        q, k, v, grad = _issue_row_tensors(torch, "float32", 64, batch, 4)
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
         for causal in (False, True):
-            torch_call = functools.partial(sdpa, q, k, v, is_causal=causal)
-            tfmath_call = functools.partial(
-                tfmath.scaled_dot_product_attention, q, k, v, is_causal=causal, backend="cuda"
+            torch_sdpa = functools.partial(sdpa, is_causal=causal)
+            tfmath_sdpa = functools.partial(
+                tfmath.scaled_dot_product_attention, is_causal=causal, backend="cuda"
             )
-            times = []
-            for allow in (False, True):
-                torch.backends.cuda.matmul.allow_tf32 = allow
-                times.append(median_ms(torch, torch_call, 1, repeats))
-            torch.backends.cuda.matmul.allow_tf32 = False
-            for switch in ("0", "1"):
-                os.environ["TFMATH_CUDA_TF32"] = switch
-                times.append(median_ms(torch, tfmath_call, 1, repeats))
-            os.environ["TFMATH_CUDA_TF32"] = "1"
-            rows.append((batch, causal, *times))
-            labels = ("torch f32", "torch tf32", "tfmath f32", "tfmath tf32")
-            timed = ", ".join(f"{label} {ms:.3f}" for label, ms in zip(labels, times, strict=True))
-            print(f"tf32 row B={batch} causal={causal}: {timed} ms", flush=True)
+            for what in ("forward", "forward+backward"):
+                if what == "forward":
+                    calls = [functools.partial(f, q, k, v) for f in (torch_sdpa, tfmath_sdpa)]
+                else:
+                    calls = [functools.partial(_forward_and_backward, f, leaves, grad)
+                             for f in (torch_sdpa, tfmath_sdpa)]  # fmt: skip
+                times = []
+                for allow in (False, True):
+                    torch.backends.cuda.matmul.allow_tf32 = allow
+                    times.append(median_ms(torch, calls[0], 1, repeats))
+                torch.backends.cuda.matmul.allow_tf32 = False
+                for switch in ("0", "1"):
+                    os.environ["TFMATH_CUDA_TF32"] = switch
+                    times.append(median_ms(torch, calls[1], 1, repeats))
+                os.environ["TFMATH_CUDA_TF32"] = "1"
+                rows.append((batch, causal, what, *times))
+                labels = ("torch f32", "torch tf32", "tfmath f32", "tfmath tf32")
+                timed = ", ".join(f"{lab} {ms:.3f}" for lab, ms in zip(labels, times, strict=True))
+                print(f"tf32 row B={batch} causal={causal} {what}: {timed} ms", flush=True)
     return rows
 
 
 def run_tf32(out, quick):
-    """The TF32 forward's checks and rows; 0 when every check passed."""
+    """The TF32 kernels' checks and rows; 0 when every check passed."""
     os.environ["TFMATH_CUDA_TF32"] = "1"
     rng = np.random.default_rng(int(time.time()))
     checks = []
     for case in TF32_CASES:
         try:
-            checks.append(check_tf32_case(case, rng))
+            checks.extend(check_tf32_case(case, rng))
         except Exception:
             traceback.print_exc()
-            checks.append((str(case), float("nan"), TF32_TOLERANCE, False))
+            checks.append((str(case), "raised", float("nan"), TF32_TOLERANCE, False))
     for row in checks:
         print("tf32 check", *row, flush=True)
     rows = time_tf32_rows(_torch(), quick)
@@ -853,7 +881,7 @@ def main(argv=None):
         help="only the tensor-core backward: its checks and the issue's rows",
     )
     parser.add_argument(
-        "--tf32", action="store_true", help="only the TF32 forward: its checks and rows"
+        "--tf32", action="store_true", help="only float32 as TF32: its checks and rows"
     )
     parser.add_argument(
         "--backward-caps",

@@ -14,8 +14,8 @@
 #    forward + backward, at L = 1024..8192 against PyTorch, with a figure;
 # 4. runs tools/gpu/check.py --backward: the tensor-core backward (opt-in until this
 #    checks it) against the float64 reference, then timed at the same rows;
-# 5. runs tools/gpu/check.py --tf32: the float32 forward as TF32 (opt-in) against the
-#    float64 reference, then timed against PyTorch with TF32 off and on;
+# 5. runs tools/gpu/check.py --tf32: float32 forward and backward as TF32 (opt-in)
+#    against the float64 reference, then timed against PyTorch with TF32 off and on;
 # 6. runs the CUDA tests on the GPU (not the simulator);
 # 7. runs `tfmath bench attention --backend cuda` (float32, against PyTorch).
 # The measurements come first, so that a lease cut short still brings them back.
@@ -66,7 +66,7 @@ timeout 90 "$PYTHON" tools/gpu/check.py --backward --out "$OUT" $QUICK 2>&1 \
 echo "backward: exit ${PIPESTATUS[0]}"
 
 echo "== TF32: checks, then L = 4096 against PyTorch"
-timeout 30 "$PYTHON" tools/gpu/check.py --tf32 --out "$OUT" $QUICK 2>&1 \
+timeout 40 "$PYTHON" tools/gpu/check.py --tf32 --out "$OUT" $QUICK 2>&1 \
     | tee "$OUT/tf32.txt" | tail -15
 echo "tf32: exit ${PIPESTATUS[0]}"
 
@@ -80,7 +80,7 @@ timeout 105 "$PYTHON" -m pytest -q -m cuda \
 echo "tests: exit ${PIPESTATUS[0]}"
 
 echo "== tfmath bench attention --backend cuda (float32)"
-timeout 45 "$PYTHON" -m tfmath bench attention --backend cuda --quick 2>&1 \
+timeout 35 "$PYTHON" -m tfmath bench attention --backend cuda --quick 2>&1 \
     | tee "$OUT/bench_attention.txt" | tail -25
 echo "bench: exit ${PIPESTATUS[0]}"
 

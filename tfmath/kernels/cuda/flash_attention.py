@@ -650,9 +650,10 @@ def _widened(array):
 
 
 def _tensor_core_backward_serves(problem, grad_output, saved):
-    """Whether the tensor-core backward takes this half-precision call: switched on, on
-    a GPU that runs it, heads it supports, and finite numbers only (a 0 of P or dS
-    times inf would be NaN there; the float32 kernels skip such products)."""
+    """Whether the tensor-core backward takes this half-precision (or float32, as TF32)
+    call: switched on, on a GPU that runs it, heads it supports, and finite numbers only
+    (a 0 of P or dS times inf would be NaN there; the float32 kernels skip such
+    products)."""
     from tfmath.kernels.cuda import tensor_core
 
     if not tensor_core.serves_backward(problem):
@@ -671,13 +672,15 @@ def attention_grad(problem, grad_output, saved=None):
     tensor cores take them where :func:`.tensor_core.serves_backward` says and every
     number involved is finite (:func:`.tensor_core.finite`); otherwise they, the
     output's gradient and the saved output are widened to float32 here. Either way
-    the gradients are float32, which the caller rounds.
+    the gradients are float32, which the caller rounds. float32 heads of 64 run on the
+    tensor cores as TF32 where ``TFMATH_CUDA_TF32=1``, on the same conditions.
     """
-    if problem.needs_widening:
+    if problem.needs_widening or problem.dtype == np.float32:
         if _tensor_core_backward_serves(problem, grad_output, saved):
             from tfmath.kernels.cuda import tensor_core
 
             return tensor_core.attention_grad(problem, grad_output, saved)
+    if problem.needs_widening:
         problem = problem.widened(half.widen)
         grad_output = _widened(grad_output)
         if saved is not None:

@@ -78,9 +78,9 @@ struct BF16 {
 
 // TF32: float32 operands in memory, multiplied on the tensor cores (m16n8k8) with
 // 10 bits of significand, as float16 has, and float32's range; each operand is
-// rounded to that (to nearest, ties away from zero: cvt.rna) in registers. Only the
-// forward, heads of 64, opt-in (TFMATH_CUDA_TF32=1): its error is float16's, not
-// float32's (docs/backends.rst). A float32 row of D numbers is a tile row of 2 D
+// rounded to that (to nearest, ties away from zero: cvt.rna) in registers. Heads of
+// 64, opt-in (TFMATH_CUDA_TF32=1): its error is float16's, not float32's
+// (docs/backends.rst). A float32 row of D numbers is a tile row of 2 D
 // 16-bit words, so the tiles, their swizzle, the copies and the `ldmatrix` loads of
 // Q and K are the 16-bit formats' at twice the width: an 8 x 8 matrix of 16-bit
 // words is an 8 x 4 matrix of float32, and the four of `ldmatrix.x4` are the
@@ -234,22 +234,32 @@ __device__ __forceinline__ void round_to_fragments(unsigned frag[NT / 2][4], con
     }
 }
 
-// c (16 x 8 NT) += a (16 x D, A fragments from `a_tile` rows [row, row + 16)) times
-// b_tile^T (b_tile's first 8 NT rows, D numbers each).
-template <class T, int D, int NT>
+// The products of format T, and its operands as loaded (defined below: TF32 rounds).
+template <class T>
+__device__ __forceinline__ void multiply(float c[4], const unsigned a[4], unsigned b0,
+                                         unsigned b1);
+template <class T, int N>
+__device__ __forceinline__ void as_operands(unsigned r[N]);
+
+// c (16 x 8 NT) += a (16 x W words, A fragments from `a_tile` rows [row, row + 16))
+// times b_tile^T (b_tile's first 8 NT rows, W 16-bit words each: W numbers, or W / 2
+// float32 for TF32).
+template <class T, int W, int NT>
 __device__ __forceinline__ void add_product_transposed(float c[NT][4],
                                                        const unsigned short* a_tile, int row,
                                                        const unsigned short* b_tile, int lane) {
     #pragma unroll
-    for (int k = 0; k < D / 16; ++k) {
+    for (int k = 0; k < W / 16; ++k) {
         unsigned a[4];
-        load_rows_fragment<D>(a, a_tile, row, k, lane);
+        load_rows_fragment<W>(a, a_tile, row, k, lane);
+        as_operands<T, 4>(a);
         #pragma unroll
         for (int j = 0; j < NT; j += 2) {
             unsigned b[4];
-            load_transposed_operand<D>(b, b_tile, j, k, lane);
-            mma_16816<T>(c[j], a, b[0], b[1]);
-            mma_16816<T>(c[j + 1], a, b[2], b[3]);
+            load_transposed_operand<W>(b, b_tile, j, k, lane);
+            as_operands<T, 4>(b);
+            multiply<T>(c[j], a, b[0], b[1]);
+            multiply<T>(c[j + 1], a, b[2], b[3]);
         }
     }
 }
@@ -270,8 +280,8 @@ __device__ __forceinline__ void add_product(float c[D / 8][4], const unsigned fr
     }
 }
 
-// The scores' product of format T: m16n8k16 on 16-bit operands, m16n8k8 on TF32
-// ones (the same registers hold 16 x 16 16-bit words or 16 x 8 float32).
+// The product of format T: m16n8k16 on 16-bit operands, m16n8k8 on TF32 ones (the
+// same registers hold 16 x 16 16-bit words or 16 x 8 float32).
 template <class T>
 __device__ __forceinline__ void multiply(float c[4], const unsigned a[4], unsigned b0,
                                          unsigned b1) {
@@ -330,6 +340,43 @@ __device__ __forceinline__ void add_product_tf32(float c[D / 8][4], const unsign
     }
 }
 
+// Steps of a product's inner dimension over NKEYS weights (16 keys a step, or 8 for
+// TF32), and so the weights' fragments.
+template <class T, int NKEYS>
+constexpr int weight_steps = T::WIDE ? NKEYS / 8 : NKEYS / 16;
+
+// Float32 accumulators of a warp's 16 x (8 NT) product as the A fragments of the next
+// product over those columns, in format T.
+template <class T, int NT>
+__device__ __forceinline__ void to_fragments(unsigned frag[weight_steps<T, 8 * NT>][4],
+                                             const float c[NT][4]) {
+    if constexpr (T::WIDE)
+        weights_to_tf32<NT>(frag, c);
+    else
+        round_to_fragments<T, NT>(frag, c);
+}
+
+// c (16 x D) += the fragments (16 x 8 NT weights) times b_tile's first 8 NT rows of D
+// numbers.
+template <class T, int D, int NT>
+__device__ __forceinline__ void add_weighted(float c[D / 8][4],
+                                             const unsigned frag[weight_steps<T, 8 * NT>][4],
+                                             const unsigned short* b_tile, int lane) {
+    if constexpr (T::WIDE)
+        add_product_tf32<D, weight_steps<T, 8 * NT>>(c, frag, b_tile, lane);
+    else
+        add_product<T, D, weight_steps<T, 8 * NT>>(c, frag, b_tile, lane);
+}
+
+// Number f of a row of an operand in memory (16-bit, or float32 for TF32).
+template <class T>
+__device__ __forceinline__ float number_at(const unsigned short* row, int f) {
+    if constexpr (T::WIDE)
+        return reinterpret_cast<const float*>(row)[f];
+    else
+        return T::to_float(row[f]);
+}
+
 // Copies rows [first, first + ROWS) of a row-major (n_rows x D) matrix into a
 // swizzled tile; rows past n_rows become zeros.
 template <int D, int ROWS, int THREADS>
@@ -376,7 +423,6 @@ __device__ void flash_forward(const unsigned short* query, const unsigned short*
     constexpr int KSTEPS = W / 16;  // steps of the scores' inner dimension (16 words each)
     constexpr int NTILES = BC / 8;  // 8-key column tiles of the scores
     constexpr int OTILES = D / 8;   // 8-feature column tiles of the output
-    constexpr int PSTEPS = T::WIDE ? BC / 8 : BC / 16;  // steps of P V's inner dimension
     constexpr int THREADS = 32 * WARPS, BR = 16 * WARPS;
     static_assert(BR <= 2 * BC, "the Q tile passes through the K and V tiles");
     // The K and V tiles, and first the Q tile, whose fragments then stay in registers.
@@ -494,11 +540,8 @@ __device__ void flash_forward(const unsigned short* query, const unsigned short*
         }
 
         // The weights, rounded to the operands' format: the A fragments of P V.
-        unsigned p_frag[PSTEPS][4];
-        if constexpr (T::WIDE)
-            weights_to_tf32<NTILES>(p_frag, s);
-        else
-            round_to_fragments<T, NTILES>(p_frag, s);
+        unsigned p_frag[weight_steps<T, BC>][4];
+        to_fragments<T, NTILES>(p_frag, s);
 
         // The value tile has landed; every warp is done with the key tile. Only a tile
         // with a masked position can pair a weight of 0 with inf or NaN: elsewhere every
@@ -516,10 +559,7 @@ __device__ void flash_forward(const unsigned short* query, const unsigned short*
         commit_copies();
 
         if (!careful) {
-            if constexpr (T::WIDE)
-                add_product_tf32<D, PSTEPS>(acc, p_frag, v_tile, lane);
-            else
-                add_product<T, D, BC / 16>(acc, p_frag, v_tile, lane);
+            add_weighted<T, D, NTILES>(acc, p_frag, v_tile, lane);
         } else if constexpr (T::WIDE) {
             // As below, with float32 weights (TF32) and values rounded to TF32.
             float* weights = reinterpret_cast<float*>(weight_tile) + warp * 16 * BC;
@@ -631,12 +671,13 @@ __device__ void flash_backward_query(const unsigned short* query, const unsigned
                                      const float* bias, int has_bias, int n_query, int n_key,
                                      int is_causal, float scale, int row_tile, float* grad_query,
                                      float* delta) {
+    constexpr int W = T::WIDE ? 2 * D : D;  // 16-bit words a row of the operands
     constexpr int NTILES = BC / 8, OTILES = D / 8;
     constexpr int THREADS = 32 * WARPS, BR = 16 * WARPS;
-    __shared__ __align__(128) unsigned short q_tile[BR * D];
-    __shared__ __align__(128) unsigned short g_tile[BR * D];
-    __shared__ __align__(128) unsigned short k_tile[BC * D];
-    __shared__ __align__(128) unsigned short v_tile[BC * D];
+    __shared__ __align__(128) unsigned short q_tile[BR * W];
+    __shared__ __align__(128) unsigned short g_tile[BR * W];
+    __shared__ __align__(128) unsigned short k_tile[BC * W];
+    __shared__ __align__(128) unsigned short v_tile[BC * W];
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int first_row = row_tile * BR;
@@ -647,10 +688,10 @@ __device__ void flash_backward_query(const unsigned short* query, const unsigned
     const int key_end = is_causal ? min(n_key, first_row + BR) : n_key;
     const int n_tiles = (key_end + BC - 1) / BC;
 
-    copy_tile<D, BR, THREADS>(q_tile, query, first_row, n_query);
-    copy_tile<D, BR, THREADS>(g_tile, grad_out, first_row, n_query);
-    copy_tile<D, BC, THREADS>(k_tile, key, 0, n_key);
-    copy_tile<D, BC, THREADS>(v_tile, value, 0, n_key);
+    copy_tile<W, BR, THREADS>(q_tile, query, first_row, n_query);
+    copy_tile<W, BR, THREADS>(g_tile, grad_out, first_row, n_query);
+    copy_tile<W, BC, THREADS>(k_tile, key, 0, n_key);
+    copy_tile<W, BC, THREADS>(v_tile, value, 0, n_key);
     commit_copies();
 
     // D_i and the log-sum-exp in base 2 of this thread's two rows; a row past the
@@ -661,13 +702,13 @@ __device__ void flash_backward_query(const unsigned short* query, const unsigned
         const int row = r == 0 ? row0 : row1;
         float sum = 0.f;
         if (row < n_query) {
-            const unsigned short* o = out + (long long)row * D;
-            const unsigned short* g = grad_out + (long long)row * D;
+            const unsigned short* o = out + (long long)row * W;
+            const unsigned short* g = grad_out + (long long)row * W;
             #pragma unroll
             for (int j = 0; j < OTILES; ++j) {
                 const int f = 8 * j + pair;
-                sum += T::to_float(o[f]) * T::to_float(g[f]) +
-                       T::to_float(o[f + 1]) * T::to_float(g[f + 1]);
+                sum += number_at<T>(o, f) * number_at<T>(g, f) +
+                       number_at<T>(o, f + 1) * number_at<T>(g, f + 1);
             }
         }
         sum += __shfl_xor_sync(0xffffffffu, sum, 1);
@@ -692,12 +733,12 @@ __device__ void flash_backward_query(const unsigned short* query, const unsigned
         for (int j = 0; j < NTILES; ++j)
             #pragma unroll
             for (int e = 0; e < 4; ++e) s[j][e] = dp[j][e] = 0.f;
-        add_product_transposed<T, D, NTILES>(s, q_tile, warp * 16, k_tile, lane);
-        add_product_transposed<T, D, NTILES>(dp, g_tile, warp * 16, v_tile, lane);
+        add_product_transposed<T, W, NTILES>(s, q_tile, warp * 16, k_tile, lane);
+        add_product_transposed<T, W, NTILES>(dp, g_tile, warp * 16, v_tile, lane);
 
         // Every warp is done with the values: the next tile's are copied meanwhile.
         __syncthreads();
-        if (tile + 1 < n_tiles) copy_tile<D, BC, THREADS>(v_tile, value, start + BC, n_key);
+        if (tile + 1 < n_tiles) copy_tile<W, BC, THREADS>(v_tile, value, start + BC, n_key);
         commit_copies();
 
         // dS = P (dP - D), in s.
@@ -724,13 +765,13 @@ __device__ void flash_backward_query(const unsigned short* query, const unsigned
         }
 
         // dQ += dS K, dS rounded to the operands' format.
-        unsigned ds_frag[BC / 16][4];
-        round_to_fragments<T, NTILES>(ds_frag, s);
-        add_product<T, D, BC / 16>(acc, ds_frag, k_tile, lane);
+        unsigned ds_frag[weight_steps<T, BC>][4];
+        to_fragments<T, NTILES>(ds_frag, s);
+        add_weighted<T, D, NTILES>(acc, ds_frag, k_tile, lane);
 
         // Every warp is done with the keys.
         __syncthreads();
-        if (tile + 1 < n_tiles) copy_tile<D, BC, THREADS>(k_tile, key, start + BC, n_key);
+        if (tile + 1 < n_tiles) copy_tile<W, BC, THREADS>(k_tile, key, start + BC, n_key);
         commit_copies();
     }
 
@@ -760,12 +801,13 @@ __device__ void flash_backward_key(const unsigned short* query, const unsigned s
                                    const float* bias, int has_bias, int n_query, int n_key,
                                    int is_causal, float scale, int key_tile, float* grad_key,
                                    float* grad_value) {
+    constexpr int W = T::WIDE ? 2 * D : D;  // 16-bit words a row of the operands
     constexpr int NTILES = BQ / 8, OTILES = D / 8;
     constexpr int THREADS = 32 * WARPS, BK = 16 * WARPS;
-    __shared__ __align__(128) unsigned short k_tile[BK * D];
-    __shared__ __align__(128) unsigned short v_tile[BK * D];
-    __shared__ __align__(128) unsigned short q_tile[BQ * D];
-    __shared__ __align__(128) unsigned short g_tile[BQ * D];
+    __shared__ __align__(128) unsigned short k_tile[BK * W];
+    __shared__ __align__(128) unsigned short v_tile[BK * W];
+    __shared__ __align__(128) unsigned short q_tile[BQ * W];
+    __shared__ __align__(128) unsigned short g_tile[BQ * W];
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int first_key = key_tile * BK;
@@ -777,10 +819,10 @@ __device__ void flash_backward_key(const unsigned short* query, const unsigned s
     const int first_tile = is_causal ? first_key / BQ : 0;
     const int n_tiles = (n_query + BQ - 1) / BQ;
 
-    copy_tile<D, BK, THREADS>(k_tile, key, first_key, n_key);
-    copy_tile<D, BK, THREADS>(v_tile, value, first_key, n_key);
-    copy_tile<D, BQ, THREADS>(q_tile, query, first_tile * BQ, n_query);
-    copy_tile<D, BQ, THREADS>(g_tile, grad_out, first_tile * BQ, n_query);
+    copy_tile<W, BK, THREADS>(k_tile, key, first_key, n_key);
+    copy_tile<W, BK, THREADS>(v_tile, value, first_key, n_key);
+    copy_tile<W, BQ, THREADS>(q_tile, query, first_tile * BQ, n_query);
+    copy_tile<W, BQ, THREADS>(g_tile, grad_out, first_tile * BQ, n_query);
     commit_copies();
 
     float acc_k[OTILES][4], acc_v[OTILES][4];
@@ -799,8 +841,8 @@ __device__ void flash_backward_key(const unsigned short* query, const unsigned s
         for (int j = 0; j < NTILES; ++j)
             #pragma unroll
             for (int e = 0; e < 4; ++e) s[j][e] = dp[j][e] = 0.f;
-        add_product_transposed<T, D, NTILES>(s, k_tile, warp * 16, q_tile, lane);
-        add_product_transposed<T, D, NTILES>(dp, v_tile, warp * 16, g_tile, lane);
+        add_product_transposed<T, W, NTILES>(s, k_tile, warp * 16, q_tile, lane);
+        add_product_transposed<T, W, NTILES>(dp, v_tile, warp * 16, g_tile, lane);
 
         // P^T in s and dS^T in dp; this thread's columns are queries
         // start + 8 j + pair (+ 1), its rows keys key0 and key1.
@@ -834,17 +876,17 @@ __device__ void flash_backward_key(const unsigned short* query, const unsigned s
         }
 
         // dV += P^T dO and dK += dS^T Q, P and dS rounded to the operands' format.
-        unsigned frag[BQ / 16][4];
-        round_to_fragments<T, NTILES>(frag, s);
-        add_product<T, D, BQ / 16>(acc_v, frag, g_tile, lane);
-        round_to_fragments<T, NTILES>(frag, dp);
-        add_product<T, D, BQ / 16>(acc_k, frag, q_tile, lane);
+        unsigned frag[weight_steps<T, BQ>][4];
+        to_fragments<T, NTILES>(frag, s);
+        add_weighted<T, D, NTILES>(acc_v, frag, g_tile, lane);
+        to_fragments<T, NTILES>(frag, dp);
+        add_weighted<T, D, NTILES>(acc_k, frag, q_tile, lane);
 
         // Every warp is done with this tile's queries.
         __syncthreads();
         if (tile + 1 < n_tiles) {
-            copy_tile<D, BQ, THREADS>(q_tile, query, start + BQ, n_query);
-            copy_tile<D, BQ, THREADS>(g_tile, grad_out, start + BQ, n_query);
+            copy_tile<W, BQ, THREADS>(q_tile, query, start + BQ, n_query);
+            copy_tile<W, BQ, THREADS>(g_tile, grad_out, start + BQ, n_query);
         }
         commit_copies();
     }
@@ -1006,4 +1048,9 @@ TFMATH_FLASH_BACKWARD(BF16, bf16, 64, 4, 64)
 #endif
 #if TFMATH_WANTED(BACKWARD, bf16, 128)
 TFMATH_FLASH_BACKWARD(BF16, bf16, 128, 4, 32)
+#endif
+// TF32 at D = 64: rows of 128 words, as the 16-bit formats' at D = 128, and so their
+// tiles of 32.
+#if TFMATH_WANTED(BACKWARD, tf32, 64)
+TFMATH_FLASH_BACKWARD(TF32, tf32, 64, 4, 32)
 #endif

@@ -27,9 +27,9 @@ that runs the forward, until a GPU run of ``tools/gpu/check.sh`` has checked it
 against the float64 reference; it was checked, with the forward, on the host by
 :mod:`tfmath.tools.warp_emulator` (tests/test_tensor_core_emulated.py).
 
-float32 heads of 64 run the same forward as TF32 (``mma.sync.m16n8k8.tf32``) where
-``TFMATH_CUDA_TF32=1``: opt-in, since TF32 keeps float16's 10 significand bits
-(docs/backends.rst, "float32 on the tensor cores").
+float32 heads of 64 run the same forward and backward as TF32
+(``mma.sync.m16n8k8.tf32``) where ``TFMATH_CUDA_TF32=1``: opt-in, since TF32 keeps
+float16's 10 significand bits (docs/backends.rst, "float32 on the tensor cores").
 
 The Numba simulator cannot run CUDA C++ (the tests run it on the CPU through
 :mod:`tfmath.tools.warp_emulator`), so only a GPU runs this kernel for users; there it
@@ -56,7 +56,7 @@ cuda = _cuda.numba_cuda()
 SOURCE = Path(__file__).with_name("tensor_core.cu")
 #: The half-precision formats, by NumPy dtype name, and the suffix of their functions.
 FORMATS = {"float16": "f16", "bfloat16": "bf16"}
-#: The suffix of every format's functions, float32's TF32 forward among them.
+#: The suffix of every format's functions, float32's (TF32) among them.
 SUFFIXES = {**FORMATS, "float32": "tf32"}
 #: The head sizes compiled (the swizzled tiles need 8 or 16 chunks of 16 bytes a row).
 HEAD_DIMS = (64, 128)
@@ -98,6 +98,9 @@ BACKWARD_WARPS = {64: 4, 128: 4}
 #: of 64 and 32 rows fill the 48 KiB of static shared memory. ptxas gives both kernels
 #: no spills (``python -m tfmath.tools.ptx``).
 BACKWARD_TILE = {64: 64, 128: 32}
+#: TF32's backward, at d = 64: rows of 128 16-bit words, as the 16-bit formats' at
+#: d = 128, and so their tiles of 32 (``tensor_core.cu`` instantiates it so).
+TF32_BACKWARD_TILE = 32
 
 
 #: The oldest GPU with every instruction the kernel uses (cp.async, ldmatrix, mma.sync
@@ -139,12 +142,13 @@ def serves(format_name, head_dim):
 
 def serves_backward(problem):
     """Whether the tensor-core backward takes ``problem`` here: the forward's conditions,
-    and ``TFMATH_CUDA_TENSOR_CORE_BACKWARD=1`` (see
-    :func:`tfmath._cuda_switches.cuda_tensor_core_backward`)."""
+    and for float16 and bfloat16 ``TFMATH_CUDA_TENSOR_CORE_BACKWARD=1`` (see
+    :func:`tfmath._cuda_switches.cuda_tensor_core_backward`); float32 runs it as TF32
+    where its forward does (``TFMATH_CUDA_TF32=1``)."""
+    half = problem.dtype.name in FORMATS
     return (
-        problem.dtype.name in FORMATS
-        and supports(problem)
-        and _cuda_switches.cuda_tensor_core_backward()
+        supports(problem)
+        and (not half or _cuda_switches.cuda_tensor_core_backward())
         and serves(problem.dtype.name, problem.n_features)
     )
 
@@ -262,7 +266,7 @@ def _forward_kernel(format_name, head_dim, warps, max_registers=None):
 
 def backward_entry_names(format_name, head_dim):
     """The C++ entry points of the backward's dQ kernel and its dK, dV kernel."""
-    suffix = f"{FORMATS[format_name]}_{head_dim}_w{BACKWARD_WARPS[head_dim]}"
+    suffix = f"{SUFFIXES[format_name]}_{head_dim}_w{BACKWARD_WARPS[head_dim]}"
     return f"tfmath_flash_backward_query_{suffix}", f"tfmath_flash_backward_key_{suffix}"
 
 
@@ -299,7 +303,8 @@ def backward_functions(format_name, head_dim):
     types = _cuda.numba_types()
     i32, i64 = types.int32, types.int64
     block_rows = 16 * BACKWARD_WARPS[head_dim]
-    row_bytes = 2 * head_dim
+    row_bytes = (4 if format_name == "float32" else 2) * head_dim
+    grad_row_bytes = 4 * head_dim  # the gradients are float32 in every format
     batch_operands = _batch_operands()
 
     def query_kernel(
@@ -327,7 +332,7 @@ def backward_functions(format_name, head_dim):
             i32(1) if is_causal else i32(0),
             scale,
             i32(n_tiles - 1 - cuda.blockIdx.x // n_batch),
-            grad_query + b * i64(2 * query_bytes),
+            grad_query + b * i64(n_query * grad_row_bytes),
             delta + b * i64(4 * n_query),
         )
 
@@ -337,7 +342,7 @@ def backward_functions(format_name, head_dim):
     ):  # fmt: skip
         n_batch = index.shape[0]
         b = cuda.blockIdx.x % n_batch
-        query_bytes, key_bytes = i64(n_query * row_bytes), i64(n_key * row_bytes)
+        query_bytes = i64(n_query * row_bytes)
         q, k, v, bias_rows, has_bias = batch_operands(
             query, key, value, bias, index, b, n_query, n_key, row_bytes
         )
@@ -355,8 +360,8 @@ def backward_functions(format_name, head_dim):
             i32(1) if is_causal else i32(0),
             scale,
             i32(cuda.blockIdx.x // n_batch),
-            grad_key + b * i64(2 * key_bytes),
-            grad_value + b * i64(2 * key_bytes),
+            grad_key + b * i64(n_key * grad_row_bytes),
+            grad_value + b * i64(n_key * grad_row_bytes),
         )
 
     return query_kernel, key_kernel
@@ -491,19 +496,28 @@ def plain_forward(format_name, shape, key_rows, addresses, is_causal, scale, str
     )  # fmt: skip
 
 
+#: The exponent bits of each format, which are all ones in inf and NaN, and the
+#: unsigned type of its bit patterns.
+_EXPONENTS = {
+    "float16": (0x7C00, np.uint16),
+    "bfloat16": (0x7F80, np.uint16),
+    "float32": (0x7F800000, np.uint32),
+}
+
+
 def finite(array, dtype):
-    """Whether every number of a ``dtype`` (float16 or bfloat16) array is finite, on the
-    host or the device (a device array holds float16, or the format's 16-bit patterns as
-    uint16): the backward's condition (a 0 of P or dS times inf is NaN on the tensor
-    cores)."""
+    """Whether every number of a ``dtype`` (float16, bfloat16 or float32) array is
+    finite, on the host or the device (a device array holds its numbers, or their bit
+    patterns as unsigned integers): the backward's condition (a 0 of P or dS times inf
+    is NaN on the tensor cores)."""
     if not _cuda.is_device_array(array):
         return bool(np.isfinite(np.asarray(array, np.float32)).all())
     array = _cuda.as_device_array(array)
-    exponent = 0x7C00 if np.dtype(dtype) == np.dtype(np.float16) else 0x7F80
+    exponent, word = _EXPONENTS[np.dtype(dtype).name]
     if not array.is_c_contiguous():
-        words = _cuda.to_host(array).view(np.uint16)
+        words = _cuda.to_host(array).view(word)
         return not np.any((words & exponent) == exponent)
-    words = array.reshape(array.size).view(np.uint16)
+    words = array.reshape(array.size).view(word)
     found = _cuda.to_device(np.zeros(1, np.int32))
     if array.size:
         blocks, threads = _cuda.launch_shape(array.size)
@@ -513,7 +527,7 @@ def finite(array, dtype):
 
 @functools.cache
 def _non_finite_kernel():
-    """Sets ``found[0]`` where a 16-bit pattern is inf or NaN: its exponent bits
+    """Sets ``found[0]`` where a bit pattern is inf or NaN: its exponent bits
     (``exponent``) all ones."""
 
     @cuda.jit
