@@ -139,6 +139,14 @@ def test_emulated_forward_matches_float64_within_the_rounded_weights(
 
 #: TF32's unit roundoff: 10 bits of significand after the leading one, as float16.
 TF32_UNIT = 2.0**-11
+#: The TF32 kernels' random problems (float32 heads of 64, two batch entries).
+TF32_PROBLEMS = {
+    "n_query": st.integers(1, 140),
+    "n_key": st.integers(1, 140),
+    "bias_kind": st.sampled_from([None, "random", "with -inf"]),
+    "is_causal": st.booleans(),
+    "seed": st.integers(0, 2**32 - 1),
+}
 
 
 def _tf32(values):
@@ -174,13 +182,7 @@ def test_emulated_tf32_rounding_is_cvt_rna():
 
 
 @settings(max_examples=25, deadline=None)
-@given(
-    n_query=st.integers(1, 140),
-    n_key=st.integers(1, 140),
-    bias_kind=st.sampled_from([None, "random", "with -inf"]),
-    is_causal=st.booleans(),
-    seed=st.integers(0, 2**32 - 1),
-)
+@given(**TF32_PROBLEMS)
 def test_emulated_tf32_forward_matches_float64_of_the_rounded_operands(
     n_query, n_key, bias_kind, is_causal, seed
 ):
@@ -276,13 +278,7 @@ def _check_backward(operands, bias, is_causal, u, tiny):
 
 
 @settings(max_examples=15, deadline=None)
-@given(
-    n_query=st.integers(1, 140),
-    n_key=st.integers(1, 140),
-    bias_kind=st.sampled_from([None, "random", "with -inf"]),
-    is_causal=st.booleans(),
-    seed=st.integers(0, 2**32 - 1),
-)
+@given(**TF32_PROBLEMS)
 def test_emulated_tf32_backward_matches_float64_within_rounded_weights_and_ds(
     n_query, n_key, bias_kind, is_causal, seed
 ):

@@ -315,12 +315,15 @@ inline unsigned short half_of(unsigned word, int k) {
     return static_cast<unsigned short>(k & 1 ? word >> 16 : word & 0xffff);
 }
 
-// mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}.{f16,bf16}.f32, D = A B + C. With
-// g = lane / 4 and t = lane % 4: A's registers a0..a3 hold rows (g, g + 8, g, g + 8)
-// at columns 2t, 2t + 1 (+ 8 for a2, a3); B's b0, b1 rows 2t, 2t + 1 (+ 8 for b1) of
-// column g; C's c0..c3 rows (g, g, g + 8, g + 8), columns 2t, 2t + 1, 2t, 2t + 1.
-template <class T>
-void mma_16816(float c[4], const unsigned a[4], unsigned b0, unsigned b1) {
+// The product D = A B + C of one mma.sync of K steps, C and D float32 16 x 8: every lane
+// publishes its registers (a0..a3, b0, b1) to the warp, then sums its accumulators
+// c0..c3, rows (g, g, g + 8, g + 8) and columns (2t, 2t + 1, 2t, 2t + 1) with
+// g = lane / 4 and t = lane % 4, over a_at(slots, row, k) b_at(slots, k, col): the
+// operands' values, which the instruction's fragment layout places in the published
+// registers.
+template <int K, class AAt, class BAt>
+void warp_product(float c[4], const unsigned a[4], unsigned b0, unsigned b1, AAt a_at,
+                  BAt b_at) {
     auto& warp = this_warp(threadIdx.x);
     const int lane = threadIdx.x & 31;
     Slot& mine = warp.slots[lane];
@@ -332,46 +335,42 @@ void mma_16816(float c[4], const unsigned a[4], unsigned b0, unsigned b1) {
     for (int e = 0; e < 4; ++e) {
         const int row = g + 8 * (e >> 1), col = 2 * t + (e & 1);
         float sum = c[e];
-        for (int k = 0; k < 16; ++k) {
-            // A(row, k): lane 4 (row % 8) + (k % 8) / 2, register (row >= 8) + 2 (k >= 8).
-            const Slot& a_lane = warp.slots[4 * (row % 8) + (k % 8) / 2];
-            const float a_value = T::to_float(half_of(a_lane.words[(row >= 8) + 2 * (k >= 8)], k));
-            // B(k, col): lane 4 col + (k % 8) / 2, register b0 (k < 8) or b1.
-            const Slot& b_lane = warp.slots[4 * col + (k % 8) / 2];
-            const float b_value = T::to_float(half_of(b_lane.words[4 + (k >= 8)], k));
-            sum += a_value * b_value;
-        }
+        for (int k = 0; k < K; ++k) sum += a_at(warp.slots, row, k) * b_at(warp.slots, k, col);
         c[e] = sum;
     }
     warp.barrier.wait();
 }
 
-// mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32, D = A B + C, operands float32
-// registers of which the tensor cores read the TF32 part (the 13 low significand bits
-// ignored). With g = lane / 4 and t = lane % 4: A's a0..a3 hold rows (g, g + 8, g,
-// g + 8) at columns (t, t, t + 4, t + 4); B's b0, b1 rows t, t + 4 of column g; C as for
-// m16n8k16.
+// mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}.{f16,bf16}.f32: A's registers a0..a3
+// hold rows (g, g + 8, g, g + 8) at columns 2t, 2t + 1 (+ 8 for a2, a3); B's b0, b1 rows
+// 2t, 2t + 1 (+ 8 for b1) of column g.
+template <class T>
+void mma_16816(float c[4], const unsigned a[4], unsigned b0, unsigned b1) {
+    // A(row, k): lane 4 (row % 8) + (k % 8) / 2, register (row >= 8) + 2 (k >= 8).
+    auto a_at = [](const Slot* slots, int row, int k) {
+        const unsigned word = slots[4 * (row % 8) + (k % 8) / 2].words[(row >= 8) + 2 * (k >= 8)];
+        return T::to_float(half_of(word, k));
+    };
+    // B(k, col): lane 4 col + (k % 8) / 2, register b0 (k < 8) or b1.
+    auto b_at = [](const Slot* slots, int k, int col) {
+        return T::to_float(half_of(slots[4 * col + (k % 8) / 2].words[4 + (k >= 8)], k));
+    };
+    warp_product<16>(c, a, b0, b1, a_at, b_at);
+}
+
+// mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32, operands float32 registers of which
+// the tensor cores read the TF32 part (the 13 low significand bits ignored): A's a0..a3
+// hold rows (g, g + 8, g, g + 8) at columns (t, t, t + 4, t + 4); B's b0, b1 rows t,
+// t + 4 of column g.
 inline void mma_1688_tf32(float c[4], const unsigned a[4], unsigned b0, unsigned b1) {
-    auto& warp = this_warp(threadIdx.x);
-    const int lane = threadIdx.x & 31;
-    Slot& mine = warp.slots[lane];
-    for (int i = 0; i < 4; ++i) mine.words[i] = a[i];
-    mine.words[4] = b0;
-    mine.words[5] = b1;
-    warp.barrier.wait();
     auto tf32 = [](unsigned word) { return __uint_as_float(word & 0xffffe000u); };
-    const int g = lane / 4, t = lane % 4;
-    for (int e = 0; e < 4; ++e) {
-        const int row = g + 8 * (e >> 1), col = 2 * t + (e & 1);
-        float sum = c[e];
-        for (int k = 0; k < 8; ++k) {
-            const float a_value = tf32(warp.slots[4 * (row % 8) + k % 4].words[(row >= 8) + 2 * (k >= 4)]);
-            const float b_value = tf32(warp.slots[4 * col + k % 4].words[4 + (k >= 4)]);
-            sum += a_value * b_value;
-        }
-        c[e] = sum;
-    }
-    warp.barrier.wait();
+    auto a_at = [&](const Slot* slots, int row, int k) {
+        return tf32(slots[4 * (row % 8) + k % 4].words[(row >= 8) + 2 * (k >= 4)]);
+    };
+    auto b_at = [&](const Slot* slots, int k, int col) {
+        return tf32(slots[4 * col + k % 4].words[4 + (k >= 4)]);
+    };
+    warp_product<8>(c, a, b0, b1, a_at, b_at);
 }
 
 // Runs `body` on every thread of `n_blocks` blocks of `threads` threads, one block at

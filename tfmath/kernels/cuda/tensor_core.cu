@@ -368,6 +368,37 @@ __device__ __forceinline__ void add_weighted(float c[D / 8][4],
         add_product<T, D, weight_steps<T, 8 * NT>>(c, frag, b_tile, lane);
 }
 
+// Entry e of 8-column tile j of a warp's weights, from their fragments (16-bit
+// formats: two a register, per round_to_fragments; TF32: one, per weights_to_tf32),
+// stored at `weights[i]` in format T, and read back as a float.
+template <class T, int KS>
+__device__ __forceinline__ void store_weight(unsigned short* weights, int i,
+                                             const unsigned frag[KS][4], int j, int e) {
+    if constexpr (T::WIDE)
+        reinterpret_cast<unsigned*>(weights)[i] = frag[j][(e >> 1) + 2 * (e & 1)];
+    else
+        weights[i] = static_cast<unsigned short>(frag[j >> 1][2 * (j & 1) + (e >> 1)] >>
+                                                 (16 * (e & 1)));
+}
+
+template <class T>
+__device__ __forceinline__ float weight_at(const unsigned short* weights, int i) {
+    if constexpr (T::WIDE)
+        return reinterpret_cast<const float*>(weights)[i];
+    else
+        return T::to_float(weights[i]);
+}
+
+// Number f of row `row` of a swizzled tile of D numbers a row, as its products read
+// it (TF32: rounded).
+template <class T, int D>
+__device__ __forceinline__ float operand_at(const unsigned short* tile, int row, int f) {
+    if constexpr (T::WIDE)
+        return __uint_as_float(to_tf32(wide_at<D>(tile, row, f)));
+    else
+        return T::to_float(tile[swizzled<D>(row, f >> 3) + (f & 7)]);
+}
+
 // Number f of a row of an operand in memory (16-bit, or float32 for TF32).
 template <class T>
 __device__ __forceinline__ float number_at(const unsigned short* row, int f) {
@@ -560,45 +591,18 @@ __device__ void flash_forward(const unsigned short* query, const unsigned short*
 
         if (!careful) {
             add_weighted<T, D, NTILES>(acc, p_frag, v_tile, lane);
-        } else if constexpr (T::WIDE) {
-            // As below, with float32 weights (TF32) and values rounded to TF32.
-            float* weights = reinterpret_cast<float*>(weight_tile) + warp * 16 * BC;
-            #pragma unroll
-            for (int j = 0; j < NTILES; ++j) {
-                #pragma unroll
-                for (int e = 0; e < 4; ++e)
-                    weights[((lane >> 2) + 8 * (e >> 1)) * BC + 8 * j + pair + (e & 1)] =
-                        __uint_as_float(p_frag[j][(e >> 1) + 2 * (e & 1)]);
-            }
-            __syncwarp();
-            #pragma unroll
-            for (int j = 0; j < OTILES; ++j) {
-                #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int r = (lane >> 2) + 8 * (e >> 1), f = 8 * j + pair + (e & 1);
-                    float sum = acc[j][e];
-                    #pragma unroll 4
-                    for (int t = 0; t < BC; ++t) {
-                        const float p = weights[r * BC + t];
-                        if (p != 0.f) sum += p * __uint_as_float(to_tf32(wide_at<D>(v_tile, t, f)));
-                    }
-                    acc[j][e] = sum;
-                }
-            }
-            __syncwarp();
         } else {
             // The rounded weights through shared memory (each warp its 16 rows),
             // then every output entry of this thread summed over the keys whose
             // weight is not 0.
-            unsigned short* weights = weight_tile + warp * 16 * BC;
+            unsigned short* weights = weight_tile + warp * 16 * BC * (T::WIDE ? 2 : 1);
             #pragma unroll
             for (int j = 0; j < NTILES; ++j) {
                 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const unsigned word = p_frag[j >> 1][2 * (j & 1) + (e >> 1)];
-                    weights[((lane >> 2) + 8 * (e >> 1)) * BC + 8 * j + pair + (e & 1)] =
-                        static_cast<unsigned short>(word >> (16 * (e & 1)));
-                }
+                for (int e = 0; e < 4; ++e)
+                    store_weight<T, weight_steps<T, BC>>(
+                        weights, ((lane >> 2) + 8 * (e >> 1)) * BC + 8 * j + pair + (e & 1),
+                        p_frag, j, e);
             }
             __syncwarp();
             #pragma unroll
@@ -609,9 +613,8 @@ __device__ void flash_forward(const unsigned short* query, const unsigned short*
                     float sum = acc[j][e];
                     #pragma unroll 4
                     for (int t = 0; t < BC; ++t) {
-                        const float p = T::to_float(weights[r * BC + t]);
-                        if (p != 0.f)
-                            sum += p * T::to_float(v_tile[swizzled<D>(t, f >> 3) + (f & 7)]);
+                        const float p = weight_at<T>(weights, r * BC + t);
+                        if (p != 0.f) sum += p * operand_at<T, D>(v_tile, t, f);
                     }
                     acc[j][e] = sum;
                 }
