@@ -155,6 +155,38 @@ def test_half_flash_goes_to_the_tensor_cores_only_when_asked_on_a_gpu(
 
 
 @pytest.mark.cuda
+def test_tf32_on_a_gpu_matches_float64(monkeypatch):
+    """On a GPU (tools/gpu/check.sh runs the CUDA tests there), TFMATH_CUDA_TF32=1 runs the
+    float32 forward and backward on the tensor cores, within a few units of TF32's
+    rounding (2^-11) of the float64 reference's largest output and gradients: the
+    emulated kernels' bounds (tests/test_tensor_core_emulated.py), plus the rounding of
+    operands that are not TF32 numbers, summed over two heads."""
+    from tfmath.kernels.cuda import tensor_core
+
+    if not (_cuda.status().real_gpu and tensor_core.runs_here()):
+        pytest.skip("needs a GPU of compute capability 8.0 or newer")
+    monkeypatch.setenv("TFMATH_CUDA_TF32", "1")
+    ran = []
+    forward, backward = tensor_core.flash_attention, tensor_core.attention_grad
+    monkeypatch.setattr(tensor_core, "flash_attention", lambda *a: ran.append(0) or forward(*a))
+    monkeypatch.setattr(tensor_core, "attention_grad", lambda *a: ran.append(1) or backward(*a))
+    rng = np.random.default_rng(32)
+    q, g = (rng.standard_normal((2, 2, 150, 64)).astype(np.float32) for _ in "qg")
+    k, v = (rng.standard_normal((1, 2, 130, 64)).astype(np.float32) for _ in "kv")
+    mask = rng.random((150, 130)) < 0.8
+    mask[:, 0] = True
+    output = tfmath.scaled_dot_product_attention(q, k, v, mask, backend="cuda")
+    grads = tfmath.attention_grad(q, k, v, g, mask, backend="cuda")
+    wide = [a.astype(np.float64) for a in (q, k, v, g)]
+    exact = tfmath.scaled_dot_product_attention(*wide[:3], mask, backend="reference")
+    exact_grads = tfmath.attention_grad(*wide, mask, backend="reference")
+    assert ran == [0, 1]
+    for got, want in zip((output, *grads), (exact, *exact_grads), strict=True):
+        assert got.dtype == np.float32
+        assert np.allclose(got, want, rtol=0, atol=8 * 2.0**-11 * np.abs(want).max())
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize(
     ("switch", "n_features", "served"),
     [(None, 64, False), ("0", 64, False), ("1", 64, True), ("1", 128, False), ("1", 32, False)],
