@@ -277,11 +277,12 @@ def test_half_backward_goes_to_the_tensor_cores_only_when_switched_on_and_finite
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("dtype", HALF, ids=str)
+@pytest.mark.parametrize("dtype", [*HALF, np.dtype(np.float32)], ids=str)
 @pytest.mark.parametrize("special", [None, np.inf, -np.inf, np.nan])
 def test_finite_reads_each_format_on_host_and_device(dtype, special):
     """The backward's condition: no inf or NaN, found by the format's exponent bits on
-    the device (float16 arrays, or a format's patterns as uint16) as on the host."""
+    the device (the format's numbers, or their patterns as unsigned integers) as on the
+    host; several arrays at once, with one flag read back."""
     from tfmath.kernels.cuda import tensor_core
 
     # Small: the simulator runs the device scan a Python thread a number.
@@ -290,10 +291,14 @@ def test_finite_reads_each_format_on_host_and_device(dtype, special):
     if special is not None:
         values[1, 8, 15] = special  # a row the strided view below reads too
     expected = special is None
-    device = _cuda.to_device(values.view(np.uint16))
+    word = np.uint32 if dtype == np.float32 else np.uint16
+    device = _cuda.to_device(values.view(word))
     assert tensor_core.finite(values, dtype) is expected
     assert tensor_core.finite(device, dtype) is expected
     assert tensor_core.finite(device[:, ::2], dtype) is expected
+    clean = _cuda.to_device(np.ones((3, 4), dtype).view(word))
+    assert tensor_core.all_finite([clean, values[0], device, clean], dtype) is expected
+    assert tensor_core.all_finite([clean, clean], dtype) is True
 
 
 @pytest.mark.cuda

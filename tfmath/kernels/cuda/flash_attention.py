@@ -661,7 +661,7 @@ def _tensor_core_backward_serves(problem, grad_output, saved):
     arrays = [problem.query, problem.key, problem.value, grad_output]
     if saved is not None:
         arrays.append(saved[0])
-    return all(tensor_core.finite(array, problem.dtype) for array in arrays)
+    return tensor_core.all_finite(arrays, problem.dtype)
 
 
 def attention_grad(problem, grad_output, saved=None):

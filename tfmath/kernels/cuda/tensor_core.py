@@ -510,19 +510,32 @@ def finite(array, dtype):
     finite, on the host or the device (a device array holds its numbers, or their bit
     patterns as unsigned integers): the backward's condition (a 0 of P or dS times inf
     is NaN on the tensor cores)."""
-    if not _cuda.is_device_array(array):
-        return bool(np.isfinite(np.asarray(array, np.float32)).all())
-    array = _cuda.as_device_array(array)
+    return all_finite([array], dtype)
+
+
+def all_finite(arrays, dtype):
+    """:func:`finite` of every array of ``arrays``, the device arrays scanned into one
+    flag, which is read once: one wait for the GPU, not one per array."""
     exponent, word = _EXPONENTS[np.dtype(dtype).name]
-    if not array.is_c_contiguous():
-        words = _cuda.to_host(array).view(word)
-        return not np.any((words & exponent) == exponent)
-    words = array.reshape(array.size).view(word)
-    found = _cuda.to_device(np.zeros(1, np.int32))
-    if array.size:
-        blocks, threads = _cuda.launch_shape(array.size)
-        _non_finite_kernel()[blocks, threads, _cuda.stream()](words, exponent, found)
-    return int(_cuda.to_host(found)[0]) == 0
+    found = None
+    for array in arrays:
+        if not _cuda.is_device_array(array):
+            if not np.isfinite(np.asarray(array, np.float32)).all():
+                return False
+            continue
+        array = _cuda.as_device_array(array)
+        if not array.is_c_contiguous():
+            words = _cuda.to_host(array).view(word)
+            if np.any((words & exponent) == exponent):
+                return False
+            continue
+        if found is None:
+            found = _cuda.to_device(np.zeros(1, np.int32))
+        if array.size:
+            words = array.reshape(array.size).view(word)
+            blocks, threads = _cuda.launch_shape(array.size)
+            _non_finite_kernel()[blocks, threads, _cuda.stream()](words, exponent, found)
+    return found is None or int(_cuda.to_host(found)[0]) == 0
 
 
 @functools.cache
