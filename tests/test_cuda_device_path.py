@@ -237,3 +237,23 @@ def test_every_kernel_launches_on_the_callers_stream(launches):
         tfmath.layer_norm(x, np.ones(4, np.float32), np.zeros(4, np.float32), backend="cuda")
     assert len(recorded) >= 12
     assert all(stream is side for stream in recorded), recorded
+
+
+def test_tensors_are_read_without_waiting_for_their_stream(monkeypatch):
+    """Numba's import of a CUDA array waits on the host for the stream its interface
+    names, unless told not to; tfmath reads CUDA tensors without that wait (its kernels
+    run on that very stream), and other CUDA arrays with it (its kernels run on Numba's
+    default stream, which the array's producer may not be ordered with)."""
+    cuda = _cuda.numba_cuda()
+    imported = []
+
+    def as_cuda_array(obj, sync=True):
+        imported.append(sync)
+        return cuda.to_device(np.zeros(3))
+
+    # raising=False: the simulator has no as_cuda_array (no CUDA array interface).
+    monkeypatch.setattr(cuda, "as_cuda_array", as_cuda_array, raising=False)
+    foreign = type("Foreign", (), {"__cuda_array_interface__": {}})()
+    _cuda.as_device_array(foreign)
+    _cuda.as_device_array(foreign, sync=False)
+    assert imported == [True, False]

@@ -149,12 +149,18 @@ def is_device_array(array):
     return False
 
 
-def as_device_array(array):
-    """View a CUDA array (CuPy, PyTorch, ...) as a Numba device array, without copying."""
+def as_device_array(array, sync=True):
+    """View a CUDA array (CuPy, PyTorch, ...) as a Numba device array, without copying.
+
+    With ``sync``, Numba waits (on the host) for the stream the array's interface names,
+    so that work queued there has written it; a caller whose kernels launch on that
+    very stream (:func:`launching_on`) is ordered after that work already, and passes
+    False: nothing waits for the GPU then.
+    """
     cuda = numba_cuda()
     if cuda.devicearray.is_cuda_ndarray(array):
         return array
-    return cuda.as_cuda_array(array)
+    return cuda.as_cuda_array(array, sync=sync)
 
 
 #: The handle of the CUDA stream that kernels launch on, where a caller set one

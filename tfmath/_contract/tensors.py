@@ -75,16 +75,18 @@ def to_array(name, tensor):
     if device == "cuda":
         # A strided tensor (heads transposed out of (batch, L, heads, E), say) is copied
         # contiguous by torch, on the device and its current stream, as the CUDA kernels
-        # read C-contiguous arrays; PyTorch's own attention takes any strides.
+        # read C-contiguous arrays; PyTorch's own attention takes any strides. The
+        # kernels launch on that stream too (on_torch_stream), after the work that wrote
+        # the tensor, so Numba need not wait for it on the host (sync=False).
         tensor = tensor.contiguous()
         if tensor.dtype is torch.bfloat16:
             # No CUDA array interface carries bfloat16: the tensor's 16-bit words are
             # read as int16 and viewed as ml_dtypes.bfloat16 (as on the CPU).
             import ml_dtypes
 
-            words = _cuda.as_device_array(tensor.view(torch.int16))
+            words = _cuda.as_device_array(tensor.view(torch.int16), sync=False)
             return words.view(ml_dtypes.bfloat16)
-        return _cuda.as_device_array(tensor)
+        return _cuda.as_device_array(tensor, sync=False)
     if device != "cpu":
         raise DTypeError(
             f"{name} is a tensor on device {tensor.device}; tfmath computes on 'cpu' and "
@@ -443,8 +445,8 @@ def _function_class():
         @staticmethod
         def forward(ctx, rule, names, *inputs):
             device = _first_device(inputs)
-            arrays = [_unwrap(name, value) for name, value in zip(names, inputs, strict=True)]
             with on_torch_stream(device):
+                arrays = [_unwrap(n, value) for n, value in zip(names, inputs, strict=True)]
                 outputs, saved = rule.forward(*arrays)
             results = tuple(to_tensor(output, device) for output in outputs)
             # The inputs (and outputs the backward reads) are saved as tensors, so that
