@@ -35,6 +35,17 @@ FORMATS = {
 }
 
 
+#: The random problems every format's kernels are checked on (two batch entries):
+#: ragged lengths across the tiles' edges, masks with and without -inf, causal or not.
+PROBLEMS = {
+    "n_query": st.integers(1, 140),
+    "n_key": st.integers(1, 140),
+    "bias_kind": st.sampled_from([None, "random", "with -inf"]),
+    "is_causal": st.booleans(),
+    "seed": st.integers(0, 2**32 - 1),
+}
+
+
 @pytest.fixture(scope="module", autouse=True)
 def emulator():
     """The emulator built (once per source version); a missing compiler skips, except in
@@ -100,13 +111,9 @@ def test_emulated_rounding_is_numpys_to_the_bit(format_name):
 @settings(max_examples=25, deadline=None)
 @given(
     format_name=st.sampled_from(list(FORMATS)),
-    n_query=st.integers(1, 140),
-    n_key=st.integers(1, 140),
     head_dim=st.sampled_from([64, 128]),
     warps=st.sampled_from([4, 8]),
-    bias_kind=st.sampled_from([None, "random", "with -inf"]),
-    is_causal=st.booleans(),
-    seed=st.integers(0, 2**32 - 1),
+    **PROBLEMS,
 )
 def test_emulated_forward_matches_float64_within_the_rounded_weights(
     format_name, n_query, n_key, head_dim, warps, bias_kind, is_causal, seed
@@ -139,14 +146,6 @@ def test_emulated_forward_matches_float64_within_the_rounded_weights(
 
 #: TF32's unit roundoff: 10 bits of significand after the leading one, as float16.
 TF32_UNIT = 2.0**-11
-#: The TF32 kernels' random problems (float32 heads of 64, two batch entries).
-TF32_PROBLEMS = {
-    "n_query": st.integers(1, 140),
-    "n_key": st.integers(1, 140),
-    "bias_kind": st.sampled_from([None, "random", "with -inf"]),
-    "is_causal": st.booleans(),
-    "seed": st.integers(0, 2**32 - 1),
-}
 
 
 def _tf32(values):
@@ -182,7 +181,7 @@ def test_emulated_tf32_rounding_is_cvt_rna():
 
 
 @settings(max_examples=25, deadline=None)
-@given(**TF32_PROBLEMS)
+@given(**PROBLEMS)
 def test_emulated_tf32_forward_matches_float64_of_the_rounded_operands(
     n_query, n_key, bias_kind, is_causal, seed
 ):
@@ -212,15 +211,7 @@ def test_emulated_tf32_forward_matches_float64_of_the_rounded_operands(
 
 
 @settings(max_examples=25, deadline=None)
-@given(
-    format_name=st.sampled_from(list(FORMATS)),
-    n_query=st.integers(1, 140),
-    n_key=st.integers(1, 140),
-    head_dim=st.sampled_from([64, 128]),
-    bias_kind=st.sampled_from([None, "random", "with -inf"]),
-    is_causal=st.booleans(),
-    seed=st.integers(0, 2**32 - 1),
-)
+@given(format_name=st.sampled_from(list(FORMATS)), head_dim=st.sampled_from([64, 128]), **PROBLEMS)
 def test_emulated_backward_matches_float64_within_rounded_weights_and_ds(
     format_name, n_query, n_key, head_dim, bias_kind, is_causal, seed
 ):
@@ -278,7 +269,7 @@ def _check_backward(operands, bias, is_causal, u, tiny):
 
 
 @settings(max_examples=15, deadline=None)
-@given(**TF32_PROBLEMS)
+@given(**PROBLEMS)
 def test_emulated_tf32_backward_matches_float64_within_rounded_weights_and_ds(
     n_query, n_key, bias_kind, is_causal, seed
 ):

@@ -340,6 +340,10 @@ __device__ __forceinline__ void add_product_tf32(float c[D / 8][4], const unsign
     }
 }
 
+// 16-bit words a row of D numbers of format T takes, in memory and in the tiles.
+template <class T, int D>
+constexpr int row_words = T::WIDE ? 2 * D : D;
+
 // Steps of a product's inner dimension over NKEYS weights (16 keys a step, or 8 for
 // TF32), and so the weights' fragments.
 template <class T, int NKEYS>
@@ -450,7 +454,7 @@ __device__ void flash_forward(const unsigned short* query, const unsigned short*
                               const unsigned short* value, const float* bias, int has_bias,
                               int n_query, int n_key, int is_causal, float scale, int row_tile,
                               unsigned short* out, float* log_sum_exp) {
-    constexpr int W = T::WIDE ? 2 * D : D;  // 16-bit words a row of the operands
+    constexpr int W = row_words<T, D>;  // 16-bit words a row of the operands
     constexpr int KSTEPS = W / 16;  // steps of the scores' inner dimension (16 words each)
     constexpr int NTILES = BC / 8;  // 8-key column tiles of the scores
     constexpr int OTILES = D / 8;   // 8-feature column tiles of the output
@@ -674,7 +678,7 @@ __device__ void flash_backward_query(const unsigned short* query, const unsigned
                                      const float* bias, int has_bias, int n_query, int n_key,
                                      int is_causal, float scale, int row_tile, float* grad_query,
                                      float* delta) {
-    constexpr int W = T::WIDE ? 2 * D : D;  // 16-bit words a row of the operands
+    constexpr int W = row_words<T, D>;  // 16-bit words a row of the operands
     constexpr int NTILES = BC / 8, OTILES = D / 8;
     constexpr int THREADS = 32 * WARPS, BR = 16 * WARPS;
     __shared__ __align__(128) unsigned short q_tile[BR * W];
@@ -804,7 +808,7 @@ __device__ void flash_backward_key(const unsigned short* query, const unsigned s
                                    const float* bias, int has_bias, int n_query, int n_key,
                                    int is_causal, float scale, int key_tile, float* grad_key,
                                    float* grad_value) {
-    constexpr int W = T::WIDE ? 2 * D : D;  // 16-bit words a row of the operands
+    constexpr int W = row_words<T, D>;  // 16-bit words a row of the operands
     constexpr int NTILES = BQ / 8, OTILES = D / 8;
     constexpr int THREADS = 32 * WARPS, BK = 16 * WARPS;
     __shared__ __align__(128) unsigned short k_tile[BK * W];
