@@ -234,6 +234,12 @@ def test_count_equals_the_size_of_the_arrays_tfmath_builds(config):
         ({"d_ff": 2.5}, TypeError, "d_ff"),
         ({"n_positions": 0}, ValueError, "n_positions"),
         ({"output_head": "shared"}, ValueError, "output_head"),
+        ({"bias": "no"}, TypeError, "bias"),
+        ({"final_norm": "no"}, TypeError, "final_norm"),
+        ({"embedding_norm": 2}, TypeError, "embedding_norm"),
+        ({"pooler": 1}, TypeError, "pooler"),
+        ({"norm_eps": -1.0}, ValueError, "norm_eps"),
+        ({"norm_eps": float("nan")}, ValueError, "norm_eps"),
     ],
 )
 def test_bad_configs_are_refused(change, exception, word):
@@ -248,6 +254,8 @@ def test_unknown_preset_names_the_argument_and_the_choices():
         A.count_parameters(124)
     with pytest.raises(TypeError, match="include_embeddings"):
         A.count_parameters("gpt2", include_embeddings="no")
+    with pytest.raises(TypeError, match="dropout"):
+        A.activation_memory_per_layer("gpt2", dropout="no")
 
 
 def test_breakdown_shares_are_fractions():

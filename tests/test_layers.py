@@ -9,6 +9,7 @@ or wrongly signed term in a gradient is off by 1e-2 or more.
 
 import math
 
+import ml_dtypes
 import numpy as np
 import pytest
 from _errors import assert_refused
@@ -979,6 +980,8 @@ def test_float32_model_stays_float32():
 # -- bad input --------------------------------------------------------------------------
 
 X = np.ones((2, 3, 8))
+#: A feed-forward block's parameters for X: d_model 8, d_ff 4.
+FFN_SHAPES = {"w_1": (8, 4), "b_1": (4,), "w_2": (4, 8), "b_2": (8,)}
 ATTENTION = L.attention_parameters(8, 2).initialize(0)
 FFN = L.feed_forward_parameters(8, 4).initialize(0)
 
@@ -1089,6 +1092,36 @@ BAD_CALLS = {
         lambda: L.cross_entropy(np.ones((2, 4)), [0, 1], reduction="max"),
         ValueError,
         ["reduction"],
+    ),
+    "an ignore_index no 64-bit target can equal": (
+        lambda: L.cross_entropy(np.ones((2, 4)), [0, 1], ignore_index=2**70),
+        ValueError,
+        ["ignore_index", str(2**70)],
+    ),
+    "float16 parameters on a float32 input": (
+        lambda: L.layer_norm(X.astype(np.float32), np.ones(8, np.float16), np.zeros(8, np.float16)),
+        DTypeError,
+        ["weight", "float16", "x", "float32"],
+    ),
+    "a float16 weight on a float64 input": (
+        lambda: L.rms_norm(X, np.ones(8, np.float16)),
+        DTypeError,
+        ["weight", "float16", "x", "float64"],
+    ),
+    "bfloat16 parameters on a float16 input": (
+        lambda: L.layer_norm(
+            X.astype(np.float16), np.ones(8, ml_dtypes.bfloat16), np.zeros(8, ml_dtypes.bfloat16)
+        ),
+        DTypeError,
+        ["weight", "bfloat16", "x", "float16"],
+    ),
+    "float16 parameters of a block on a bfloat16 input": (
+        lambda: L.feed_forward_forward(
+            Parameters({name: np.ones(shape, np.float16) for name, shape in FFN_SHAPES.items()}),
+            X.astype(ml_dtypes.bfloat16),
+        ),
+        DTypeError,
+        ["x", "bfloat16", "params['w_1']", "float16"],
     ),
     "the wrong cache": (
         lambda: L.rms_norm_backward(X, L.layer_norm_forward(X, np.ones(8), np.zeros(8))[1]),

@@ -15,6 +15,7 @@ from tfmath.report import (
     RunSettings,
     Table,
     _registry,
+    _writer,
     build_report,
     registered_experiments,
 )
@@ -112,6 +113,33 @@ def test_cli_reports_bad_output_folder(tmp_path, capsys):
     (tmp_path / "precious.txt").write_text("mine")
     assert cli.main(["reproduce", "--out", str(tmp_path)]) == 2
     assert "not a tfmath report" in capsys.readouterr().err
+
+
+def test_cli_reports_a_folder_it_cannot_create_before_any_experiment(tmp_path, capsys, monkeypatch):
+    _only_an_experiment_that_must_not_run(monkeypatch)
+    (tmp_path / "a-file").write_text("mine")
+    out = str(tmp_path / "a-file" / "report")
+    assert cli.main(["reproduce", "--out", out, "--only", "worked_examples"]) == 2
+    error = capsys.readouterr().err
+    assert "cannot write" in error and "a-file" in error and "Traceback" not in error
+    assert (tmp_path / "a-file").read_text() == "mine"
+
+
+@pytest.mark.parametrize("seed", ["-1", str(2**63)])
+def test_cli_refuses_a_seed_no_generator_takes(tmp_path, capsys, monkeypatch, seed):
+    _only_an_experiment_that_must_not_run(monkeypatch)
+    out = tmp_path / "r"
+    assert cli.main(["reproduce", "--out", str(out), "--seed", seed]) == 2
+    assert "seed" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def _only_an_experiment_that_must_not_run(monkeypatch):
+    def must_not_run(settings):
+        raise AssertionError("an experiment ran although the arguments were refused")
+
+    tripwire = _registry.Experiment("worked_examples", "a tripwire", 1, must_not_run)
+    monkeypatch.setattr(_writer, "registered_experiments", lambda: [tripwire])
 
 
 _HOLD_A_STAGING_FOLDER = """

@@ -9,6 +9,7 @@ for reproducibility, resumption and the Dask path.
 
 import json
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -16,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.optimize import minimize_scalar
 
+from tfmath.errors import DTypeError, FitWarning
 from tfmath.formulas.scaling import (
     CHINCHILLA,
     KAPLAN_LAWS,
@@ -258,12 +260,51 @@ def test_handful_of_noisy_points_with_fitted_irreducible():
         ({"x": [1e3, 1e4, 1e5], "y": [2.0, 1.5, 1.2], "irreducible": "fitted"}, "irreducible"),
         ({"x": [1e3, 1e4, 1e5], "y": [2.0, 1.5, 1.2], "method": "jackknife"}, "method"),
         ({"x": [1e3, 1e4, 1e5], "y": [2.0, 1.5, 1.2], "confidence": 1.0}, "confidence"),
-        ({"x": [1e3, 1e4, 1e5], "y": [2.0, 1.5, 1.2], "n_bootstrap": 0.5}, "n_bootstrap"),
+        ({"x": [1e3, 1e4, 1e5], "y": [2.0, 1.5, 1.2], "n_bootstrap": 1}, "n_bootstrap"),
+        ({"x": [1e3, 1e4, 1e5], "y": [2.0, 1.5, 1.2], "seed": -1}, "seed"),
+        ({"x": [1e3, 1e4, 1e5, 1e6], "y": [2.0] * 4}, "same"),
+        ({"x": [1e3, 1e4, 1e5, 1e6], "y": [2.0] * 4, "irreducible": 1.0}, "same"),
+        ({"x": [1e3, 1e4, 1e5, 1e6], "y": [2.0] * 4, "irreducible": "fit"}, "same"),
     ],
 )
 def test_bad_fits_are_refused(kwargs, word):
     with pytest.raises(ValueError, match=word):
         fit_scaling_law(**kwargs)
+
+
+@pytest.mark.parametrize("name", ["n_bootstrap", "seed"])
+def test_fit_counts_must_be_integers(name):
+    with pytest.raises(DTypeError, match=name):
+        fit_scaling_law([1e3, 1e4, 1e5], [2.0, 1.5, 1.2], **{name: 0.5})
+
+
+def test_fit_takes_numpy_confidence():
+    fit = fit_scaling_law([1e3, 1e4, 1e5, 1e6], [2.0, 1.5, 1.2, 1.1], confidence=np.float32(0.9))
+    assert fit.confidence == pytest.approx(0.9)
+
+
+@pytest.mark.parametrize("irreducible", [None, 0.5, "fit"])
+def test_rising_data_warn_that_they_follow_no_scaling_law(irreducible):
+    x = np.geomspace(1e3, 1e6, 6)
+    with pytest.warns(FitWarning, match="not positive"):
+        fit = fit_scaling_law(x, 1.0 + (x / 1e3) ** 0.1, irreducible=irreducible)
+    assert fit.exponent < 0
+
+
+def test_falling_data_fit_without_warnings():
+    x = np.geomspace(1e3, 1e6, 6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fit_scaling_law(x, 1.0 + (1e4 / x) ** 0.3, irreducible="fit")
+
+
+def test_zero_exponent_leaves_the_scale_undefined():
+    # log y is symmetric about the middle x, and log 0.5 = -log 2 exactly: the
+    # least-squares slope is exactly 0.
+    with pytest.warns(FitWarning):
+        fit = fit_scaling_law([0.5, 1.0, 2.0], [2.0, 3.0, 2.0])
+    assert fit.exponent == 0.0
+    assert math.isnan(fit.scale)
 
 
 # -- the synthetic source ------------------------------------------------------------------------

@@ -415,7 +415,36 @@ BAD_CALLS = [
     (softmax_row_statistics, (np.ones((2, 0)),), {}, ValueError, ["scores", "(2, 0)"]),
     (softmax_row_statistics, (np.array([[1.0, np.nan]]),), {}, ValueError, ["scores", "finite"]),
     (softmax_row_statistics, (np.ones(3),), {"scale": "2"}, TypeError, ["scale"]),
+    # Finite scores that the scale carries to infinity, where the softmax is undefined.
+    (softmax_row_statistics, (np.array([[1e300, 0.0]]),), {"scale": 1e10}, ValueError,
+     ["scale * scores", "float64"]),
+    (softmax_row_statistics, (np.array([[1e30, 0.0]], np.float32),), {"scale": 1e10},
+     ValueError, ["scale * scores", "float32"]),
+]  # fmt: skip
+
+BAD_VARIANCES = [
+    # (arguments, keyword arguments, exception, words the message must contain)
+    ((-3,), {}, ValueError, ["d_k", "-3"]),
+    ((0,), {}, ValueError, ["d_k", "0"]),
+    ((2.5,), {}, ValueError, ["d_k", "2.5"]),
+    (([4, 0],), {}, ValueError, ["d_k", "0"]),
+    ((True,), {}, TypeError, ["d_k", "bool"]),
+    (("16",), {}, TypeError, ["d_k"]),
+    ((4,), {"correlation": 2.0}, ValueError, ["correlation", "2.0"]),
+    ((4,), {"correlation": -0.5}, ValueError, ["correlation", "-0.5"]),
+    ((4,), {"mean": math.inf}, ValueError, ["mean", "finite"]),
 ]
+
+
+@pytest.mark.parametrize(("args", "kwargs", "exception", "words"), BAD_VARIANCES)
+def test_score_variance_refuses_what_sample_scores_refuses(args, kwargs, exception, words):
+    assert_refused(lambda: score_variance(*args, **kwargs), exception, words)
+
+
+def test_score_variance_takes_arrays_of_whole_dimensions():
+    expected = np.array([64.0, 128.0])
+    np.testing.assert_array_equal(score_variance(np.array([64, 128])), expected)
+    np.testing.assert_array_equal(score_variance([64.0, 128.0]), expected)
 
 
 @pytest.mark.parametrize(("function", "args", "kwargs", "exception", "words"), BAD_CALLS)

@@ -29,13 +29,21 @@ import numpy as np
 
 from tfmath import _cuda
 from tfmath._contract.backend import resolve_backend
-from tfmath._contract.checks import float_operand, integer, real, require_ndim
+from tfmath._contract.checks import (
+    confidence_level,
+    float_operand,
+    integer,
+    real,
+    require_ndim,
+)
 from tfmath._contract.layout import shape_of
 from tfmath._contract.tensors import accepts_tensors
 from tfmath._contract.variance import (
     DISTRIBUTIONS,
     FOURTH_MOMENTS,
     ScoreSampling,
+    component_correlation,
+    dimension_array,
     dimension_list,
     score_sampling,
 )
@@ -154,16 +162,24 @@ def score_variance(d_k, *, mean=0.0, correlation=0.0):
     Parameters
     ----------
     d_k : int or array_like of int
-        Dimensions.
+        Dimensions, each at least 1.
     mean : float, optional
-        :math:`\mu`.
+        :math:`\mu`, finite.
     correlation : float, optional
-        :math:`\rho`.
+        :math:`\rho \in [0, 1]`, as :func:`sample_scores` draws them.
 
     Returns
     -------
     float or numpy.ndarray
         :math:`\operatorname{Var}(q \cdot k)`, with the shape of ``d_k``.
+
+    Raises
+    ------
+    ValueError
+        For a dimension below 1 or not whole, a correlation outside [0, 1], or an
+        infinite mean.
+    TypeError
+        For ``d_k`` that is not made of numbers.
 
     Examples
     --------
@@ -171,7 +187,9 @@ def score_variance(d_k, *, mean=0.0, correlation=0.0):
     >>> score_variance(64), score_variance(64, mean=1.0), score_variance(64, correlation=0.5)
     (64.0, 192.0, 1072.0)
     """
-    d = np.asarray(d_k, dtype=np.float64)
+    d = dimension_array(d_k)
+    mean = real("mean", mean)
+    correlation = component_correlation(correlation)
     trace_sigma_squared = d * (1 - correlation**2) + correlation**2 * d**2
     sum_sigma = d * (1 - correlation) + correlation * d**2
     variance = trace_sigma_squared + 2 * mean**2 * sum_sigma
@@ -221,7 +239,7 @@ def sample_variance(samples, confidence=0.95):
     x = np.asarray(samples, dtype=np.float64)
     if x.ndim != 1 or x.size < 2:
         raise ArgumentError(f"samples must be 1-D with at least 2 entries, got shape {x.shape}")
-    z = _normal_quantile(_confidence(confidence))
+    z = _normal_quantile(confidence_level(confidence))
     n = x.size
     deviations = x - x.mean()
     squares = deviations * deviations
@@ -230,13 +248,6 @@ def sample_variance(samples, confidence=0.95):
     spread = fourth / n - variance**2 * (n - 3) / (n * (n - 1))
     error = math.sqrt(max(spread, 0.0))
     return VarianceInterval(variance, error, variance - z * error, variance + z * error)
-
-
-def _confidence(confidence):
-    confidence = real("confidence", confidence)
-    if not 0.0 < confidence < 1.0:
-        raise ArgumentError(f"confidence must lie strictly between 0 and 1, got {confidence}")
-    return confidence
 
 
 @functools.cache
@@ -367,7 +378,7 @@ def dot_product_variance(
     """
     dimensions = dimension_list(d_k)
     n_samples = integer("n_samples", n_samples, minimum=2)
-    confidence = _confidence(confidence)
+    confidence = confidence_level(confidence)
     backend = resolve_backend(backend)
     problems = [
         score_sampling(d, n_samples, 1, distribution, mean, correlation, seed, backend=backend)
@@ -481,7 +492,7 @@ def fit_power_law(x, y, standard_error, confidence=0.95):
         )
     if np.unique(x).size < 2 or np.any(x <= 0) or np.any(y <= 0) or np.any(error <= 0):
         raise ArgumentError("a power-law fit needs two distinct x and positive x, y and errors")
-    z = _normal_quantile(_confidence(confidence))
+    z = _normal_quantile(confidence_level(confidence))
     log_x, log_y, log_error = np.log(x), np.log(y), error / y
     (intercept, slope), covariance = curve_fit(
         _line, log_x, log_y, p0=(0.0, 1.0), sigma=log_error, absolute_sigma=True
@@ -573,7 +584,8 @@ def softmax_row_statistics(scores, *, scale=1.0, backend="auto"):
     DTypeError
         For integer, boolean, complex or half-precision arrays.
     ValueError
-        For non-finite scores or ``scale``.
+        For non-finite scores or ``scale``, or scaled scores beyond the range of the
+        scores' dtype (the softmax of an infinite score is undefined).
 
     Examples
     --------
@@ -587,9 +599,9 @@ def softmax_row_statistics(scores, *, scale=1.0, backend="auto"):
     n = shape_of(scores)[-1]
     if n == 0:
         raise ShapeError(f"scores must have rows of length n >= 1, got shape {shape_of(scores)}")
-    if not _cuda.is_device_array(scores) and not np.all(np.isfinite(scores)):
-        raise ArgumentError("scores must be finite (NaN or infinity found)")
     scale = real("scale", scale)
+    if not _cuda.is_device_array(scores):
+        _check_scaled_scores(scores, scale)
     backend = resolve_backend(backend, scores)
     if _cuda.is_device_array(scores) and backend != "cuda":
         scores = _cuda.to_host(scores)
@@ -600,3 +612,16 @@ def softmax_row_statistics(scores, *, scale=1.0, backend="auto"):
         rows = np.ascontiguousarray(scores).reshape(math.prod(batch_shape), n)
     statistics = implementation("softmax_row_statistics", backend)(rows, scale)
     return RowStatistics(*(statistics[c].reshape(batch_shape) for c in range(3)))
+
+
+def _check_scaled_scores(scores, scale):
+    """Refuse NaN or infinite scores, and finite ones that ``scale`` carries beyond range."""
+    largest = float(np.max(np.abs(scores))) if scores.size else 0.0
+    if not math.isfinite(largest):
+        raise ArgumentError("scores must be finite (NaN or infinity found)")
+    dtype = np.dtype(scores.dtype)
+    if largest * abs(scale) > float(np.finfo(dtype).max):
+        raise ArgumentError(
+            f"scale * scores must lie within {dtype}'s range, got scale = {scale:g} and a "
+            f"score of magnitude {largest:g}; their product is infinite there"
+        )

@@ -119,6 +119,14 @@ def real(name, value, *, above=None, at_least=None, below=None, allow_none=False
     return value
 
 
+def confidence_level(confidence):
+    """A confidence level, a real number strictly between 0 and 1, as a Python ``float``."""
+    confidence = real("confidence", confidence)
+    if not 0.0 < confidence < 1.0:
+        raise ArgumentError(f"confidence must lie strictly between 0 and 1, got {confidence}")
+    return confidence
+
+
 def choice(name, value, choices):
     """A string argument that must be one of ``choices``; returns it."""
     if not isinstance(value, str):

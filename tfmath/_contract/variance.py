@@ -8,6 +8,8 @@ import math
 import numbers
 from dataclasses import dataclass
 
+import numpy as np
+
 from tfmath._contract.checks import choice, integer, real
 from tfmath.errors import ArgumentError, DTypeError
 
@@ -121,19 +123,40 @@ class ScoreSampling:
 
 def score_sampling(d_k, n_rows, n_keys, distribution, mean, correlation, seed, *, backend):
     """Validate :func:`~tfmath.variance.sample_scores`'s arguments as a :class:`ScoreSampling`."""
-    correlation = real("correlation", correlation)
-    if not 0.0 <= correlation <= 1.0:
-        raise ArgumentError(f"correlation must lie in [0, 1], got {correlation}")
     return ScoreSampling(
         d_k=integer("d_k", d_k, minimum=1),
         n_rows=integer("n_rows", n_rows, minimum=1),
         n_keys=integer("n_keys", n_keys, minimum=1),
         distribution=choice("distribution", distribution, DISTRIBUTIONS),
         mean=real("mean", mean),
-        correlation=correlation,
+        correlation=component_correlation(correlation),
         seed=stream_seed(seed),
         backend=backend,
     )
+
+
+def component_correlation(correlation):
+    r"""The correlation :math:`\rho \in [0, 1]` of a vector's components: the shared factor
+    the samplers draw can only correlate them positively."""
+    correlation = real("correlation", correlation)
+    if not 0.0 <= correlation <= 1.0:
+        raise ArgumentError(f"correlation must lie in [0, 1], got {correlation}")
+    return correlation
+
+
+def dimension_array(d_k):
+    """``d_k`` as a float64 array of whole numbers >= 1 (an integer, or an array of them)."""
+    if isinstance(d_k, numbers.Integral) and not isinstance(d_k, bool):
+        return np.float64(integer("d_k", d_k, minimum=1))
+    array = np.asarray(d_k)
+    if array.dtype.kind not in "iuf":
+        raise DTypeError(f"d_k must hold integers, got dtype {array.dtype} ({d_k!r:.60})")
+    dims = array.astype(np.float64)
+    whole = np.isfinite(dims) & (dims == np.round(dims)) & (dims >= 1)
+    if not whole.all():
+        bad = dims[~whole].flat[0]
+        raise ArgumentError(f"d_k must hold whole numbers >= 1, got {bad:g} in d_k")
+    return dims
 
 
 def stream_seed(seed):

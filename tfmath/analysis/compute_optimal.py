@@ -41,7 +41,7 @@ from typing import NamedTuple
 import numpy as np
 
 from tfmath._blas_threads import blas_threads
-from tfmath._contract.checks import choice, integer, real
+from tfmath._contract.checks import choice, confidence_level, integer, real
 from tfmath.errors import ArgumentError, FitWarning, ShapeError
 from tfmath.formulas.scaling import ChinchillaLaw, fit_scaling_law
 
@@ -263,7 +263,7 @@ def fit_envelope(
             f"{repeated.shape}"
         )
     points = integer("points", points, minimum=2)
-    confidence = _confidence(confidence)
+    confidence = confidence_level(confidence)
     n_bootstrap = integer("n_bootstrap", n_bootstrap, minimum=2)
     seed = integer("seed", seed, minimum=0)
     row_std = _loss_std(loss_std, loss)
@@ -794,7 +794,7 @@ def fit_isoflop(
     compute, n, d, loss = _runs(compute=compute, n=n, d=d, loss=loss)
     optimum = choice("optimum", optimum, OPTIMUM_MODELS)
     run_std = _loss_std(loss_std, loss)
-    confidence = _confidence(confidence)
+    confidence = confidence_level(confidence)
     n_bootstrap = integer("n_bootstrap", n_bootstrap, minimum=2)
     seed = integer("seed", seed, minimum=0)
     budgets, groups, outside = _budget_groups(compute, budget_tolerance, budget_edges)
@@ -1335,7 +1335,7 @@ def fit_parametric_loss(
     """
     n, d, loss = _runs(n=n, d=d, loss=loss)
     delta = real("delta", delta, above=0.0)
-    confidence = _confidence(confidence)
+    confidence = confidence_level(confidence)
     n_bootstrap = integer("n_bootstrap", n_bootstrap, minimum=2)
     seed = integer("seed", seed, minimum=0)
     log_e = None
@@ -1620,7 +1620,7 @@ def fit_kaplan_loss(n, d, loss, *, confidence=0.95, n_bootstrap=200, seed=0):
     (0.076, 0.095)
     """
     n, d, loss = _runs(n=n, d=d, loss=loss)
-    confidence = _confidence(confidence)
+    confidence = confidence_level(confidence)
     n_bootstrap = integer("n_bootstrap", n_bootstrap, minimum=2)
     seed = integer("seed", seed, minimum=0)
     if n.size < 5:
@@ -1692,13 +1692,6 @@ def _runs(**arrays):
     if len(set(lengths.values())) > 1:
         raise ShapeError(f"one value per run in each array, got lengths {lengths}")
     return checked
-
-
-def _confidence(confidence):
-    confidence = real("confidence", confidence)
-    if not 0 < confidence < 1:
-        raise ArgumentError(f"confidence must lie in (0, 1), got {confidence}")
-    return confidence
 
 
 # -- one entry point ---------------------------------------------------------------------

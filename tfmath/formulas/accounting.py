@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tfmath._contract.checks import choice, integer
+from tfmath._contract.checks import boolean_flag, choice, integer, real
 from tfmath.errors import ArgumentError, DTypeError
 
 __all__ = [
@@ -41,6 +41,16 @@ OUTPUT_HEADS = ("tied", "untied", "none")
 _ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "swiglu")
 _NORMS = ("layer_norm", "rms_norm")
 _NORM_ORDERS = ("post", "pre")
+#: The fields that say whether a part exists: booleans, which ``"no"`` or 2 is not.
+_FLAGS = (
+    "bias",
+    "embedding_norm",
+    "final_norm",
+    "output_bias",
+    "pooler",
+    "shared_embeddings",
+    "scale_embeddings",
+)
 
 
 @dataclass(frozen=True)
@@ -139,6 +149,9 @@ class ModelConfig:
         choice("norm_order", self.norm_order, _NORM_ORDERS)
         choice("position", self.position, POSITIONS)
         choice("output_head", self.output_head, OUTPUT_HEADS)
+        for name in _FLAGS:
+            boolean_flag(name, getattr(self, name))
+        real("norm_eps", self.norm_eps, at_least=0.0)
         if (self.position == "learned") != (self.n_positions > 0):
             raise ArgumentError(
                 f"n_positions must be > 0 exactly when position is 'learned', got "
@@ -341,8 +354,7 @@ def count_parameters(config, *, include_embeddings=True):
     >>> count_parameters("llama-7b")
     6738415616
     """
-    if not isinstance(include_embeddings, bool):
-        raise DTypeError(f"include_embeddings must be True or False, got {include_embeddings!r}")
+    include_embeddings = boolean_flag("include_embeddings", include_embeddings)
     parts = parameter_breakdown(config)
     if not include_embeddings:
         parts = {k: v for k, v in parts.items() if k not in EMBEDDING_COMPONENTS}
@@ -543,6 +555,7 @@ def activation_memory_per_layer(
         ("bytes_per_element", bytes_per_element),
     ):
         integer(name, value, minimum=1)
+    boolean_flag("dropout", dropout)
     b, p, d = batch_size, bytes_per_element, c.d_model
     q_width, kv_width = c.n_heads * c.head_dim, c.kv_heads * c.head_dim
     k = 2 if c.activation == "swiglu" else 1

@@ -31,11 +31,13 @@ are what transfers.
 """
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
 
-from tfmath.errors import ArgumentError, DTypeError
+from tfmath._contract.checks import confidence_level, integer
+from tfmath.errors import ArgumentError, DTypeError, FitWarning
 
 __all__ = [
     "BESIROGLU",
@@ -634,8 +636,15 @@ def fit_scaling_law(
     ------
     ValueError
         For non-positive or non-finite ``x`` or ``y``, fewer points (or
-        distinct ``x``) than parameters, ``y <= E`` for a known ``E``, or an
-        unknown ``irreducible`` or ``method``.
+        distinct ``x``) than parameters, the same ``y`` at every ``x``, ``y <= E``
+        for a known ``E``, or an unknown ``irreducible`` or ``method``.
+    TypeError
+        For a ``n_bootstrap`` or ``seed`` that is not an integer.
+
+    Warns
+    -----
+    FitWarning
+        Where the fitted exponent is not positive: ``y`` does not fall with ``x``.
 
     Examples
     --------
@@ -650,18 +659,31 @@ def fit_scaling_law(
     known = _irreducible(irreducible, y)
     if method not in _METHODS:
         raise ArgumentError(f"method must be one of {_METHODS}, got {method!r}")
-    if not (isinstance(confidence, int | float) and 0 < confidence < 1):
-        raise ArgumentError(f"confidence must lie in (0, 1), got {confidence!r}")
-    if isinstance(n_bootstrap, bool) or not isinstance(n_bootstrap, int) or n_bootstrap < 2:
-        raise ArgumentError(f"n_bootstrap must be an integer >= 2, got {n_bootstrap!r}")
+    confidence = confidence_level(confidence)
+    n_bootstrap = integer("n_bootstrap", n_bootstrap, minimum=2)
+    seed = integer("seed", seed, minimum=0)
     model = _FittedIrreducible() if known is None else _KnownIrreducible(known)
     if x.size < model.n_params or np.unique(x).size < model.n_params:
         raise ArgumentError(
             f"fitting {model.n_params} parameters needs at least {model.n_params} points with "
             f"distinct x, got {x.size} points ({np.unique(x).size} distinct x)"
         )
+    if np.ptp(y) <= 4 * np.finfo(np.float64).eps * y.max():
+        # Every exponent fits a constant: the estimate would be 0 (with a zero-width
+        # interval and no scale), or wherever the solver stopped.
+        raise ArgumentError(
+            f"y is the same ({y[0]:g}) at every x: it determines no exponent; a scaling "
+            f"law is fitted to measurements that change with x"
+        )
     log_x, response = np.log(x), model.response(y)
     theta, covariance = model.fit(log_x, response)
+    if not theta[1] > 0:
+        warnings.warn(
+            f"the fitted exponent {theta[1]:.3g} is not positive: y does not fall as x "
+            f"grows, and E + (x_c / x)^alpha describes a scaling law only for alpha > 0",
+            FitWarning,
+            stacklevel=2,
+        )
     residuals = response - model.predict(theta, log_x)
     dof = x.size - model.n_params
     if not dof:
@@ -794,10 +816,14 @@ def _student_t(confidence, dof):
 def _covariance_intervals(theta, covariance, dof, confidence):
     """Student-t intervals for E, alpha and log x_c = c / alpha (delta method for the last)."""
     quantile = _student_t(confidence, dof)
-    e, alpha, c = theta
-    gradient = np.array([0.0, -c / alpha**2, 1 / alpha])
-    variances = (covariance[0, 0], covariance[1, 1], float(gradient @ covariance @ gradient))
-    centres = (e, alpha, c / alpha)
+    e, alpha, c = (float(v) for v in theta)
+    if alpha:
+        gradient = np.array([0.0, -c / alpha**2, 1 / alpha])
+        log_scale_variance = float(gradient @ covariance @ gradient)
+    else:
+        log_scale_variance = math.nan
+    variances = (covariance[0, 0], covariance[1, 1], log_scale_variance)
+    centres = (e, alpha, _log_scale(alpha, c))
     return {
         name: (centre - quantile * math.sqrt(max(var, 0.0)),
                centre + quantile * math.sqrt(max(var, 0.0)))
@@ -813,7 +839,7 @@ def _bootstrap_intervals(model, theta, log_x, residuals, dof, confidence, n_boot
     draws = np.empty((int(n_bootstrap), 3))
     for i in range(int(n_bootstrap)):
         e, alpha, c = model.fit(log_x, fitted + rng.choice(spread, size=spread.size))[0]
-        draws[i] = e, alpha, c / alpha
+        draws[i] = e, alpha, _log_scale(alpha, c)
     tail = 100 * (1 - confidence) / 2
     low, high = np.percentile(draws, [tail, 100 - tail], axis=0)
     return {name: (float(low[i]), float(high[i])) for i, name in enumerate(_ESTIMATES)}
@@ -822,12 +848,13 @@ def _bootstrap_intervals(model, theta, log_x, residuals, dof, confidence, n_boot
 def _packaged(theta, intervals, known, confidence, method, n_points, dof, residual_std):
     e, alpha, c = (float(v) for v in theta)
     log_low, log_high = intervals["log_scale"]
+    log_scale = _log_scale(alpha, c)
     return ScalingLawFit(
         exponent=alpha,
         exponent_interval=tuple(float(v) for v in intervals["exponent"]),
         # An exponent near 0 (a flat fit of noisy points) puts the scale beyond
         # float range: it is then inf, not an OverflowError.
-        scale=math.exp(c / alpha) if c / alpha < _LOG_FLOAT_MAX else math.inf,
+        scale=math.exp(log_scale) if not log_scale >= _LOG_FLOAT_MAX else math.inf,
         scale_interval=(_exp(log_low), _exp(log_high)),
         irreducible=e,
         irreducible_interval=None if known is not None else tuple(intervals["irreducible"]),
@@ -840,9 +867,17 @@ def _packaged(theta, intervals, known, confidence, method, n_points, dof, residu
     )
 
 
+def _log_scale(alpha, c):
+    r""":math:`\log x_c = c / \alpha`; undefined (nan) for :math:`\alpha = 0`, where
+    :math:`(x_c / x)^0 = 1` whatever :math:`x_c`."""
+    return c / alpha if alpha else math.nan
+
+
 #: The log of the largest float: exp() of anything above overflows.
 _LOG_FLOAT_MAX = math.log(np.finfo(np.float64).max)
 
 
 def _exp(value):
+    if math.isnan(value):
+        return math.nan
     return math.exp(min(value, 700.0)) if math.isfinite(value) else (0.0 if value < 0 else math.inf)

@@ -5,6 +5,9 @@ import pkgutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from tfmath._contract.checks import boolean_flag, integer
+from tfmath.errors import ArgumentError
+
 _EXPERIMENTS = {}
 
 
@@ -34,6 +37,13 @@ class RunSettings:
     seed: int = 0
     scheduler: str | None = None
     corpus: str | None = None
+
+    def __post_init__(self):
+        boolean_flag("quick", self.quick)
+        # Experiments seed tfmath's random streams, which take [0, 2**64), with it and
+        # with small offsets from it (one seed per run of a sweep).
+        if integer("seed", self.seed, minimum=0) >= 2**63:
+            raise ArgumentError(f"seed must lie in [0, 2**63), got {self.seed}")
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ leaves its staging folder, which the next run removes (see
 :mod:`tfmath.report._staging`).
 """
 
+import contextlib
 import csv
 import html
 import json
@@ -56,10 +57,22 @@ def build_report(out_dir, settings=None, *, only=None, progress=None):
     out_dir = Path(out_dir).resolve()
     _check_replaceable(out_dir)
     experiments = _select(registered_experiments(), only)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    for folder in remove_abandoned(out_dir, MARKER):
-        progress(f"removed {folder.name}, left by a report run that did not finish")
-    with staging_folder(out_dir, MARKER, f"tfmath {__version__}\n") as staging:
+    with contextlib.ExitStack() as cleanup:
+        # The folders are made before any experiment runs, so that a place that cannot
+        # be written is reported at once, as the argument it is, not after minutes.
+        try:
+            out_dir.parent.mkdir(parents=True, exist_ok=True)
+            abandoned = remove_abandoned(out_dir, MARKER)
+            staging = cleanup.enter_context(
+                staging_folder(out_dir, MARKER, f"tfmath {__version__}\n")
+            )
+        except OSError as error:
+            place = f" {error.filename}" if error.filename else ""
+            raise ReportError(
+                f"--out {out_dir}: cannot write{place} ({error.strerror or error})"
+            ) from error
+        for folder in abandoned:
+            progress(f"removed {folder.name}, left by a report run that did not finish")
         sections = []
         for number, exp in enumerate(experiments, start=1):
             progress(f"[{number}/{len(experiments)}] {exp.name}: {exp.title} ...")

@@ -1,6 +1,7 @@
 """What every block shares: the cache of a forward pass, argument checks, linear maps."""
 
 import functools
+import inspect
 from dataclasses import dataclass
 
 import numpy as np
@@ -50,16 +51,58 @@ def half_precision(block):
     call converts. Caches hold float32.
     """
 
+    signature = inspect.signature(block)
+
     @functools.wraps(block)
     def wrapper(*args, **kwargs):
         dtype = _first_half_dtype(args) or (kwargs and _first_half_dtype(kwargs.values()))
         if not dtype:
             return block(*args, **kwargs)
+        _require_one_float_dtype(signature.bind_partial(*args, **kwargs).arguments)
         args = tuple(_widened(a) for a in args)
         kwargs = {name: _widened(value) for name, value in kwargs.items()}
         return _narrowed(block(*args, **kwargs), dtype)
 
     return wrapper
+
+
+#: Arguments whose floating dtype may differ from the operands': an additive mask is
+#: cast to the scores' dtype, as on every other path.
+_MIXABLE_ARGUMENTS = frozenset({"attn_mask"})
+
+
+def _require_one_float_dtype(arguments):
+    """Refuse floating arrays of different dtypes among a block's ``arguments`` (by name).
+
+    The blocks refuse a float64 weight on a float32 input; once half-precision arrays are
+    widened to float32 they would no longer see a float16 weight on a float32 input, and
+    the results would be rounded to float16. So the dtypes are compared before widening.
+    """
+    first = None
+    for name, value in arguments.items():
+        if name in _MIXABLE_ARGUMENTS:
+            continue
+        for label, dtype in _float_dtypes(name, value):
+            if first is None:
+                first = label, dtype
+            elif dtype != first[1]:
+                raise DTypeError(
+                    f"{label} is {dtype} but {first[0]} is {first[1]}; give parameters and "
+                    f"inputs one dtype"
+                )
+
+
+def _float_dtypes(name, value):
+    """``(label, dtype)`` of a floating array argument, or of each of a Parameters' arrays."""
+    if isinstance(value, Parameters):
+        for key, array in value.items():
+            yield from _float_dtypes(f"{name}[{key!r}]", array)
+        return
+    dtype = getattr(value, "dtype", None)
+    if dtype is not None and not isinstance(value, np.generic):
+        dtype = np.dtype(dtype)
+        if dtype.kind == "f" or is_half(dtype):
+            yield name, dtype
 
 
 def _first_half_dtype(values):

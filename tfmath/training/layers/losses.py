@@ -188,6 +188,9 @@ def cross_entropy_forward(
 def _targets(targets, logits_shape, ignore_index):
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int | np.integer):
         raise DTypeError(f"ignore_index must be an integer, got {ignore_index!r}")
+    if not -(2**63) <= ignore_index < 2**63:
+        # Targets are compared with it as 64-bit integers.
+        raise ArgumentError(f"ignore_index must lie in [-2**63, 2**63), got {ignore_index}")
     array = host_array("targets", targets)
     if array.dtype.kind not in "iu":
         raise DTypeError(f"targets must be integers, got dtype {array.dtype}")
