@@ -303,6 +303,9 @@ def test_sparse_reduces_to_known_attention(any_backend):
     # A window of 1 is the query itself; a window or stride covering everything is full attention.
     assert_close(run(pattern="local", window=1), value, 1e-14)
     assert_close(run(pattern="local", window=9), exact, 1e-14)
+    # Sizes beyond any sequence (and int64) mean the same as the whole sequence.
+    assert_close(run(pattern="local", window=10**30), exact, 1e-14)
+    assert_close(run(pattern="local+strided", window=1, stride=10**30), value, 1e-14)
     assert_close(run(pattern="strided", stride=1, is_causal=True), causal, 1e-14)
     assert_close(run(pattern="local+strided", window=2, stride=1), exact, 1e-14)
     everything = np.ones((3, 3), dtype=bool)

@@ -32,12 +32,29 @@ BAD_ATTENTION_CALLS = [
 
 
 @pytest.mark.parametrize(("args", "exception", "words"), BAD_ATTENTION_CALLS)
-@pytest.mark.parametrize("backend", ["cpu", "reference"])
+@pytest.mark.parametrize("backend", ["auto", "cpu", "reference"])
 def test_bad_attention_input_is_refused_before_any_kernel(
     kernels_must_not_run, args, exception, words, backend
 ):
     assert_refused(
         lambda: tfmath.scaled_dot_product_attention(*args, backend=backend), exception, words
+    )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "exception", "words"),
+    [
+        ({"enable_gqa": True}, tfmath.ShapeError, ["query", "at least 3", "enable_gqa=True"]),
+        ({"enable_gqa": "yes"}, tfmath.DTypeError, ["enable_gqa", "'yes'"]),
+        ({"enable_gqa": None}, tfmath.DTypeError, ["enable_gqa", "None"]),
+    ],
+)
+def test_enable_gqa_is_checked_on_the_plain_path_too(
+    kernels_must_not_run, kwargs, exception, words
+):
+    # No backend, mask or returned extra: the call the plain path serves.
+    assert_refused(
+        lambda: tfmath.scaled_dot_product_attention(Q[0], K[0], V[0], **kwargs), exception, words
     )
 
 

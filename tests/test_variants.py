@@ -198,6 +198,82 @@ def test_rows_with_nothing_to_attend(backend, with_sinks):
     assert all(np.isfinite(g).all() for g in grads if g is not None)
 
 
+def _varlen_of_heads(q, k, v, **options):
+    """flash_attention_varlen on one sequence of (1, H, L, E) operands, back in that shape."""
+    packed = [x[0].transpose(1, 0, 2) for x in (q, k, v)]
+    n_query, n_key = q.shape[2], k.shape[2]
+    out = variants.flash_attention_varlen(
+        *packed, np.array([0, n_query]), np.array([0, n_key]), n_query, n_key, **options
+    )
+    return out.transpose(1, 0, 2)[None]
+
+
+NAN_PROPAGATING_CALLS = {
+    "flash": variants.flash_attention,
+    "flash with sinks": lambda q, k, v, **o: variants.flash_attention(
+        q, k, v, sinks=np.array([0.5, -0.5]), **o
+    ),
+    "flex": variants.flex_attention,
+    "varlen": _varlen_of_heads,
+}
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+@pytest.mark.parametrize("call", sorted(NAN_PROPAGATING_CALLS))
+@pytest.mark.parametrize("operand", ["query", "key"])
+def test_nan_in_an_attended_score_makes_the_row_nan(backend, call, operand):
+    """A NaN in a query makes its row's scores all NaN, and one in a key a score of
+    every row: the rows are NaN, as in scaled_dot_product_attention and PyTorch, and
+    not 0 as for a row with nothing to attend (a maximum skips NaN). Other rows keep
+    their values."""
+    q, k, v = _operands((1, 2, 5, 4), (1, 2, 7, 4), 3)
+    (q if operand == "query" else k)[0, 1, 2, 0] = np.nan
+    out = NAN_PROPAGATING_CALLS[call](q, k, v, backend=backend)
+    nan_rows = [2] if operand == "query" else list(range(5))
+    assert np.isnan(out[0, 1, nan_rows]).all()
+    assert np.isfinite(np.delete(out[0, 1], nan_rows, axis=0)).all()
+    assert np.isfinite(out[0, 0]).all()
+    if call == "flash":
+        grads = variants.flash_attention_grad(q, k, v, np.ones_like(out), backend=backend)
+        assert np.isnan(grads[0][0, 1, nan_rows]).all()
+        assert np.isnan(grads[1][0, 1]).any() and np.isfinite(grads[1][0, 0]).all()
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_a_sink_of_minus_infinity_is_no_sink(backend):
+    q, k, v = _operands((1, 2, 5, 4), (1, 2, 7, 4), 3)
+    out = variants.flash_attention(q, k, v, sinks=np.array([-np.inf, 0.5]), backend=backend)
+    plain = variants.flash_attention(q, k, v, backend=backend)
+    assert_close(out[:, 0], plain[:, 0], attention_tolerance(np.float64, 4, 7))
+    assert not np.allclose(out[:, 1], plain[:, 1])
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_a_window_wider_than_any_sequence_is_no_window(backend):
+    q, k, v = _operands((1, 2, 5, 4), (1, 2, 3, 4), 3)
+    plain = variants.flash_attention(q, k, v, backend=backend)
+    for window in [(2**63 - 1, 2**63 - 1), (-1, 10**30), (10**30, -1)]:
+        out = variants.flash_attention(q, k, v, window_size=window, backend=backend)
+        assert_close(out, plain, attention_tolerance(np.float64, 4, 3))
+    causal = variants.flash_attention(q, k, v, causal=True, backend=backend)
+    wide = variants.flash_attention(q, k, v, window_size=(10**20, 0), backend=backend)
+    assert_close(wide, causal, attention_tolerance(np.float64, 4, 3))
+
+
+def test_no_heads_give_empty_results():
+    q, k, v = _operands((1, 0, 3, 4), (1, 0, 5, 4), 2)
+    out, lse = variants.flash_attention(q, k, v, sinks=np.zeros(0), return_lse=True)
+    assert out.shape == (1, 0, 3, 2) and lse.shape == (1, 0, 3)
+    grads = variants.flash_attention_grad(q, k, v, out, sinks=np.zeros(0))
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape, (0,)]
+    assert variants.flex_attention(q, k, v).shape == (1, 0, 3, 2)
+    packed = variants.flash_attention_varlen(
+        q[0].transpose(1, 0, 2), k[0].transpose(1, 0, 2), v[0].transpose(1, 0, 2),
+        np.array([0, 3]), np.array([0, 5]), 3, 5,
+    )  # fmt: skip
+    assert packed.shape == (3, 0, 2)
+
+
 @settings(max_examples=25, deadline=None)
 @given(
     n_query=st.integers(1, 90),
@@ -662,6 +738,42 @@ BAD_CALLS = {
     "grad_output of the wrong shape": (
         lambda q, k, v: variants.flash_attention_grad(q, k, v, q[..., :3]),
         tfmath.ShapeError, "grad_output",
+    ),
+    "a NaN sink": (
+        lambda q, k, v: variants.flash_attention(q, k, v, sinks=np.array([0, np.nan, 0, 0])),
+        tfmath.ArgumentError, "sinks must be finite",
+    ),
+    "an infinite sink": (
+        lambda q, k, v: variants.flash_attention(q, k, v, sinks=np.array([0, 0, np.inf, 0])),
+        tfmath.ArgumentError, "sinks must be finite",
+    ),
+    "no features and no scale": (
+        lambda q, k, v: variants.flash_attention(q[..., :0], k[..., :0], v),
+        tfmath.ShapeError, "pass scale",
+    ),
+    "no features and no scale in flex": (
+        lambda q, k, v: variants.flex_attention(q[..., :0], k[..., :0], v),
+        tfmath.ShapeError, "pass scale",
+    ),
+    "no features and no scale in the gradient": (
+        lambda q, k, v: variants.flash_attention_grad(q[..., :0], k[..., :0], v, v),
+        tfmath.ShapeError, "pass scale",
+    ),
+    "causal as a string": (
+        lambda q, k, v: variants.flash_attention(q, k, v, causal="no"),
+        tfmath.DTypeError, "causal",
+    ),
+    "return_lse as a string": (
+        lambda q, k, v: variants.flash_attention(q, k, v, return_lse="no"),
+        tfmath.DTypeError, "return_lse",
+    ),
+    "enable_gqa as a string": (
+        lambda q, k, v: variants.flex_attention(q, k[:, :2], v[:, :2], enable_gqa="no"),
+        tfmath.DTypeError, "enable_gqa",
+    ),
+    "query heads fewer than key heads": (
+        lambda q, k, v: variants.flash_attention(q[:, :0], k, v),
+        tfmath.ShapeError, "positive multiple",
     ),
 }  # fmt: skip
 

@@ -317,7 +317,7 @@ def scaled_dot_product_attention(
     (3, 2)
     """
     if _is_plain_host_call(
-        attn_mask, return_weights, return_log_sum_exp, method, accumulate, backend
+        attn_mask, enable_gqa, return_weights, return_log_sum_exp, method, accumulate, backend
     ):
         plan = _plain_plan(query, key, value, is_causal, scale)
         if plan is not None:
@@ -327,10 +327,9 @@ def scaled_dot_product_attention(
             # Non-empty float32/float64 host operands: nothing for run() to widen or
             # route to the reference, so the routine is called as it is.
             return implementation(_attention_routine(problem, method, False), "cpu")(problem)[0]
-        if enable_gqa is False:
-            output = _plain_attention_of_tensors(query, key, value, is_causal, scale)
-            if output is not None:
-                return output
+        output = _plain_attention_of_tensors(query, key, value, is_causal, scale)
+        if output is not None:
+            return output
     if _is_plain_device_call(
         attn_mask, enable_gqa, return_weights, return_log_sum_exp, method, accumulate, backend
     ):
@@ -510,12 +509,15 @@ def _new_plain_plan(query, key, value, is_causal, scale):
     return direct("plain_plan")(problem)
 
 
-def _is_plain_host_call(attn_mask, return_weights, return_log_sum_exp, method, accumulate, backend):
-    """Whether an attention call asks for the output alone, without a mask, with
+def _is_plain_host_call(
+    attn_mask, enable_gqa, return_weights, return_log_sum_exp, method, accumulate, backend
+):
+    """Whether an attention call asks for the output alone, without a mask or GQA, with
     ``method``, ``accumulate`` and ``backend`` at their defaults, on a machine without a
     GPU: the call :func:`plain_attention_problem` may serve without the general checks."""
     return (
         attn_mask is None
+        and enable_gqa is False
         and return_weights is False
         and return_log_sum_exp is False
         and type(method) is str

@@ -87,7 +87,9 @@ def linear_attention(
     Returns
     -------
     numpy.ndarray, shape (..., L, Ev)
-        float32 when every input is float32, else float64; a device array when an input was one.
+        The inputs' dtype promoted as NumPy does (float32 when every input is float32,
+        float64 when one is); float16 and bfloat16 inputs are computed in float32 and
+        returned in their dtype. A device array when an input was one.
 
     Raises
     ------

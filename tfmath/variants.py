@@ -26,7 +26,7 @@ import numpy as np
 from tfmath import _dispatch
 from tfmath._contract import variants as contract
 from tfmath._contract.backend import resolve_backend
-from tfmath._contract.checks import integer, real
+from tfmath._contract.checks import attention_scale, boolean_flag, integer
 from tfmath._contract.tensors import (
     Rule,
     any_tensor,
@@ -88,7 +88,7 @@ class _Layout:
         if self.kind == "heads":  # query-shaped results only
             return array.reshape(*self.query_shape[:-3], self.n_heads, *array.shape[1:])
         n_seq, heads = len(cu_seqlens) - 1, array.shape[0] // (len(cu_seqlens) - 1)
-        by_sequence = array.reshape(n_seq, heads, array.shape[1], -1)
+        by_sequence = array.reshape(n_seq, heads, *array.shape[1:])
         out = np.empty((cu_seqlens[-1], heads, array.shape[2]), dtype=array.dtype)
         for s in range(n_seq):
             start, stop = cu_seqlens[s], cu_seqlens[s + 1]
@@ -103,7 +103,7 @@ class _Layout:
 
     def key_gradient(self, array):
         """Gradients per query entry, summed over each key/value head's group."""
-        group = self.n_heads // self.n_kv_heads
+        group = contract.head_groups(self.n_heads, self.n_kv_heads)
         if self.kind == "heads":
             batch = self.query_shape[:-3]
             grouped = array.reshape(*batch, self.n_kv_heads, group, *array.shape[1:])
@@ -134,7 +134,7 @@ def _packed_entries(array, cu_seqlens, max_seqlen, dtype):
 
 def _index(n_outer, n_heads, n_kv_heads, mask_of):
     """Batch entry ``o * H + h`` -> (query entry, key/value entry, b, h, mask index)."""
-    group = n_heads // n_kv_heads
+    group = contract.head_groups(n_heads, n_kv_heads)
     outer, head = np.divmod(np.arange(n_outer * n_heads), n_heads)
     kv = outer * n_kv_heads + head // group
     masks = np.array([mask_of(o, h) for o, h in zip(outer, head, strict=True)], dtype=np.int64)
@@ -193,7 +193,7 @@ def _flash_problem(query, key, value, options, backend, packed=None):
     dtype, operand_dtype = contract.compute_dtype_of(query, key, value)
     scale, left, right, softcap, slopes, sinks = contract.flash_options(
         options["scale"], options["causal"], options["window_size"], options["softcap"],
-        options["alibi_slopes"], options["sinks"], n_heads, n_outer, query.shape[-1],
+        options["alibi_slopes"], options["sinks"], n_heads, n_outer, query.shape,
     )  # fmt: skip
     if packed is None:
         q_rows, k_rows = query.shape[-2], key.shape[-2]
@@ -289,9 +289,15 @@ def _gradients(problem, layout, grad_output, grad_lse, has_sinks, saved=None):
         layout.narrowed(layout.output(grad_query)),
         layout.narrowed(layout.key_gradient(grad_key)),
         layout.narrowed(layout.key_gradient(grad_value)),
-        grad_sinks.reshape(-1, layout.n_heads).sum(axis=0) if has_sinks else None,
+        _per_head(problem, layout.n_heads, grad_sinks) if has_sinks else None,
     )
     return grads, grad_params
+
+
+def _per_head(problem, n_heads, gradients):
+    """A gradient per batch entry summed into one per query head (column 3 of the index)."""
+    heads = problem.index[:, 3]
+    return np.bincount(heads, weights=gradients, minlength=n_heads).astype(gradients.dtype)
 
 
 def flash_attention(
@@ -489,8 +495,8 @@ def _call(build, inputs, return_lse, name, learnable=None, return_weights=False)
     """Run a variant on arrays or tensors: ``build(arrays)`` gives ``(problem, layout)``
     from ``inputs`` (q, k, v, sinks, then any learnable parameter array);
     ``learnable`` maps the parameters' gradient back to that array's shape."""
-    if not isinstance(return_weights, bool | np.bool_):
-        raise ArgumentError(f"return_weights must be True or False, got {return_weights!r}")
+    return_lse = boolean_flag("return_lse", return_lse)
+    return_weights = boolean_flag("return_weights", return_weights)
     if not any_tensor(*inputs):
         problem, layout = build(inputs)
         return _forward_results(problem, layout, return_lse, return_weights)
@@ -695,6 +701,7 @@ def _flex_problem(query, key, value, score_mod, block_mask, scale, enable_gqa,
             "key must have shape (B, H_kv, S, E) and value (B, H_kv, S, Ev), with the "
             f"query's B and E; got query {query.shape}, key {key.shape}, value {value.shape}"
         )
+    enable_gqa = boolean_flag("enable_gqa", enable_gqa)
     if n_kv_heads != n_heads and not enable_gqa:
         raise ShapeError(
             f"query has {n_heads} heads and key {n_kv_heads}: pass enable_gqa=True for "
@@ -702,7 +709,7 @@ def _flex_problem(query, key, value, score_mod, block_mask, scale, enable_gqa,
         )
     contract.head_groups(n_heads, n_kv_heads)
     dtype, operand_dtype = contract.compute_dtype_of(query, key, value)
-    scale = 1 / math.sqrt(features) if scale is None else real("scale", scale)
+    scale = attention_scale(scale, query.shape)
     if block_mask is None:
         query_tile, key_tile = contract.tile_for(n_query), contract.tile_for(n_key)
         n_key_tiles = -(-n_key // key_tile)

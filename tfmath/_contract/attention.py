@@ -13,6 +13,7 @@ import numpy as np
 
 from tfmath import _cuda
 from tfmath._contract.checks import (
+    attention_scale,
     boolean_flag,
     check_allocations,
     compute_dtype,
@@ -20,7 +21,6 @@ from tfmath._contract.checks import (
     host_array,
     is_half,
     is_kernel_dtype,
-    real,
     require_ndim,
     result_dtype,
 )
@@ -223,11 +223,7 @@ def attention_problem(
             f"key and value must have the same sequence length S (second-to-last "
             f"dimension), got key {key_shape} and value {value_shape}"
         )
-    if query_shape[-1] == 0 and scale is None:
-        raise ShapeError(
-            f"query has E = 0 features (shape {query_shape}), so the default "
-            "scale 1/sqrt(E) is undefined; pass scale explicitly"
-        )
+    scale = attention_scale(scale, query_shape)
     dtype = query.dtype
     if not dtype == key.dtype == value.dtype:
         dtype = result_dtype(query.dtype, key.dtype, value.dtype)
@@ -246,10 +242,6 @@ def attention_problem(
         if mask is not None:
             named_batches["attn_mask"] = shape_of(mask)[:-2]
         batch_shape = broadcast_batch_shapes(named_batches)
-    if scale is None:
-        scale = 1.0 / math.sqrt(query_shape[-1])
-    else:
-        scale = real("scale", scale)
     problem = AttentionProblem(
         query,
         key,

@@ -119,6 +119,24 @@ def real(name, value, *, above=None, at_least=None, below=None, allow_none=False
     return value
 
 
+#: More positions than any sequence that fits in memory has: a window, stride or block
+#: wider than this means the same as this, which keeps sums of positions within int64.
+BEYOND_ANY_SEQUENCE = 2**40
+
+
+def attention_scale(scale, query_shape):
+    r"""The scores' scale: ``scale`` checked, or :math:`1/\sqrt{E}` for None, which is
+    undefined, and refused, for queries of ``E = 0`` features."""
+    if scale is not None:
+        return real("scale", scale)
+    if query_shape[-1] == 0:
+        raise ShapeError(
+            f"query has E = 0 features (shape {tuple(query_shape)}), so the default "
+            "scale 1/sqrt(E) is undefined; pass scale explicitly"
+        )
+    return 1.0 / math.sqrt(query_shape[-1])
+
+
 def confidence_level(confidence):
     """A confidence level, a real number strictly between 0 and 1, as a Python ``float``."""
     confidence = real("confidence", confidence)

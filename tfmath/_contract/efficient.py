@@ -11,7 +11,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tfmath._contract.checks import boolean_flag, choice, host_array, integer
+from tfmath._contract.checks import (
+    BEYOND_ANY_SEQUENCE,
+    boolean_flag,
+    choice,
+    host_array,
+    integer,
+)
 from tfmath.errors import ArgumentError, DTypeError, ShapeError
 
 #: Feature maps of :func:`~tfmath.efficient.linear_attention`; the kernels receive the index.
@@ -216,6 +222,10 @@ def sparse_pattern(
     sizes = {
         name: integer(name, given[name], minimum=1, allow_none=True)
         for name in ("window", "stride", "block_size")
+    }
+    sizes = {
+        name: None if size is None else min(size, BEYOND_ANY_SEQUENCE)
+        for name, size in sizes.items()
     }
     layout = None if block_layout is None else _block_layout(block_layout)
     return SparsePattern(

@@ -9,12 +9,19 @@ sequence) to its query entry, its key/value entry (fewer with grouped heads), th
 not compiled: the backend turns the description into code.
 """
 
-import math
 from typing import NamedTuple
 
 import numpy as np
 
-from tfmath._contract.checks import float_operand, integer, is_half, real
+from tfmath._contract.checks import (
+    BEYOND_ANY_SEQUENCE,
+    attention_scale,
+    boolean_flag,
+    float_operand,
+    integer,
+    is_half,
+    real,
+)
 from tfmath.errors import ArgumentError, DTypeError, ShapeError
 
 #: Query rows and keys per tile of FlashAttention's variants (a block mask sets its own).
@@ -207,30 +214,32 @@ def operands(query, key, value, minimum_ndim, layout):
 
 
 def head_groups(n_heads, n_kv_heads, what="key and value"):
-    """Query heads per key/value head, or a ShapeError naming both counts."""
-    if n_kv_heads < 1 or n_heads % n_kv_heads:
+    """Query heads per key/value head, or a ShapeError naming both counts (no heads on
+    either side: one, for an empty result as for any other empty dimension)."""
+    if n_heads == n_kv_heads:
+        return 1
+    if n_kv_heads < 1 or n_heads < n_kv_heads or n_heads % n_kv_heads:
         raise ShapeError(
-            f"the query's {n_heads} heads must be a multiple of the {n_kv_heads} heads of "
+            f"the query's {n_heads} heads must be a positive multiple of the {n_kv_heads} heads of "
             f"{what} (grouped-query attention shares each key/value head among a group)"
         )
     return n_heads // n_kv_heads
 
 
 def flash_options(scale, causal, window_size, softcap, alibi_slopes, sinks, n_heads, n_slope_rows,
-                  head_dim):  # fmt: skip
+                  query_shape):  # fmt: skip
     """FlashAttention's keyword arguments checked: returns ``(scale, left, right,
     softcap, slopes (rows, heads) float64 or None, sinks (heads,) float64 or None)``."""
-    scale = 1 / math.sqrt(head_dim) if scale is None else real("scale", scale)
-    if not isinstance(causal, bool | np.bool_):
-        raise ArgumentError(f"causal must be True or False, got {causal!r}")
+    scale = attention_scale(scale, query_shape)
+    causal = boolean_flag("causal", causal)
     try:
         left, right = window_size
     except (TypeError, ValueError):
         raise ArgumentError(
             f"window_size must be a pair (left, right), -1 for unbounded, got {window_size!r}"
         ) from None
-    left = integer("window_size[0]", left, minimum=-1)
-    right = integer("window_size[1]", right, minimum=-1)
+    left = min(integer("window_size[0]", left, minimum=-1), BEYOND_ANY_SEQUENCE)
+    right = min(integer("window_size[1]", right, minimum=-1), BEYOND_ANY_SEQUENCE)
     if causal:
         right = 0 if right < 0 else min(right, 0)
     softcap = real("softcap", softcap, at_least=0.0)
@@ -253,6 +262,11 @@ def flash_options(scale, causal, window_size, softcap, alibi_slopes, sinks, n_he
             raise ShapeError(
                 f"sinks must have shape ({n_heads},), one logit per query head, "
                 f"got shape {np.shape(sinks)}"
+            )
+        if np.isnan(sink_logits).any() or (sink_logits == np.inf).any():
+            raise ArgumentError(
+                "sinks must be finite, or -inf for a head without a sink, got "
+                f"{sink_logits[np.isnan(sink_logits) | (sink_logits == np.inf)][0]}"
             )
     return scale, left, right, softcap, slopes, sink_logits
 

@@ -97,9 +97,11 @@ def _softmax_with_sink(scores, sink):
     finite_top = np.where(np.isfinite(top), top, 0.0)
     weights = np.exp(scores - finite_top[:, None])
     total = weights.sum(axis=1) + np.exp(sink - finite_top)
+    # A row with nothing attended (total 0) gives zeros and -inf; a NaN score makes
+    # the total NaN, and the row NaN with it.
     with np.errstate(divide="ignore", invalid="ignore"):
-        probabilities = np.where(total[:, None] > 0, weights / total[:, None], 0.0)
-        log_sum_exp = np.where(total > 0, finite_top + np.log(total), -np.inf)
+        probabilities = np.where(total[:, None] == 0, 0.0, weights / total[:, None])
+        log_sum_exp = np.where(total == 0, -np.inf, finite_top + np.log(total))
     return probabilities, log_sum_exp
 
 

@@ -376,18 +376,25 @@ def _forward(
         for i in range(min(query_tile, n_query - first_row)):
             row_max = running_max[i]
             top = max(row_max, sink)
-            if top == -np.inf:  # nothing attended and no sink
+            if row_max == -np.inf:
+                # No finite score (the maximum skips NaN): the sum is 0 for a row of
+                # -inf and NaN for a row with a NaN score, which must stay NaN.
+                kept, attended = 0.0, running_sum[i]
+            else:
+                kept = exp2_scalar(row_max - top)
+                attended = running_sum[i] * kept
+            sink_weight = 0.0 if sink == -np.inf else exp2_scalar(sink - top)
+            total = attended + sink_weight
+            if total == 0:  # nothing attended and no sink
                 for e in range(n_values):
                     out[b, tile, i, e] = 0
                 log_sum_exp[b, tile, i] = -np.inf
                 continue
-            kept = 0.0 if row_max == -np.inf else exp2_scalar(row_max - top)
-            sink_weight = 0.0 if sink == -np.inf else exp2_scalar(sink - top)
-            total = running_sum[i] * kept + sink_weight
             factor = kept / total
             for e in range(n_values):
-                # 0, not accumulator * 0, for a row with nothing attended.
-                out[b, tile, i, e] = 0 if kept == 0 else accumulator[e, i] * factor
+                # 0 * total, not accumulator * 0, for a row with nothing attended:
+                # 0 beside a sink, NaN where a NaN score made the total NaN.
+                out[b, tile, i, e] = 0 * total if kept == 0 else accumulator[e, i] * factor
             log_sum_exp[b, tile, i] = (top + np.log2(total)) * LN2
 
 
@@ -732,7 +739,7 @@ def variant_weights(problem):
         n_query, n_key = (int(x) for x in problem.lengths[b])
         shift = np.full(query.shape[1] * query_tile, np.inf, dtype)
         lse = log_sum_exp[b]
-        shift[: lse.shape[0]] = np.where(np.isfinite(lse), lse * LOG2E, np.inf)
+        shift[: lse.shape[0]] = np.where(lse == -np.inf, np.inf, lse * LOG2E)
         for r in range(blocks.count.shape[1]):
             first_row = r * query_tile
             if first_row >= n_query:
