@@ -15,7 +15,7 @@ from tfmath.analysis.compute_optimal import (
     fit_parametric_loss,
     huber,
 )
-from tfmath.errors import ArgumentError, ShapeError, TfmathError
+from tfmath.errors import ArgumentError, FitWarning, ShapeError, TfmathError
 from tfmath.formulas.scaling import BESIROGLU, CHINCHILLA, ChinchillaLaw
 
 BUDGETS = np.array([1e14, 1e15, 1e16, 1e17])
@@ -141,6 +141,27 @@ def test_parametric_intervals_hold_the_truth_with_noise():
         low, high = fit.intervals[name]
         assert low < true < high
         assert high - low > 1e-4
+
+
+@pytest.mark.parametrize("irreducible", [None, 1.5], ids=["E fitted", "E known"])
+def test_as_many_runs_as_parameters_give_the_law_without_intervals(irreducible):
+    """No degree of freedom is left: a refit to a resample (fewer distinct runs than
+    parameters) stops wherever its start leaves it, and the refits' spread says where
+    the solver stopped, not how the runs scatter (on planted runs the bootstrap's
+    intervals were of zero width and missed the truth); so there is none, and a warning
+    says why."""
+    n_runs = 5 if irreducible is None else 4
+    n, d = (x[[0, 7, 14, 21, 35][:n_runs]] for x in planted_grid())
+    rng = np.random.default_rng(6)
+    loss = LAW.loss(n, d) * np.exp(0.01 * rng.standard_normal(n.size))
+    with pytest.warns(FitWarning, match=f"{n_runs} runs leaves no spare degree of freedom"):
+        fit = fit_parametric_loss(n, d, loss, irreducible=irreducible)
+    assert fit.n_bootstrap == 0
+    for name, interval in fit.intervals.items():
+        if name == "e" and irreducible is not None:
+            assert interval == pytest.approx((1.5, 1.5), rel=1e-12)
+        else:
+            assert np.isnan(interval).all(), name
 
 
 def test_huber_keeps_an_outlier_from_pulling_the_fit():

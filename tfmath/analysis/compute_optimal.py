@@ -1253,6 +1253,9 @@ class ParametricLossFit:
         The summed Huber loss at the fit.
     confidence : float
     n_bootstrap : int
+        Refits the intervals come from; 0 with as many runs as parameters, which
+        leave no degree of freedom to estimate them from (every interval is then
+        ``(nan, nan)``).
     """
 
     law: ChinchillaLaw
@@ -1321,6 +1324,12 @@ def fit_parametric_loss(
         For arrays of different lengths or non-positive values, fewer runs than
         fitted parameters, or a known :math:`E` not below every loss.
 
+    Warns
+    -----
+    FitWarning
+        With as many runs as fitted parameters: no degree of freedom is left to
+        estimate intervals from (each is ``(nan, nan)``).
+
     Examples
     --------
     >>> import numpy as np
@@ -1349,15 +1358,27 @@ def fit_parametric_loss(
         raise ArgumentError(f"fitting {n_parameters} parameters needs as many runs, got {n.size}")
     data = (np.log(n), np.log(d), np.log(loss))
     theta, objective = _minimise(data, log_e, delta)
+    if n.size == n_parameters:
+        # The law can pass through every run, and so can every refit to a resample,
+        # whose repeated runs leave fewer distinct runs than parameters: the refits'
+        # spread would measure where the solver stops, not how the runs scatter.
+        warnings.warn(
+            f"fitting {n_parameters} parameters to {n.size} runs leaves no spare degree of "
+            "freedom, so no interval can be estimated (each is nan); give more runs for "
+            "intervals",
+            FitWarning,
+            stacklevel=2,
+        )
+        n_bootstrap = 0
     rng = np.random.default_rng(seed)
-    draws, flat = [], []
+    draws, flat_draws = [], []
     for _ in range(n_bootstrap):
         rows = rng.integers(0, n.size, size=n.size)
         sample = tuple(x[rows] for x in data)
         # Each refit starts from the full fit: a resample moves the optimum a little.
         draw, value = _minimise(sample, log_e, delta, [theta])
         draws.append(draw)
-        flat.append(_flat_terms(draw, sample, value, log_e, delta, confidence))
+        flat_draws.append(_flat_terms(draw, sample, value, log_e, delta, confidence))
     law = _law(theta)
     tails = 100 * np.array([(1 - confidence) / 2, (1 + confidence) / 2])
     laws = [_law(t) for t in draws]
@@ -1372,9 +1393,9 @@ def fit_parametric_loss(
     }
     share = (1 - confidence) / 2
     at_bound = _at_bound(theta, np.array(draws), log_e, share)
-    flat = _flat_terms(theta, data, objective, log_e, delta, confidence) | (
-        np.mean(flat, axis=0) > share
-    )
+    flat = _flat_terms(theta, data, objective, log_e, delta, confidence)
+    if n_bootstrap:
+        flat |= np.mean(flat_draws, axis=0) > share
     lost = set(at_bound)
     for vanished, names in zip(flat, (("a", "alpha"), ("b", "beta")), strict=True):
         if vanished:
@@ -1387,10 +1408,12 @@ def fit_parametric_loss(
     unidentified = tuple(name for name in columns if name in lost)
     intervals = {
         name: (math.nan, math.nan)
-        if name in lost
+        if name in lost or not n_bootstrap
         else tuple(float(v) for v in np.percentile(values, tails))
         for name, values in columns.items()
     }
+    if log_e is not None:
+        intervals["e"] = (law.e, law.e)
     return ParametricLossFit(
         law=law,
         intervals=intervals,
@@ -1411,7 +1434,9 @@ def _at_bound(theta, draws, log_e, share):
     def on_bound(values):
         return (values <= low + margin) | (values >= high - margin)
 
-    hit = on_bound(theta) | (on_bound(draws).mean(axis=0) > share)
+    hit = on_bound(theta)
+    if len(draws):
+        hit |= on_bound(draws).mean(axis=0) > share
     if log_e is not None:
         hit[2] = False  # E is given, not fitted
     names = [name for name, h in zip(("alpha", "beta", "e", "a", "b"), hit, strict=True) if h]
@@ -1746,8 +1771,12 @@ class ComputeOptimalFit:
 def _bracket(interval):
     low, high = interval
     if not (math.isfinite(low) and math.isfinite(high)):
-        return "[not determined by the runs]"
+        return "[no interval]"  # why: in left_out
     return f"[{low:.3f}, {high:.3f}]"
+
+
+#: Why approach 3 gives no intervals with as many runs as parameters.
+_NO_SPARE_RUNS = "as many runs as parameters: no spare degree of freedom to estimate them from"
 
 
 def fit_compute_optimal(compute, n, d, loss, *, approach=2, run=None, **options):
@@ -1844,6 +1873,7 @@ def fit_compute_optimal(compute, n, d, loss, *, approach=2, run=None, **options)
         left_out=tuple(
             (name, "not determined by the runs (on a solver bound, or in a term without effect)")
             for name in fit.unidentified
-        ),
+        )
+        + (() if fit.n_bootstrap else (("intervals", _NO_SPARE_RUNS),)),
         fit=fit,
     )
