@@ -420,6 +420,35 @@ def test_loss_law_fits_return_on_very_noisy_runs():
         assert name in fit.unidentified or low <= high
     kaplan = fit_kaplan_loss(n, d, loss, n_bootstrap=5)
     assert kaplan.alpha_n > 0 and kaplan.alpha_d > 0
+    for name, (low, high) in kaplan.intervals.items():
+        assert (name in kaplan.unidentified) == math.isnan(low) == math.isnan(high)
+
+
+def test_kaplan_terms_the_runs_do_not_determine_get_no_interval():
+    """Losses with no D dependence: the solver can make the D term vanish in many ways
+    (D_c small, alpha_D anywhere: its interval spanned 0.017 to 0.68, and D_c's 60
+    decades). The N term alone fits as well, so neither D parameter is an estimate or
+    gets an interval; the N term keeps its interval, which holds the truth."""
+    rng = np.random.default_rng(2)
+    n, d = (g.ravel() for g in np.meshgrid(np.geomspace(1e3, 1e6, 6), np.geomspace(1e5, 1e8, 6)))
+    loss = (8.8e13 / n) ** 0.076 * np.exp(0.002 * rng.standard_normal(n.size))
+    fit = fit_kaplan_loss(n, d, loss, n_bootstrap=20)
+    assert fit.unidentified == ("alpha_d", "d_c")
+    assert np.isnan(fit.intervals["alpha_d"]).all() and np.isnan(fit.intervals["d_c"]).all()
+    low, high = fit.intervals["alpha_n"]
+    assert low <= 0.076 <= high
+
+
+@pytest.mark.parametrize("constant", ["N", "D"])
+def test_kaplan_refuses_runs_of_one_size_or_one_dataset_length(constant):
+    n, d = np.geomspace(1e3, 1e6, 6), np.geomspace(1e5, 1e8, 6)
+    if constant == "N":
+        n = np.full(6, 1e4)
+    else:
+        d = np.full(6, 1e7)
+    loss = ((8.8e13 / n) ** (0.076 / 0.095) + 5.4e13 / d) ** 0.095
+    with pytest.raises(ArgumentError, match=f"every run has {constant} = .*fit_scaling_law"):
+        fit_kaplan_loss(n, d, loss, n_bootstrap=2)
 
 
 # -- the claims -----------------------------------------------------------------------------

@@ -254,6 +254,15 @@ def test_fit_compute_optimal_runs_approach_3_on_the_same_table():
     assert fit.b == pytest.approx(0.35 / 0.65, abs=0.03)
 
 
+@pytest.mark.parametrize(
+    ("approach", "option"), [(3, "loss_std"), (2, "delta"), (2, "points"), (3, "nboot")]
+)
+def test_fit_compute_optimal_refuses_an_option_of_another_approach(approach, option):
+    compute, n, d, loss = planted(np.random.default_rng(13), 0.002)
+    with pytest.raises(ArgumentError, match=f"approach {approach} .* no option {option}; its"):
+        fit_compute_optimal(compute, n, d, loss, approach=approach, **{option: 1})
+
+
 @pytest.mark.parametrize("approach", [1, 4, "2", True])
 def test_fit_compute_optimal_refuses_an_approach_it_does_not_run(approach):
     with pytest.raises(ArgumentError, match="approach"):

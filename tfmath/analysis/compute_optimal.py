@@ -33,6 +33,7 @@ runs) instead of giving them an interval. :func:`fit_kaplan_loss` fits Kaplan
 et al.'s (2020) pure power law :math:`L(N, D)` (their equation 1.5) the same way.
 """
 
+import inspect
 import math
 import warnings
 from dataclasses import dataclass
@@ -1592,7 +1593,19 @@ class KaplanLossFit:
     ----------
     alpha_n, alpha_d, n_c, d_c : float
     intervals : dict of str to (float, float)
-        Bootstrap percentile intervals of ``"alpha_n"``, ``"alpha_d"``, ``"n_c"``, ``"d_c"``.
+        Bootstrap percentile intervals of ``"alpha_n"``, ``"alpha_d"``, ``"n_c"``,
+        ``"d_c"``; ``(nan, nan)`` for a parameter in :attr:`unidentified`.
+    unidentified : tuple of str
+        The parameters the runs do not determine, each with no interval: a term's
+        exponent and scale (:math:`\alpha_N` and :math:`N_c`, or :math:`\alpha_D`
+        and :math:`D_c`) when the solver left either on one of its bounds, in the fit
+        or in more than :math:`(1 - \text{confidence})/2` of the refits (a bound is
+        not an estimate, nor an interval's end), or when the runs do not need the
+        term: the other term alone, a power law in :math:`N` (or :math:`D`) fitted by
+        least squares, leaves residuals an :math:`F` test at ``confidence`` cannot
+        tell from the full fit's (2 parameters fewer). Such a term can vanish in many
+        ways (its scale small, its exponent anywhere), and wherever the solver left
+        them is not the runs' answer.
     residual_std : float
         Of :math:`\log L`.
     confidence : float
@@ -1603,6 +1616,7 @@ class KaplanLossFit:
     n_c: float
     d_c: float
     intervals: dict
+    unidentified: tuple
     residual_std: float
     confidence: float
 
@@ -1631,7 +1645,8 @@ def fit_kaplan_loss(n, d, loss, *, confidence=0.95, n_bootstrap=200, seed=0):
     Raises
     ------
     ShapeError, ArgumentError
-        For arrays of different lengths, non-positive values, or fewer than 5 runs.
+        For arrays of different lengths, non-positive values, fewer than 5 runs,
+        or runs that all have one :math:`N` or one :math:`D`.
 
     Examples
     --------
@@ -1650,6 +1665,16 @@ def fit_kaplan_loss(n, d, loss, *, confidence=0.95, n_bootstrap=200, seed=0):
     seed = integer("seed", seed, minimum=0)
     if n.size < 5:
         raise ArgumentError(f"fitting 4 parameters needs at least 5 runs, got {n.size}")
+    for name, values, term in (("N", n, "(N_c/N)^(alpha_N/alpha_D)"), ("D", d, "D_c/D")):
+        if np.unique(values).size < 2:
+            # The term is then one number, whose exponent and scale the runs cannot
+            # tell apart from the other term's: the fit would still give numbers,
+            # and intervals that miss planted truths.
+            raise ArgumentError(
+                f"every run has {name} = {values[0]:g}: the term {term} is then a constant "
+                f"and equation 1.5 is not determined; fit the loss against the other "
+                f"variable alone with tfmath.fit_scaling_law"
+            )
     data = (np.log(n), np.log(d), np.log(loss))
     theta = _kaplan_minimise(data, None)
     residual = _kaplan_residuals(theta, *data)
@@ -1664,12 +1689,66 @@ def fit_kaplan_loss(n, d, loss, *, confidence=0.95, n_bootstrap=200, seed=0):
         "alpha_n": draws[:, 0], "alpha_d": draws[:, 1],
         "n_c": np.exp(draws[:, 2]), "d_c": np.exp(draws[:, 3]),
     }  # fmt: skip
+    lost = _kaplan_at_bound(theta, draws, (1 - confidence) / 2) | _kaplan_unneeded_terms(
+        data, residual, confidence
+    )
+    unidentified = tuple(
+        name for name, term in zip(columns, (0, 1, 0, 1), strict=True) if lost[term]
+    )
+    intervals = {
+        name: (math.nan, math.nan)
+        if name in unidentified
+        else tuple(float(x) for x in np.percentile(values, tails))
+        for name, values in columns.items()
+    }
     return KaplanLossFit(
         alpha_n=float(theta[0]), alpha_d=float(theta[1]),
         n_c=math.exp(theta[2]), d_c=math.exp(theta[3]),
-        intervals={k: tuple(float(x) for x in np.percentile(v, tails)) for k, v in columns.items()},
+        intervals=intervals, unidentified=unidentified,
         residual_std=float(residual.std()), confidence=confidence,
     )  # fmt: skip
+
+
+#: The solver's bounds on Kaplan et al.'s (alpha_N, alpha_D, log N_c, log D_c).
+_KAPLAN_BOUNDS = ((1e-4, 5.0), (1e-4, 5.0), (-50.0, 200.0), (-50.0, 200.0))
+
+
+def _kaplan_at_bound(theta, draws, share):
+    """Whether the N term and the D term have a parameter on a bound, in the fit or in
+    over ``share`` of the draws: a boolean array of two."""
+    low, high = np.array(_KAPLAN_BOUNDS).T
+    margin = 1e-6 * (high - low)
+
+    def on_bound(values):
+        return (values <= low + margin) | (values >= high - margin)
+
+    hit = on_bound(theta) | (on_bound(draws).mean(axis=0) > share)
+    return np.array([hit[0] or hit[2], hit[1] or hit[3]])
+
+
+def _kaplan_unneeded_terms(data, residual, confidence):
+    r"""Whether the runs need neither the N term nor the D term beyond the other: a
+    boolean array of two (N term, D term).
+
+    Without the D term, equation 1.5 is :math:`\log L = lpha_N (\log N_c - \log N)`,
+    a line fitted exactly by least squares (likewise in :math:`D`). The term is not
+    needed when the line's residual sum of squares exceeds the full fit's by no more
+    than the :math:`F` test at ``confidence`` allows for 2 parameters fewer, or than the
+    solver resolves (a relative 1e-8 of the sum, for runs without scatter).
+    """
+    from scipy.stats import f as f_distribution
+
+    log_n, log_d, log_loss = data
+    full = float(residual @ residual)
+    spare = log_loss.size - 4
+    allowed = 2 * full / spare * f_distribution.ppf(confidence, 2, spare)
+    unneeded = []
+    for log_other in (log_d, log_n):  # the N term is unneeded when D alone fits
+        design = np.column_stack([np.ones_like(log_other), log_other])
+        _, line_sum, *_ = np.linalg.lstsq(design, log_loss, rcond=None)
+        line = float(line_sum[0]) if line_sum.size else 0.0
+        unneeded.append(line - full <= max(allowed, 1e-8 * line))
+    return np.array(unneeded)
 
 
 def _kaplan_residuals(theta, log_n, log_d, log_loss):
@@ -1694,7 +1773,7 @@ def _kaplan_minimise(data, start):
             for an in (0.05, 0.2, 0.5) for ad in (0.05, 0.2, 0.5) for k in (0.0, 5.0, 20.0)
         ]  # fmt: skip
         start = min(grid, key=lambda t: float((_kaplan_residuals(t, *data) ** 2).sum()))
-    bounds = ([1e-4, 1e-4, -50.0, -50.0], [5.0, 5.0, 200.0, 200.0])
+    bounds = tuple(zip(*_KAPLAN_BOUNDS, strict=True))
     start = np.clip(np.asarray(start, dtype=float), bounds[0], bounds[1])
     with blas_threads(1):  # as in _minimise
         return least_squares(_kaplan_residuals, start, args=data, bounds=bounds).x
@@ -1801,10 +1880,11 @@ def fit_compute_optimal(compute, n, d, loss, *, approach=2, run=None, **options)
     run : array_like, optional
         Approach 1 only, and required there: the run of each checkpoint.
     **options
-        Passed to the approach's function (``loss_std``, ``confidence``,
-        ``n_bootstrap`` and ``seed`` for all three; ``optimum``,
-        ``budget_tolerance``, ... for approach 2; ``irreducible``, ``delta``, ...
-        for approach 3; ``repeats`` and ``points`` for approach 1).
+        Passed to the approach's function: ``confidence``, ``n_bootstrap`` and
+        ``seed`` for all three; ``loss_std`` for approaches 1 and 2 (approach 3
+        resamples runs, not their noise); ``repeats`` and ``points`` for approach 1;
+        ``optimum``, ``budget_tolerance``, ... for approach 2; ``irreducible`` and
+        ``delta`` for approach 3. Any other is refused, naming the approach's own.
 
     Returns
     -------
@@ -1836,6 +1916,18 @@ def fit_compute_optimal(compute, n, d, loss, *, approach=2, run=None, **options)
             if approach == 1
             else f"run labels checkpoints of training curves, for approach 1 only (got approach "
             f"{approach}, whose rows are runs)"
+        )
+    function = {1: fit_envelope, 2: fit_isoflop, 3: fit_parametric_loss}[approach]
+    accepted = [
+        name
+        for name, parameter in inspect.signature(function).parameters.items()
+        if parameter.kind is parameter.KEYWORD_ONLY
+    ]
+    unknown = sorted(set(options) - set(accepted))
+    if unknown:
+        raise ArgumentError(
+            f"approach {approach} ({function.__name__}) takes no option {', '.join(unknown)}; "
+            f"its options are {', '.join(accepted)}"
         )
     if approach == 1:
         fit = fit_envelope(run, compute, n, d, loss, **options)

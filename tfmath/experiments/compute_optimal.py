@@ -457,6 +457,7 @@ def compute_optimal(settings):
                     "alpha_n": kaplan.alpha_n,
                     "alpha_d": kaplan.alpha_d,
                     "intervals": {k: _finite(v) for k, v in kaplan.intervals.items()},
+                    "unidentified": list(kaplan.unidentified),
                 },
                 "prediction": prediction,
                 "approach1": _envelope_data(envelope),

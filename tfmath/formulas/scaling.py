@@ -553,7 +553,8 @@ class ScalingLawFit:
     irreducible : float
         :math:`E` (0 for a pure power law).
     irreducible_interval : tuple of float or None
-        None unless :math:`E` was fitted.
+        None unless :math:`E` was fitted; within :math:`E`'s range
+        :math:`[0, \min y]` (a covariance interval reaching beyond it is cut there).
     irreducible_fitted : bool
     confidence : float
     method : {"covariance", "bootstrap"}
@@ -614,7 +615,11 @@ def fit_scaling_law(
       wide enough with few points;
     * ``method="bootstrap"``: percentiles of ``n_bootstrap`` refits to the
       fitted curve plus residuals resampled with replacement (scaled by
-      :math:`\sqrt{n/(n-p)}`), which suits the nonlinear fit better.
+      :math:`\sqrt{n/(n-p)}`), each side widened about the estimate by
+      :math:`t_{n-p}/z`, as an estimated scatter widens a normal interval;
+      this suits the nonlinear fit better. (With 10 points, unwidened 95%
+      intervals missed a planted exponent 44 times in 400, widened 20:
+      ``tests/test_scaling.py``.)
 
     Parameters
     ----------
@@ -694,6 +699,11 @@ def fit_scaling_law(
         intervals = _bootstrap_intervals(
             model, theta, log_x, residuals, dof, confidence, n_bootstrap, seed
         )
+    if known is None:
+        # E is fitted within [0, min y): an interval beyond that range would claim
+        # values the model excludes (the covariance interval is symmetric about E).
+        low, high = intervals["irreducible"]
+        intervals["irreducible"] = (max(low, 0.0), min(high, float(y.min())))
     residual_std = math.sqrt(residuals @ residuals / dof) if dof else math.nan
     return _packaged(theta, intervals, known, confidence, method, x.size, dof, residual_std)
 
@@ -832,7 +842,15 @@ def _covariance_intervals(theta, covariance, dof, confidence):
 
 
 def _bootstrap_intervals(model, theta, log_x, residuals, dof, confidence, n_bootstrap, seed):
-    """Percentile intervals from refits to the fitted response plus resampled residuals."""
+    """Percentile intervals from refits to the fitted response plus resampled residuals,
+    each side widened about the estimate by :math:`t_{n-p} / z`.
+
+    The refits see the residuals' scatter as if it were known; it is estimated from
+    ``dof`` residuals, which widens a normal interval by that ratio (Student's), as the
+    covariance intervals are.
+    """
+    from scipy.stats import norm
+
     rng = np.random.default_rng(seed)
     fitted = model.predict(theta, log_x)
     spread = residuals * math.sqrt(log_x.size / dof)
@@ -842,7 +860,13 @@ def _bootstrap_intervals(model, theta, log_x, residuals, dof, confidence, n_boot
         draws[i] = e, alpha, _log_scale(alpha, c)
     tail = 100 * (1 - confidence) / 2
     low, high = np.percentile(draws, [tail, 100 - tail], axis=0)
-    return {name: (float(low[i]), float(high[i])) for i, name in enumerate(_ESTIMATES)}
+    widening = _student_t(confidence, dof) / float(norm.ppf((1 + confidence) / 2))
+    centres = (theta[0], theta[1], _log_scale(theta[1], theta[2]))
+    return {
+        name: (float(centre - widening * (centre - low[i])),
+               float(centre + widening * (high[i] - centre)))
+        for i, (name, centre) in enumerate(zip(_ESTIMATES, centres, strict=True))
+    }  # fmt: skip
 
 
 def _packaged(theta, intervals, known, confidence, method, n_points, dof, residual_std):
