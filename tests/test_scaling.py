@@ -23,6 +23,9 @@ from tfmath.formulas.scaling import (
     KAPLAN_LAWS,
     PF_DAY,
     ChinchillaLaw,
+    CriticalBatchLaw,
+    KaplanJointLaw,
+    PowerLaw,
     chinchilla_loss,
     chinchilla_optimal,
     critical_batch_size,
@@ -226,6 +229,27 @@ def test_fit_interval_covers_the_true_exponent(method, irreducible):
         low, high = fit.exponent_interval
         misses += not low <= 0.5 <= high
     assert misses <= allowed
+
+
+@pytest.mark.parametrize(
+    ("make", "error", "words"),
+    [
+        (lambda: ChinchillaLaw(alpha=-0.34), ValueError, "ChinchillaLaw's alpha"),
+        (lambda: ChinchillaLaw(a=0.0), ValueError, "ChinchillaLaw's a must be"),
+        (lambda: ChinchillaLaw(e=-1.0), ValueError, "ChinchillaLaw's e"),
+        (lambda: ChinchillaLaw(beta=math.nan), ValueError, "ChinchillaLaw's beta"),
+        (lambda: ChinchillaLaw(b="410.7"), TypeError, "ChinchillaLaw's b"),
+        (lambda: CriticalBatchLaw(alpha_b=0.0), ValueError, "CriticalBatchLaw's alpha_b"),
+        (lambda: KaplanJointLaw(d_c=-1.0), ValueError, "KaplanJointLaw's d_c"),
+        (lambda: PowerLaw("N", 0.0, 8.8e13, "n", "p", "s"), ValueError, "PowerLaw's exponent"),
+        (lambda: critical_batch_size(2.0, law="x"), TypeError, "CriticalBatchLaw"),
+        (lambda: chinchilla_optimal(1e21, law=KAPLAN_LAWS["N"]), TypeError, "ChinchillaLaw"),
+        (lambda: chinchilla_loss(True, 1e10), TypeError, "n must be"),
+    ],
+)
+def test_laws_with_constants_no_law_has_are_refused(make, error, words):
+    with pytest.raises(error, match=words):
+        make()
 
 
 def test_bootstrap_interval_of_few_points_is_calibrated():

@@ -70,7 +70,7 @@ PF_DAY = 1e15 * 24 * 3600
 
 def _positive(name, value, meaning=""):
     """``value`` as float64 (a float for a scalar), refusing non-finite or non-positive entries."""
-    if isinstance(value, str):
+    if isinstance(value, str | bool | np.bool_) or np.asarray(value).dtype == np.bool_:
         raise DTypeError(f"{name} must be a positive number or array, got {value!r}")
     array = np.asarray(value, dtype=np.float64)
     bad = ~(np.isfinite(array) & (array > 0))
@@ -80,6 +80,25 @@ def _positive(name, value, meaning=""):
             f"{name}{meaning} must be finite and > 0, got {float(array[bad].flat[0])}"
         )
     return float(array) if array.ndim == 0 else array
+
+
+def _constants(law, **floors):
+    """Refuse a law whose named constants are not real numbers above their floors."""
+    for name, floor in floors.items():
+        value = getattr(law, name)
+        if isinstance(value, bool | np.bool_) or not isinstance(value, int | float | np.number):
+            raise DTypeError(f"{type(law).__name__}'s {name} must be a real number, got {value!r}")
+        if not (math.isfinite(value) and value > floor):
+            raise ArgumentError(
+                f"{type(law).__name__}'s {name} must be finite and > {floor:g}, got {value!r}"
+            )
+
+
+def _law_of(law, kind):
+    """``law`` if it is a ``kind``, else a DTypeError naming what was given."""
+    if not isinstance(law, kind):
+        raise DTypeError(f"law must be a {kind.__name__}, got {type(law).__name__} {law!r:.60}")
+    return law
 
 
 @dataclass(frozen=True)
@@ -106,6 +125,9 @@ class PowerLaw:
     variable: str
     unit: str
     source: str
+
+    def __post_init__(self):
+        _constants(self, exponent=0.0, scale=0.0)
 
     def __call__(self, value):
         """:math:`(X_c / X)^\\alpha` for ``value`` :math:`= X > 0` (a number or an array)."""
@@ -228,6 +250,9 @@ class KaplanJointLaw:
     d_c: float = 1.8e13
     source: str = f"{_KAPLAN}, equation (1.5) and table 2"
 
+    def __post_init__(self):
+        _constants(self, alpha_n=0.0, alpha_d=0.0, n_c=0.0, d_c=0.0)
+
     def __call__(self, n, d):
         n, d = _positive("n", n), _positive("d", d)
         return ((self.n_c / n) ** (self.alpha_n / self.alpha_d) + self.d_c / d) ** self.alpha_d
@@ -262,7 +287,7 @@ def kaplan_joint_loss(n, d, *, law=KAPLAN_JOINT):
     >>> round(kaplan_joint_loss(1.5e9, 2.3e10), 4)
     2.3101
     """
-    return law(n, d)
+    return _law_of(law, KaplanJointLaw)(n, d)
 
 
 @dataclass(frozen=True)
@@ -279,6 +304,9 @@ class CriticalBatchLaw:
     b_star: float = 2e8
     alpha_b: float = 0.21
     source: str = f"{_KAPLAN}, equation (1.4) (table 5: B* = 2.1e8)"
+
+    def __post_init__(self):
+        _constants(self, b_star=0.0, alpha_b=0.0)
 
     def __call__(self, loss):
         return self.b_star / _positive("loss", loss) ** (1.0 / self.alpha_b)
@@ -313,7 +341,7 @@ def critical_batch_size(loss, *, law=CRITICAL_BATCH):
     >>> f"{critical_batch_size(3.0):.4g}"  # 2e8 / 3^(1/0.21)
     '1.069e+06'
     """
-    return law(loss)
+    return _law_of(law, CriticalBatchLaw)(loss)
 
 
 def kaplan_compute_efficient(compute_pf_days):
@@ -391,6 +419,12 @@ class ChinchillaLaw:
     alpha: float = 0.34
     beta: float = 0.28
     source: str = "Hoffmann et al. (2022), section 3.3 (approach 3), appendix D.2"
+
+    def __post_init__(self):
+        # E may be 0 (a pure sum of power laws); the terms must fall with N and D.
+        _constants(self, a=0.0, b=0.0, alpha=0.0, beta=0.0)
+        if not (math.isfinite(self.e) and self.e >= 0):
+            raise ArgumentError(f"ChinchillaLaw's e must be finite and >= 0, got {self.e!r}")
 
     def loss(self, n, d):
         """:math:`E + A/N^\\alpha + B/D^\\beta`."""
@@ -486,7 +520,7 @@ def chinchilla_loss(n, d, *, law=CHINCHILLA):
     >>> round(chinchilla_loss(70e9, 1.4e12), 4)  # Chinchilla itself
     1.9366
     """
-    return law.loss(n, d)
+    return _law_of(law, ChinchillaLaw).loss(n, d)
 
 
 def chinchilla_optimal(compute, *, law=CHINCHILLA):
@@ -527,7 +561,7 @@ def chinchilla_optimal(compute, *, law=CHINCHILLA):
     >>> f"{best.n:.3g} parameters, {best.d:.3g} tokens, {best.tokens_per_parameter:.1f} each"
     '7.22e+10 parameters, 1.33e+12 tokens, 18.4 each'
     """
-    return law.optimal(compute)
+    return _law_of(law, ChinchillaLaw).optimal(compute)
 
 
 # -- fitting -------------------------------------------------------------------------------
