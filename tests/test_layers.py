@@ -747,6 +747,35 @@ def test_decoder_block_gradients(name):
     _check_primitive(forward, grads, {"x": x, "memory": memory, **params}, rng)
 
 
+@pytest.mark.parametrize("mask_dtype", [np.float16, ml_dtypes.bfloat16])
+def test_a_half_precision_mask_leaves_a_float32_block_in_float32(mask_dtype):
+    """An additive mask is cast to the scores' dtype, as everywhere else: its dtype does not
+    make a float32 block's results half precision (they were rounded to the mask's)."""
+    rng = np.random.default_rng(16)
+    config = L.BlockConfig(n_heads=2)
+    params = random_params(L.encoder_block_parameters(8, 6, config), rng, np.float32)
+    x = rng.standard_normal((1, 4, 8)).astype(np.float32)
+    mask = np.zeros((4, 4), np.float32)
+    mask[0, 3] = -np.inf
+    out, _ = L.encoder_block_forward(params, x, config, attn_mask=mask.astype(mask_dtype))
+    expected, _ = L.encoder_block_forward(params, x, config, attn_mask=mask)
+    assert out.dtype == np.float32
+    np.testing.assert_array_equal(out, expected)
+
+
+def test_half_precision_blocks_take_float32_masks():
+    rng = np.random.default_rng(17)
+    config = L.BlockConfig(n_heads=2)
+    params = random_params(L.decoder_block_parameters(8, 6, config, d_memory=8), rng)
+    half = Parameters({name: array.astype(np.float16) for name, array in params.items()})
+    x, memory = (rng.standard_normal(shape).astype(np.float16) for shape in [(2, 3, 8), (2, 4, 8)])
+    out, _ = L.decoder_block_forward(
+        half, x, memory, config, self_attn_mask=np.zeros((3, 3), np.float32),
+        memory_mask=np.array([0.0, 0.0, 0.0, -np.inf], np.float32),
+    )  # fmt: skip
+    assert out.dtype == np.float16 and np.isfinite(out).all()
+
+
 # -- blocks: kernels vs reference ------------------------------------------------------------
 
 

@@ -221,6 +221,45 @@ def test_gradcheck_of_the_blocks_in_float64():
         assert torch.autograd.gradcheck(block, inputs), name
 
 
+def test_tensors_passed_by_keyword_get_their_gradients():
+    """A block's operands are its positional parameters however they are passed: by
+    keyword they get the gradients they get positionally (they were passed on raw, and
+    failed inside the block; all by keyword, the call found no tensor to run on)."""
+    x, weight, bias = leaves(np.random.default_rng(9), [(2, 3, 5), (5,), (5,)])
+    targets = torch.tensor([[0, 1, 2], [4, 3, 2]])
+    calls = {
+        "layer_norm": (
+            lambda: tfmath.layer_norm(x, weight, bias),
+            lambda: tfmath.layer_norm(x=x, weight=weight, bias=bias),
+        ),
+        "rms_norm": (lambda: tfmath.rms_norm(x, weight), lambda: tfmath.rms_norm(x, weight=weight)),
+        "log_softmax": (lambda: tfmath.log_softmax(x), lambda: tfmath.log_softmax(x=x)),
+        "cross_entropy": (
+            lambda: tfmath.cross_entropy(x, targets),
+            lambda: tfmath.cross_entropy(logits=x, targets=targets),
+        ),
+    }
+    for name, (positional, keyword) in calls.items():
+        grads = []
+        for call in (positional, keyword):
+            for t in (x, weight, bias):
+                t.grad = None
+            call().sum().backward()
+            grads.append([None if t.grad is None else t.grad.clone() for t in (x, weight, bias)])
+        assert grads[0][0] is not None, name
+        for mine, theirs in zip(*grads, strict=True):
+            assert (mine is None) == (theirs is None), name
+            if mine is not None:
+                torch.testing.assert_close(mine, theirs, rtol=0, atol=0)
+
+
+def test_an_option_that_requires_grad_is_refused():
+    logits = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    smoothing = torch.tensor(0.1, dtype=torch.float64, requires_grad=True)
+    with pytest.raises(TypeError, match=r"label_smoothing requires grad.*without a gradient"):
+        tfmath.cross_entropy(logits, torch.tensor([0, 1, 2]), label_smoothing=smoothing)
+
+
 @FEW
 @given(attention_cases())
 def test_gradients_equal_pytorch_sdpas(case):

@@ -326,22 +326,38 @@ def accepts_tensors(function=None, *, autograd=None, reads_outputs=False):
 
 
 def _block_through_autograd(forward, backward, args, kwargs, reads_outputs):
-    """A block's ``forward``/``backward`` pair as one autograd node over its
-    positional arguments (keyword arguments are options)."""
+    """A block's ``forward``/``backward`` pair as one autograd node over the arguments of
+    its positional parameters, however they were passed (its keyword-only parameters
+    are options, which get no gradient)."""
+    signature = inspect.signature(forward)
+    bound = signature.bind(*args, **kwargs)
+    bound.apply_defaults()
+    names = [
+        name
+        for name, parameter in signature.parameters.items()
+        if parameter.kind is parameter.POSITIONAL_OR_KEYWORD
+    ]
+    operands = [bound.arguments.pop(name) for name in names]
+    options = bound.arguments
+    for name, value in options.items():
+        if needs_grad(value):
+            raise DTypeError(
+                f"{name} requires grad, but tfmath.{forward.__name__.removesuffix('_forward')} "
+                f"takes it as an option, without a gradient; pass {name}.detach()"
+            )
 
     def block_forward(*arrays):
-        result, cache = forward(*arrays, **kwargs)
+        result, cache = forward(*arrays, **{k: _unwrap(k, v) for k, v in options.items()})
         return (result,), cache
 
     def block_backward(cache, grad):
         grads = backward(grad, cache)
         grads = grads if isinstance(grads, tuple) else (grads,)
-        return (*grads, *(None,) * (len(args) - len(grads)))
+        return (*grads, *(None,) * (len(operands) - len(grads)))
 
-    names = _parameter_names(forward, len(args))
     name = forward.__name__.removesuffix("_forward")
     rule = Rule(block_forward, block_backward, reads_outputs=reads_outputs, name=name)
-    (result,) = differentiable(rule, names, args)
+    (result,) = differentiable(rule, names, operands)
     return result
 
 

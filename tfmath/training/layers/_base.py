@@ -55,7 +55,10 @@ def half_precision(block):
 
     @functools.wraps(block)
     def wrapper(*args, **kwargs):
-        dtype = _first_half_dtype(args) or (kwargs and _first_half_dtype(kwargs.values()))
+        # The blocks' masks are keyword-only, and a mask's dtype is not the block's.
+        dtype = _first_half_dtype(args) or (
+            kwargs and _first_half_dtype(v for k, v in kwargs.items() if not _is_mask(k))
+        )
         if not dtype:
             return block(*args, **kwargs)
         _require_one_float_dtype(signature.bind_partial(*args, **kwargs).arguments)
@@ -66,9 +69,11 @@ def half_precision(block):
     return wrapper
 
 
-#: Arguments whose floating dtype may differ from the operands': an additive mask is
-#: cast to the scores' dtype, as on every other path.
-_MIXABLE_ARGUMENTS = frozenset({"attn_mask"})
+def _is_mask(name):
+    """Whether the argument ``name`` is a mask (``attn_mask``, ``memory_mask``, ...), whose
+    floating dtype may differ from the operands': an additive mask is cast to the
+    scores' dtype, as on every other path."""
+    return name.endswith("mask")
 
 
 def _require_one_float_dtype(arguments):
@@ -80,7 +85,7 @@ def _require_one_float_dtype(arguments):
     """
     first = None
     for name, value in arguments.items():
-        if name in _MIXABLE_ARGUMENTS:
+        if _is_mask(name):
             continue
         for label, dtype in _float_dtypes(name, value):
             if first is None:
