@@ -200,6 +200,7 @@ def tiny_configs(draw):
         n_decoder_layers=draw(st.integers(1, 2)) if architecture == "encoder-decoder" else None,
         n_heads=n_heads,
         n_kv_heads=n_kv_heads,
+        d_head=draw(st.sampled_from([None, 1, 5])),  # 5: wider than d_model / n_heads
         d_ff=draw(st.integers(1, 5)),
         activation=draw(st.sampled_from(["relu", "gelu", "gelu_tanh", "swiglu"])),
         norm=draw(st.sampled_from(["layer_norm", "rms_norm"])),

@@ -903,6 +903,19 @@ TINY_MODELS = {
         output_bias=True,
         n_ctx=6,
     ),
+    "wide-heads": ModelConfig(  # heads wider than d_model / n_heads (d_head set)
+        name="tiny-wide-heads",
+        architecture="decoder",
+        vocab_size=11,
+        d_model=8,
+        n_layers=1,
+        n_heads=2,
+        n_kv_heads=1,
+        d_head=6,
+        d_ff=6,
+        n_positions=6,
+        n_ctx=6,
+    ),
     "transformer-like": ModelConfig(
         name="tiny-transformer",
         architecture="encoder-decoder",
@@ -921,6 +934,10 @@ TINY_MODELS = {
         n_ctx=6,
     ),
 }
+
+
+#: BERT-like without segments: no token-type table.
+UNTYPED_BERT = ModelConfig(**{**TINY_MODELS["bert-like"].__dict__, "n_token_types": 0})
 
 
 def _model_run(config, params, rng):
@@ -1177,6 +1194,30 @@ BAD_CALLS = {
         lambda: M.encoder_forward(Parameters(), [[1]], TINY_MODELS["gpt-like"]),
         ValueError,
         ["decoder", "encoder"],
+    ),
+    "memory of another dtype": (
+        lambda: L.multi_head_attention_forward(
+            L.attention_parameters(8, 2).initialize(0), X, X.astype(np.float32), n_heads=2
+        ),
+        DTypeError,
+        ["memory", "float32", "x", "float64"],
+    ),
+    "token types of another shape": (
+        lambda: M.encoder_forward(
+            M.init_model(TINY_MODELS["bert-like"]),
+            [[1, 2, 3], [4, 5, 6]],
+            TINY_MODELS["bert-like"],
+            token_types=[0, 1, 0],
+        ),
+        ShapeError,
+        ["token_types", "(2, 3)", "(3,)"],
+    ),
+    "token types without a table": (
+        lambda: M.encoder_forward(
+            M.init_model(UNTYPED_BERT), [[1, 2]], UNTYPED_BERT, token_types=[[0, 7]]
+        ),
+        ValueError,
+        ["token_types", "no token-type table"],
     ),
 }
 

@@ -158,3 +158,16 @@ def test_mismatched_gradients_are_refused():
         adam.update(params, Parameters({"w": np.ones(3), "b": np.ones(1)}), state)
     with pytest.raises(TypeError, match="params"):
         adam.update({"w": np.ones(2)}, params, state)
+
+
+def test_a_state_of_other_parameters_is_refused_by_name():
+    params = Parameters({"w": np.ones(2), "b": np.ones(1)})
+    adam = Adam()
+    other = adam.init(Parameters({"v": np.ones(2), "b": np.ones(1)}))
+    with pytest.raises(ShapeError, match=r"state.first_moment .* missing \['w'\], extra \['v'\]"):
+        adam.update(params, params, other)
+    state = adam.init(params)
+    wrong = AdamState(state.step, state.first_moment,
+                      Parameters({"w": np.ones(3), "b": np.ones(1)}))  # fmt: skip
+    with pytest.raises(ShapeError, match=r"state.second_moment\['w'\] has shape \(3,\)"):
+        adam.update(params, params, wrong)

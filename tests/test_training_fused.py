@@ -71,6 +71,32 @@ def test_fused_step_equals_the_blocks(
     np.testing.assert_allclose(model.logits(sequences[:, :-1]), logits, rtol=tolerance, atol=0)
 
 
+@pytest.mark.parametrize(
+    ("call", "sequences", "error", "words"),
+    [
+        ("loss_and_grads", [[1, 2, 9]], ValueError, ["sequences", "[0, 7)", "9"]),
+        ("mean_loss", [[1, -1, 2]], ValueError, ["sequences", "[0, 7)", "-1"]),
+        ("logits", [[1, 7]], ValueError, ["tokens", "[0, 7)", "7"]),
+        ("loss_and_grads", [[1] * 6], ValueError, ["sequences", "5 positions", "learns only 4"]),
+        ("logits", [[1] * 5], ValueError, ["tokens", "5 positions", "learns only 4"]),
+        ("mean_loss", [[1]], ValueError, ["sequences", "at least 2 positions"]),
+        ("logits", [1, 2], ValueError, ["tokens", "(2,)"]),
+        ("logits", [[1.0, 2.0]], TypeError, ["tokens", "integers"]),
+    ],
+)
+def test_tokens_the_tables_have_no_rows_for_are_refused(call, sequences, error, words):
+    """The kernels index the token and position tables unchecked: a token outside the
+    vocabulary or a position beyond the table read (and in the backward, wrote) memory
+    beside them, and returned garbage, which varied from run to run."""
+    config = language_model_config(8, 1, vocab_size=7, context=4)
+    model = FusedDecoder(config, init_model(config, seed=0))
+    before = model.flat.copy()
+    with pytest.raises(error) as raised:
+        getattr(model, call)(np.array(sequences))
+    assert all(word in str(raised.value) for word in words), str(raised.value)
+    np.testing.assert_array_equal(model.flat, before)
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     depth=st.integers(1, 70),

@@ -36,6 +36,8 @@ import numpy as np
 
 from tfmath import _blas_threads
 from tfmath._dispatch import direct
+from tfmath.errors import ArgumentError, ShapeError
+from tfmath.training.layers.embedding import checked_tokens
 from tfmath.training.params import Parameters
 
 #: The step's kernels and BLAS products, which it drives itself (see
@@ -367,9 +369,27 @@ class FusedDecoder:
         )
         self._gemm(b.final, table, 0.0, b.logits, False, True)
 
+    def _checked(self, name, tokens, extra=0):
+        """``tokens`` as C-contiguous int64 ``(B, T + extra)``, refused unless every token
+        is in the vocabulary and ``T`` positions are learned: the kernels index the
+        tables with them unchecked, and would read and write beside them."""
+        array = checked_tokens(name, tokens, self.config.vocab_size, "the vocabulary")
+        if array.ndim != 2 or array.shape[1] < 1 + extra:
+            raise ShapeError(
+                f"{name} must have shape (batch, positions{' + 1' if extra else ''}) with at "
+                f"least {1 + extra} positions, got shape {array.shape}"
+            )
+        length = array.shape[1] - extra
+        if length > self.config.n_positions:
+            raise ArgumentError(
+                f"{name} has {length} positions{' to predict from' if extra else ''} but "
+                f"{self.config.name!r} learns only {self.config.n_positions}"
+            )
+        return np.ascontiguousarray(array, dtype=np.int64)
+
     def logits(self, tokens):
         """The logits ``(B, T, V)`` of ``tokens`` ``(B, T)`` (a copy)."""
-        tokens = np.ascontiguousarray(tokens, dtype=np.int64)
+        tokens = self._checked("tokens", tokens)
         buffers = self.buffers(*tokens.shape, training=False)
         with self._threads_of_the_call():
             self._forward(tokens, buffers)
@@ -377,7 +397,7 @@ class FusedDecoder:
 
     def mean_loss(self, sequences):
         """Mean next-token cross-entropy (nats, float64) of ``sequences`` ``(B, T + 1)``."""
-        sequences = np.ascontiguousarray(sequences, dtype=np.int64)
+        sequences = self._checked("sequences", sequences, extra=1)
         inputs, targets = sequences[:, :-1], np.ascontiguousarray(sequences[:, 1:]).ravel()
         buffers = self.buffers(*inputs.shape, training=False)
         with self._threads_of_the_call():
@@ -391,7 +411,7 @@ class FusedDecoder:
 
     def loss_and_grads(self, sequences):
         """Mean next-token loss of ``sequences`` ``(B, T + 1)``; fills :attr:`grads`."""
-        sequences = np.ascontiguousarray(sequences, dtype=np.int64)
+        sequences = self._checked("sequences", sequences, extra=1)
         inputs = np.ascontiguousarray(sequences[:, :-1])
         targets = np.ascontiguousarray(sequences[:, 1:]).ravel()
         b = self.buffers(*inputs.shape, training=True)

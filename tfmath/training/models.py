@@ -32,7 +32,7 @@ import math
 
 import numpy as np
 
-from tfmath.errors import ArgumentError, DTypeError
+from tfmath.errors import ArgumentError, DTypeError, ShapeError
 from tfmath.formulas.accounting import ModelConfig
 from tfmath.positional import sinusoidal_encoding
 from tfmath.training.layers import (
@@ -84,6 +84,7 @@ def block_config(config):
     return BlockConfig(
         n_heads=config.n_heads,
         n_kv_heads=config.n_kv_heads,
+        d_head=config.d_head,
         activation=config.activation,
         norm=config.norm,
         norm_order=config.norm_order,
@@ -214,9 +215,19 @@ def _embed_forward(params, tokens, config, stack, token_types, backend):
     name = f"{stack}.embed.token_types"
     if name in params:
         types = np.zeros(np.shape(tokens), dtype=np.int64) if token_types is None else token_types
+        if np.shape(types) != np.shape(tokens):
+            raise ShapeError(
+                f"token_types must have the shape of tokens {np.shape(tokens)} (one type per "
+                f"token), got {np.shape(types)}"
+            )
         type_embeddings, type_cache = embedding_forward(params[name], types)
         x = x + type_embeddings
         caches["token_types"] = (name, type_cache)
+    elif token_types is not None:
+        raise ArgumentError(
+            f"token_types given, but {config.name!r} has no token-type table "
+            f"(n_token_types = {config.n_token_types}); leave token_types out"
+        )
     if config.embedding_norm:
         x, caches["norm"] = norm_forward(
             params.scope(f"{stack}.embed.norm"), x, config.norm, config.norm_eps, backend

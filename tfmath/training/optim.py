@@ -340,8 +340,21 @@ def _check_matching(params, grads, state):
             f"grads must have the names of params: missing {sorted(set(params) - set(grads))}, "
             f"extra {sorted(set(grads) - set(params))}"
         )
-    for name, theta in params.items():
-        if grads[name].shape != theta.shape or state.first_moment[name].shape != theta.shape:
+    for moments in ("first_moment", "second_moment"):
+        if set(getattr(state, moments)) != set(params):
             raise ShapeError(
-                f"grads[{name!r}] has shape {grads[name].shape} but the parameter has {theta.shape}"
+                f"state.{moments} must have the names of params: missing "
+                f"{sorted(set(params) - set(getattr(state, moments)))}, extra "
+                f"{sorted(set(getattr(state, moments)) - set(params))} (a state of other "
+                "parameters?)"
             )
+    for name, theta in params.items():
+        for what, array in (
+            (f"grads[{name!r}]", grads[name]),
+            (f"state.first_moment[{name!r}]", state.first_moment[name]),
+            (f"state.second_moment[{name!r}]", state.second_moment[name]),
+        ):
+            if array.shape != theta.shape:
+                raise ShapeError(
+                    f"{what} has shape {array.shape} but the parameter has {theta.shape}"
+                )

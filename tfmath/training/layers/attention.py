@@ -8,7 +8,7 @@ from tfmath import _cuda, attention
 from tfmath._contract.attention import attention_problem
 from tfmath._contract.backend import resolve_backend
 from tfmath._contract.checks import boolean_flag, host_array, integer
-from tfmath.errors import ArgumentError, ShapeError
+from tfmath.errors import ArgumentError, DTypeError, ShapeError
 from tfmath.training.layers._base import (
     Cache,
     _gradient,
@@ -225,6 +225,10 @@ def multi_head_attention_forward(
         raise ShapeError(
             f"x and memory must have the same batch dimensions, got x {x.shape} and "
             f"memory {source.shape}"
+        )
+    if source.dtype != x.dtype:
+        raise DTypeError(
+            f"memory is {source.dtype} but x is {x.dtype}; give the inputs and parameters one dtype"
         )
     weights, layout = _attention_weights(
         params, x.shape[-1], source.shape[-1], n_heads, n_kv_heads, x.dtype

@@ -34,6 +34,8 @@ class BlockConfig:
     n_heads : int
     n_kv_heads : int or None
         Key/value heads for grouped-query attention; None means ``n_heads``.
+    d_head : int or None
+        Each head's width; None means ``d_model // n_heads``.
     activation : {"relu", "gelu", "gelu_tanh", "swiglu"}
     norm : {"layer_norm", "rms_norm"}
     norm_order : {"post", "pre"}
@@ -43,6 +45,7 @@ class BlockConfig:
 
     n_heads: int
     n_kv_heads: int | None = None
+    d_head: int | None = None
     activation: str = "relu"
     norm: str = "layer_norm"
     norm_order: str = "post"
@@ -50,6 +53,7 @@ class BlockConfig:
 
     def __post_init__(self):
         _kv_heads(integer("n_heads", self.n_heads, minimum=1), self.n_kv_heads)
+        integer("d_head", self.d_head, minimum=1, allow_none=True)
         choice("activation", self.activation, ACTIVATIONS)
         choice("norm", self.norm, NORMS)
         choice("norm_order", self.norm_order, NORM_ORDERS)
@@ -94,8 +98,9 @@ def decoder_block_parameters(d_model, d_ff, config, *, bias=True, d_memory=None)
 
 def _attention_spec(d_model, config, bias, d_source=None):
     return attention_parameters(
-        d_model, config.n_heads, n_kv_heads=config.n_kv_heads, d_source=d_source, bias=bias
-    )
+        d_model, config.n_heads, n_kv_heads=config.n_kv_heads, d_head=config.d_head,
+        d_source=d_source, bias=bias,
+    )  # fmt: skip
 
 
 def _residual(x, sublayer, params, name, config, backend):

@@ -18,7 +18,8 @@ from tfmath.training.layers._base import (
 )
 
 
-def _tokens(name, tokens, n_rows, what):
+def checked_tokens(name, tokens, n_rows, what):
+    """``tokens`` as int64, refused unless integers in ``[0, n_rows)`` (rows of ``what``)."""
     array = host_array(name, tokens)
     if array.dtype.kind not in "iu":
         raise DTypeError(f"{name} must be integers, got dtype {array.dtype}")
@@ -55,7 +56,7 @@ def embedding_forward(table, tokens):
         For tokens outside the vocabulary.
     """
     table = _host_operand("table", table, 2, "(V, d_model)")
-    tokens = _tokens("tokens", tokens, table.shape[0], "rows of the embedding table")
+    tokens = checked_tokens("tokens", tokens, table.shape[0], "rows of the embedding table")
     saved = {"tokens": tokens, "table_shape": table.shape, "dtype": table.dtype}
     return table[tokens], Cache("embedding", saved)
 
