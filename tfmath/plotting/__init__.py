@@ -1,11 +1,13 @@
 """Public plotting helpers: the figures of the report and the gallery, for anyone to draw.
 
 Each helper takes the data it draws (arrays, or the result objects of
-:mod:`tfmath.analysis` and :mod:`tfmath.formulas`) and an optional ``ax=``. It
-draws on that :class:`matplotlib.axes.Axes`, or on a new
-:class:`matplotlib.figure.Figure` when ``ax`` is None, and returns the Axes
-(or, for a figure of several panels, the Figure) for the caller to adjust, in
-the manner of seaborn's axes-level functions. Nothing here uses ``pyplot`` or
+:mod:`tfmath.analysis` and :mod:`tfmath.formulas`). A helper of one panel takes
+an optional ``ax=``: it draws on that :class:`matplotlib.axes.Axes`, or on a new
+:class:`matplotlib.figure.Figure` when ``ax`` is None, and returns the Axes for
+the caller to adjust, in the manner of seaborn's axes-level functions. A helper
+of several panels (:func:`cost_against_length`, :func:`gradient_flow`,
+:func:`saturation`, :func:`temperature_sweep`, :func:`variance_against_dk`)
+draws a Figure of its own and returns it. Nothing here uses ``pyplot`` or
 global state, and matplotlib is imported only when a plot is made, so
 ``import tfmath`` never imports it.
 

@@ -358,7 +358,7 @@ def train_language_model(config, source, training=None, *, backend="auto", threa
 
     Examples
     --------
-    >>> from tfmath.training.sources import TokenSource
+    >>> from tfmath.training.synthetic import ZipfLexicon
     >>> from tfmath.training import TrainingConfig, language_model_config, train_language_model
     >>> source = ZipfLexicon(n_letters=4, word_length=2, n_words=8)
     >>> config = language_model_config(8, 1, vocab_size=5, context=6)

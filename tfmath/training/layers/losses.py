@@ -138,7 +138,7 @@ def cross_entropy(
     --------
     >>> import numpy as np
     >>> from tfmath.training.layers import cross_entropy
-    >>> float(cross_entropy([[0.0, 0.0, 0.0, 0.0]], [2], backend="reference")) == np.log(4)
+    >>> bool(float(cross_entropy([[0.0, 0.0, 0.0, 0.0]], [2], backend="reference")) == np.log(4))
     True
     """
     return cross_entropy_forward(
