@@ -1427,9 +1427,10 @@ def fit_parametric_loss(
     )
 
 
-def _at_bound(theta, draws, log_e, share):
-    """Names of the parameters on a solver bound in the fit or in over ``share`` of the draws."""
-    low, high = np.array(_BOUNDS).T
+def _on_bounds(theta, draws, bounds, share):
+    """Per parameter, whether the solver left it on one of its ``bounds`` (within a
+    millionth of their span) in the fit ``theta`` or in over ``share`` of the ``draws``."""
+    low, high = np.array(bounds).T
     margin = 1e-6 * (high - low)
 
     def on_bound(values):
@@ -1438,6 +1439,12 @@ def _at_bound(theta, draws, log_e, share):
     hit = on_bound(theta)
     if len(draws):
         hit |= on_bound(draws).mean(axis=0) > share
+    return hit
+
+
+def _at_bound(theta, draws, log_e, share):
+    """Names of the parameters on a solver bound in the fit or in over ``share`` of the draws."""
+    hit = _on_bounds(theta, draws, _BOUNDS, share)
     if log_e is not None:
         hit[2] = False  # E is given, not fitted
     names = [name for name, h in zip(("alpha", "beta", "e", "a", "b"), hit, strict=True) if h]
@@ -1716,13 +1723,7 @@ _KAPLAN_BOUNDS = ((1e-4, 5.0), (1e-4, 5.0), (-50.0, 200.0), (-50.0, 200.0))
 def _kaplan_at_bound(theta, draws, share):
     """Whether the N term and the D term have a parameter on a bound, in the fit or in
     over ``share`` of the draws: a boolean array of two."""
-    low, high = np.array(_KAPLAN_BOUNDS).T
-    margin = 1e-6 * (high - low)
-
-    def on_bound(values):
-        return (values <= low + margin) | (values >= high - margin)
-
-    hit = on_bound(theta) | (on_bound(draws).mean(axis=0) > share)
+    hit = _on_bounds(theta, draws, _KAPLAN_BOUNDS, share)
     return np.array([hit[0] or hit[2], hit[1] or hit[3]])
 
 
