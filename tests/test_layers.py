@@ -373,6 +373,22 @@ def test_log_softmax_and_loss_do_not_overflow(any_backend, dtype):
     assert_close(loss, -expected[1], 1e-6 if dtype == np.float32 else 1e-12)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("top", [1e6, 1e12, 1e30])
+def test_log_softmax_keeps_the_log_sum_beside_a_large_maximum(any_backend, dtype, top):
+    """Two equal maxima and a far smaller logit: log-softmax is -log 2 at both maxima
+    whatever the maximum's size, as (x - m) - log_sum gives it and x - (m + log_sum)
+    does not (m + log 2 rounds to m at 1e30; compiled with reassociation, the CPU
+    kernels formed it, and lost 1.1e-5 at 1e12). The loss's gradient likewise."""
+    logits = np.array([[top, top, -top]], dtype=dtype)
+    tolerance = 4 * np.finfo(dtype).eps
+    y = L.log_softmax(logits, backend=any_backend)
+    assert_close(y[0, :2], [-math.log(2)] * 2, tolerance)
+    loss, cache = L.cross_entropy_forward(logits, [1], backend=any_backend)
+    assert_close(loss, math.log(2), tolerance)
+    assert_close(L.cross_entropy_backward(1.0, cache)[0], [0.5, -0.5, 0.0], tolerance)
+
+
 def test_all_ignored_targets_give_nan_mean_and_zero_gradient(any_backend):
     loss, cache = L.cross_entropy_forward(np.ones((2, 3)), [-100, -100], backend=any_backend)
     assert math.isnan(loss)
@@ -1325,18 +1341,18 @@ def test_self_attention_weights_of_a_model_follow_its_layers():
         n_ctx=7,
     )
     params = M.init_model(config, seed=2, std=0.3)
-    tokens = np.random.default_rng(3).integers(0, 11, size=(2, 7))
+    tokens = np.random.default_rng(3).integers(0, 11, size=(3, 7))
     _, cache = M.encoder_forward(params, tokens, config, backend="cpu")
     weights = M.self_attention_weights(cache)
-    assert weights.shape == (2, 2, 4, 7, 7)
+    assert weights.shape == (2, 3, 4, 7, 7)  # layers first, then the batch
     x = params["embed.tokens"][tokens] + params["encoder.embed.positions"]
     first = params.scope("encoder.layers.0.self_attn")
     expected = _numpy_attention_weights(first, x, 4, 4, np.ones((7, 7), dtype=bool), False)
-    assert_close(weights[:, 0], expected, 1e-12)
+    assert_close(weights[0], expected, 1e-12)
     for layer, block in enumerate(cache["stack"]["layers"]):
         saved = block.of("encoder_block")["attention"].of("residual")["sublayer"].saved
-        value = saved["problem"].value.reshape(2, 4, 7, 4)
-        assert_close(weights[:, layer] @ value, saved["heads"], 1e-12)
+        value = saved["problem"].value.reshape(3, 4, 7, 4)
+        assert_close(weights[layer] @ value, saved["heads"], 1e-12)
 
 
 def test_self_attention_weights_of_a_decoder_are_causal_and_other_caches_are_refused():

@@ -119,7 +119,7 @@ class _PlantedResolver(P.PronounResolver):
         named = self.sentences.tokens[rows, antecedent]
         named[::5] = self.sentences.tokens[rows, distractor][::5]
         logits[np.arange(n), it, named] = 1.0
-        return logits, weights
+        return logits, np.moveaxis(weights, 0, 1)  # layers first, as the models give them
 
 
 def test_the_head_is_chosen_on_the_selection_set_and_measured_on_the_test_set(sentences, splits):
@@ -146,7 +146,7 @@ def test_interval_is_the_student_t_interval_of_the_test_masses(sentences, splits
 
     def forward(tokens, *, backend="auto"):
         logits, weights = planted_forward(tokens)
-        weights[:, 0, 1] = weights[:, 1, 1] = 0.1
+        weights[0, :, 1] = weights[1, :, 1] = 0.1
         return logits, weights
 
     resolver.forward = forward
@@ -154,7 +154,7 @@ def test_interval_is_the_student_t_interval_of_the_test_masses(sentences, splits
     assert (result.layer, result.head) == (1, 0)
     _, weights = forward(sentences.tokens[small["test"]])
     antecedent = sentences.antecedent[small["test"]]
-    masses = weights[np.arange(300), 1, 0, P.PRONOUN_POSITION, antecedent]
+    masses = weights[1, np.arange(300), 0, P.PRONOUN_POSITION, antecedent]
     low, high = stats.t.interval(0.9, 299, loc=masses.mean(), scale=stats.sem(masses))
     assert result.mass == pytest.approx(masses.mean())
     assert result.interval == pytest.approx((low, high))
@@ -165,7 +165,7 @@ def test_interval_is_the_student_t_interval_of_the_test_masses(sentences, splits
     )
     assert result.mass_by_kind["animal"] == pytest.approx(masses[is_animal].mean())
     assert result.mass_by_kind["object"] == pytest.approx(masses[~is_animal].mean())
-    on_adjective = weights[:, 1, 0, P.PRONOUN_POSITION, 9]
+    on_adjective = weights[1, :, 0, P.PRONOUN_POSITION, 9]
     assert result.adjective_mass_by_kind["animal"] == pytest.approx(on_adjective[is_animal].mean())
     assert result.adjective_mass_by_kind["object"] == pytest.approx(on_adjective[~is_animal].mean())
 

@@ -297,6 +297,26 @@ def test_attention_vectors_of_a_tfmath_model_give_its_weights():
         tfmath.attention_vectors({})
 
 
+def test_a_batch_from_a_tfmath_model_opens_on_the_sequence_picked():
+    """The model gives (layers, batch, heads, L, L), as a stack of per-layer weights: the
+    view of batch_index b holds sequence b's layers (it held, as layer 0, sequence 0's
+    layer 1 while the models put the batch first)."""
+    from tfmath.training import language_model_config
+    from tfmath.training.models import decoder_only_forward, init_model, self_attention_weights
+
+    config = language_model_config(8, 2, vocab_size=7, context=5)
+    params = init_model(config, std=0.5)
+    tokens = np.array([[1, 2, 3, 4, 5], [6, 5, 4, 3, 2], [0, 0, 1, 1, 2]])
+    _, cache = decoder_only_forward(params, tokens, config)
+    weights = self_attention_weights(cache)
+    query, key, scale = tfmath.attention_vectors(cache)
+    _, alone = decoder_only_forward(params, tokens[1], config)
+    mask = np.tril(np.ones((5, 5), dtype=bool))
+    view = tfmath.attention_view(TOKENS, weights, batch_index=1, query=query, key=key,
+                                 scale=scale, mask=mask)  # fmt: skip
+    _assert_stored(view, self_attention_weights(alone))
+
+
 def test_markup_in_tokens_cannot_end_the_script():
     view = tfmath.attention_view(["</script><b>", "x"], _weights(2, (1, 2, 2)))
     assert "</script><b>" not in view.html

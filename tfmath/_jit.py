@@ -59,7 +59,9 @@ def _configure_numba():
     return numba
 
 
-def cpu_kernel(function=None, *, parallel=False, inline=False, signatures=None, cached=True):
+def cpu_kernel(
+    function=None, *, parallel=False, inline=False, signatures=None, cached=True, reassociate=True
+):
     """Compile ``function`` as a tfmath CPU kernel (``numba.njit`` with tfmath's options).
 
     Used bare (``@cpu_kernel``) for serial kernels and helpers, or as
@@ -87,12 +89,20 @@ def cpu_kernel(function=None, *, parallel=False, inline=False, signatures=None, 
     ``cached=False`` keeps a function out of the kernel cache: one made in a
     process around a user's function (a closure), whose machine code depends on
     what the closure holds, which the cache's key does not cover.
+
+    ``reassociate=False`` compiles without ``reassoc``, for a kernel whose order of
+    operations is its point: with it, LLVM turns a log-softmax's
+    ``(x - m) - log_sum``, per element, into ``x - (m + log_sum)``, hoisting the sum
+    out of the loop and rounding ``log_sum`` to the precision of a large maximum
+    ``m`` (at logits of 1e38 the result lost log 2 altogether). The flags are per
+    instruction, so helpers it calls keep their own.
     """
     numba = _configure_numba()
+    flags = set(FASTMATH_FLAGS) if reassociate else set(FASTMATH_FLAGS) - {"reassoc"}
 
     def compile_(func, parallel, variant):
         dispatcher = numba.njit(
-            fastmath=set(FASTMATH_FLAGS),
+            fastmath=flags,
             parallel=parallel,
             nogil=True,
             error_model="numpy",

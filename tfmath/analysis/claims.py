@@ -7,7 +7,8 @@ is one of :data:`VERDICTS`:
 
 ``"holds"``
     The seed's value lies inside the measured interval, or equals the
-    computed value up to floating-point rounding (``tolerance``).
+    computed value up to ``tolerance``: floating-point rounding, or a stated
+    slack (the lower-order terms left in an exponent read from a count).
 ``"holds within the seed's rounding"``
     Not exact, but the printed value is the computed value rounded to the
     digits printed: within half a unit of the last printed digit. A whole

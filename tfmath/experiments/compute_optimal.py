@@ -730,16 +730,24 @@ def _parametric_figure(fit, n, d, loss):
 def _optima_table(fit, hoffmann):
     intervals = fit.optimum_intervals()
     # The two counts may leave out different budgets.
-    all_counted = {c.compute: c.n_opt for c in hoffmann.curves}
+    all_counted = {c.compute: c for c in hoffmann.curves}
+
+    def all_parameters(curve, value):
+        other = all_counted.get(curve.compute)
+        return math.nan if other is None else value(other)
+
     return Table(
         {
             "budget C (FLOPs)": [c.compute for c in fit.curves],
             "N_opt (non-embedding)": [c.n_opt for c in fit.curves],
             "N_opt low": intervals["n_opt"][:, 0].tolist(),
             "N_opt high": intervals["n_opt"][:, 1].tolist(),
-            "N_opt (all parameters)": [all_counted.get(c.compute, math.nan) for c in fit.curves],
             "D_opt": [c.d_opt for c in fit.curves],
-            "tokens per parameter": [c.d_opt / c.n_opt for c in fit.curves],
+            "tokens per non-embedding parameter": [c.d_opt / c.n_opt for c in fit.curves],
+            "N_opt (all parameters)": [all_parameters(c, lambda o: o.n_opt) for c in fit.curves],
+            "tokens per parameter (all counted)": [
+                all_parameters(c, lambda o: o.d_opt / o.n_opt) for c in fit.curves
+            ],
             "L_opt": [c.loss_opt for c in fit.curves],
         }
     )

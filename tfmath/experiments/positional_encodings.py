@@ -367,8 +367,8 @@ def positional_uniqueness(settings):
         claims=[
             Claim(
                 "000",
-                f"Unique positions: the closest pair of encodings among {N_POSITIONS:,} "
-                f"positions (d_model = {D_MODEL}) is apart",
+                f"Unique positions: the distance between the closest pair of encodings "
+                f"among {N_POSITIONS:,} positions (d_model = {D_MODEL})",
                 "0",
                 closest.distance,
                 relation=">",

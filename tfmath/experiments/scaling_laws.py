@@ -34,6 +34,7 @@ import numpy as np
 from tfmath.experiments._sweeps import results_folder, scheduler
 from tfmath.formulas.accounting import count_parameters
 from tfmath.formulas.scaling import (
+    BESIROGLU,
     CHINCHILLA,
     CRITICAL_BATCH,
     KAPLAN_LAWS,
@@ -224,6 +225,7 @@ def chinchilla_scaling_law(settings):
 
     table = _chinchilla_table()
     at_budget = chinchilla_optimal(5.76e23)
+    at_budget_besiroglu = chinchilla_optimal(5.76e23, law=BESIROGLU)
     caption = (
         f"Along the red frontier N_opt grows as C^{CHINCHILLA.n_exponent:.3f} and D_opt as "
         f"C^{CHINCHILLA.d_exponent:.3f} (a = beta/(alpha+beta), b = alpha/(alpha+beta)), so "
@@ -231,7 +233,11 @@ def chinchilla_scaling_law(settings):
         f"of a bigger budget into parameters (C^0.73). At Chinchilla's budget of 5.76e23 FLOPs "
         f"the approach-3 constants give N_opt = {at_budget.n:.3g} and D_opt = {at_budget.d:.3g} "
         f"({at_budget.tokens_per_parameter:.0f} tokens per parameter) at a loss of "
-        f"{at_budget.loss:.4f}; Chinchilla itself (70B, 1.4T tokens) is predicted "
+        f"{at_budget.loss:.4f}. That is far from Chinchilla's own 20 (1.4T tokens for 70B "
+        f"parameters, the allocation of Hoffmann et al.'s approaches 1 and 2): the approach-3 "
+        f"constants as printed put the optimum there, and Besiroglu et al. (2024), refitting "
+        f"approach 3 to convergence, get {at_budget_besiroglu.tokens_per_parameter:.1f}. "
+        f"Chinchilla itself (70B, 1.4T tokens) is predicted "
         f"{chinchilla_loss(70e9, 1.4e12):.4f} and Gopher (280B, 300B tokens) "
         f"{chinchilla_loss(280e9, 300e9):.4f}. The dots, the closed-form minima, sit at the "
         f"bottom of each iso-FLOP curve."
@@ -669,7 +675,8 @@ def _reproduction_caption(settings, fit_n, fit_d, n, d, entropy, loaded, total, 
         )
 
     storage = (
-        f"Points are saved in {folder}; {loaded} of {total} were loaded from there"
+        f"Points are saved in the {folder.name} folder of tfmath's cache (TFMATH_CACHE_DIR, "
+        f"by default ~/.cache/tfmath); {loaded} of {total} were loaded from there"
         if folder is not None
         else "The cache folder could not be created, so no points were saved"
     )

@@ -87,7 +87,9 @@ def ledger_html(claims, sections_present):
         f"<p>{len(claims)} claims: {summary}. Each row gives what the seed prints, what "
         "tfmath computes (with its 95 % interval where the value is measured), and a link to "
         "the section that computes it. A claim holds within the seed's rounding when the "
-        "printed value is the computed one rounded to the printed digits. "
+        "printed value is the computed one rounded to the printed digits; it differs when "
+        "it was measured in another setting (larger models, other text) and tfmath's "
+        "interval excludes it, which does not make it wrong. "
         '(<a href="claims.csv">claims.csv</a>, <a href="claims.json">claims.json</a>)</p>',
     ]
     if wrong:

@@ -421,12 +421,14 @@ def self_attention_weights(cache):
 
     Returns
     -------
-    numpy.ndarray, shape (..., n_layers, n_heads, L, L)
-        ``weights[..., l, h, i, :]`` is query ``i``'s distribution over the
+    numpy.ndarray, shape (n_layers, ..., n_heads, L, L)
+        ``weights[l, ..., h, i, :]`` is query ``i``'s distribution over the
         keys in head ``h`` of block ``l`` (zero where the causal mask or the
         forward's ``attn_mask`` hides a key); see
-        :func:`~tfmath.training.layers.multi_head_attention_weights`. Ready for
-        :func:`tfmath.view.attention_view` (one sequence at a time).
+        :func:`~tfmath.training.layers.multi_head_attention_weights`. Layers come
+        first, batch dimensions after them, as a model's per-layer weights stack
+        (``torch.stack(outputs.attentions)``): :func:`tfmath.view.attention_view`
+        reads a batch so, with ``batch_index``.
 
     Raises
     ------
@@ -456,7 +458,7 @@ def self_attention_weights(cache):
         # A block's cache holds its residual wrapper's, which holds the attention's.
         attention_cache = block.of("encoder_block")["attention"].of("residual")["sublayer"]
         per_layer.append(multi_head_attention_weights(attention_cache))
-    return np.stack(per_layer, axis=-4)
+    return np.stack(per_layer)
 
 
 def encoder_decoder_forward(

@@ -218,7 +218,7 @@ class PronounResolver:
         Returns
         -------
         logits : numpy.ndarray, shape (..., 10, vocabulary)
-        weights : numpy.ndarray, shape (..., n_layers, n_heads, 10, 10)
+        weights : numpy.ndarray, shape (n_layers, ..., n_heads, 10, 10)
         """
         logits, cache = encoder_forward(self.params, tokens, self.config, backend=backend)
         return logits, self_attention_weights(cache)
@@ -438,7 +438,8 @@ def _pronoun_attention(resolver, sentences, rows, backend):
     noun and on the adjective, shape (n, layers, heads), and whether the model names
     the antecedent."""
     logits, weights = resolver.forward(sentences.tokens[rows], backend=backend)
-    from_pronoun = weights[..., PRONOUN_POSITION, :]
+    # (sentence, layer, head, key): the sentences first.
+    from_pronoun = np.moveaxis(weights, 0, 1)[..., PRONOUN_POSITION, :]
     sentence = np.arange(rows.size)
     antecedent, distractor = sentences.antecedent[rows], sentences.distractor[rows]
     # Advanced indices on both sides of "...": the sentence axis comes first.

@@ -169,14 +169,15 @@ def attention_vectors(cache):
     ----------
     cache : dict
         The cache returned by :func:`tfmath.training.models.encoder_forward` or
-        :func:`~tfmath.training.models.decoder_only_forward` (one sequence).
+        :func:`~tfmath.training.models.decoder_only_forward`.
 
     Returns
     -------
     query, key : numpy.ndarray
-        Shapes (..., n_layers, n_heads, L, d), for :func:`attention_view`'s
-        ``query`` and ``key`` (grouped key heads repeated for the query heads
-        that share them).
+        Shapes (n_layers, ..., n_heads, L, d), layers first as
+        :func:`~tfmath.training.models.self_attention_weights` gives them, for
+        :func:`attention_view`'s ``query`` and ``key`` (grouped key heads repeated
+        for the query heads that share them; a batch picked with ``batch_index``).
     scale : float
         The factor the model puts on the scores.
     """
@@ -195,7 +196,7 @@ def attention_vectors(cache):
         queries.append(q.reshape(*q.shape[:-4], -1, *q.shape[-2:]))
         keys.append(k.reshape(*k.shape[:-4], -1, *k.shape[-2:]))
         scales.add(float(problem.scale))
-    return np.stack(queries, axis=-4), np.stack(keys, axis=-4), scales.pop()
+    return np.stack(queries), np.stack(keys), scales.pop()
 
 
 def _selected(selected, counts):

@@ -249,7 +249,7 @@ def _max_and_log_sum(row):
     return row_max, row.dtype.type(math.log(total))
 
 
-@cpu_kernel(parallel=True)
+@cpu_kernel(parallel=True, reassociate=False)  # (x - m) - log_sum, in that order
 def _log_softmax_kernel(x, y):
     n_rows, n_classes = x.shape
     for i in numba.prange(n_rows):
@@ -308,7 +308,7 @@ def cross_entropy(logits, targets, label_smoothing, ignore_index):
     return loss, row_max, log_sum
 
 
-@cpu_kernel(parallel=True)
+@cpu_kernel(parallel=True, reassociate=False)  # (x - m) - log_sum, in that order
 def _cross_entropy_grad_kernel(
     grad_loss, logits, targets, row_max, log_sum, smoothing, ignore_index, grad
 ):
