@@ -128,6 +128,14 @@ def point_clouds(draw, max_points=40, max_features=6):
     return points
 
 
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_closest_pair_refuses_non_finite_points(backend):
+    # The backends read a NaN distance differently (one kept it, one skipped the pair).
+    points = np.array([[0.0, np.nan], [0.0, 0.0], [1.0, 1.0]])
+    with pytest.raises(ValueError, match="finite"):
+        analysis.min_pairwise_distance_direct(points, backend=backend)
+
+
 def _check_direct_minimum(points, backend):
     found = analysis.min_pairwise_distance_direct(points, backend=backend)
     if len(points) < 2:

@@ -33,6 +33,27 @@ def test_overflow_dimension_inverts_the_probability():
     )
 
 
+@pytest.mark.parametrize(
+    ("call", "error", "words"),
+    [
+        (lambda: P.overflow_dimension(0.1, 8, component_std=300.0), ValueError,
+         "already|at d_k = 1"),
+        (lambda: P.overflow_dimension(0.5, 8, component_std=0.0), ValueError, "component_std"),
+        (lambda: P.overflow_dimension(0.5, 8, component_std=-2.0), ValueError, "component_std"),
+        (lambda: P.score_overflow_probability(0, 8), ValueError, "d_k"),
+        (lambda: P.score_overflow_probability(4, -1), ValueError, "n_scores"),
+        (lambda: P.score_overflow_probability(4, 2.5), TypeError, "n_scores"),
+        (lambda: P.score_overflow_probability(4, 8, component_std=-1.0), ValueError,
+         "component_std"),
+    ],
+)  # fmt: skip
+def test_overflow_predictions_refuse_what_has_no_answer(call, error, words):
+    # At a component spread of 300 one score of d_k = 1 already overflows more often than
+    # 10%: brentq's "f(a) and f(b) must have different signs" said so before.
+    with pytest.raises(error, match=words):
+        call()
+
+
 def test_scaled_scores_do_not_overflow_however_large_d_k():
     assert P.score_overflow_probability(10**6, 128, scaled=True, component_std=32.0) < 1e-12
 

@@ -389,6 +389,15 @@ def test_log_softmax_keeps_the_log_sum_beside_a_large_maximum(any_backend, dtype
     assert_close(L.cross_entropy_backward(1.0, cache)[0], [0.5, -0.5, 0.0], tolerance)
 
 
+def test_a_row_holding_plus_infinity_has_no_softmax(any_backend):
+    # inf / inf: NaN throughout the row, as PyTorch gives (the reference gave -inf beside it).
+    logits = np.array([[np.inf, 0.0, 0.0], [1.0, 2.0, 3.0]])
+    y = L.log_softmax(logits, backend=any_backend)
+    assert np.isnan(y[0]).all() and np.isfinite(y[1]).all()
+    loss = L.cross_entropy(logits, [1, 2], reduction="none", backend=any_backend)
+    assert np.isnan(loss[0]) and np.isfinite(loss[1])
+
+
 def test_all_ignored_targets_give_nan_mean_and_zero_gradient(any_backend):
     loss, cache = L.cross_entropy_forward(np.ones((2, 3)), [-100, -100], backend=any_backend)
     assert math.isnan(loss)

@@ -223,6 +223,33 @@ def test_negative_weights_and_mask_violations_are_refused_and_masks_stored():
     np.testing.assert_array_equal(_stored_mask(view), np.tile(padding, (5, 1)))
 
 
+def test_a_query_with_no_visible_key_has_weights_zero():
+    """tfmath's attention (and PyTorch's) gives 0 to a query whose keys are all hidden; the
+    view takes such a row, in the weights and in the neuron view's check, and refuses a
+    row of zeros where a key is visible."""
+    mask = np.tril(np.ones((5, 5), dtype=bool))
+    mask[2] = False
+    rng = np.random.default_rng(7)
+    query, key = rng.standard_normal((5, 4)), rng.standard_normal((5, 4))
+    weights = tfmath.scaled_dot_product_attention(
+        query, key, np.eye(5), attn_mask=mask, return_weights=True
+    )[1]
+    assert (weights[2] == 0).all()
+    view = tfmath.attention_view(TOKENS, weights, mask=mask, query=query, key=key)
+    np.testing.assert_array_equal(_stored_mask(view), mask)
+    with pytest.raises(ArgumentError, match="sum to 1"):
+        tfmath.attention_view(TOKENS, weights, mask=np.tril(np.ones((5, 5), dtype=bool)))
+
+
+@pytest.mark.parametrize("scale", [float("nan"), float("inf"), "0.5"])
+def test_the_neuron_views_scale_must_be_a_finite_number(scale):
+    rng = np.random.default_rng(8)
+    query, key = rng.standard_normal((5, 4)), rng.standard_normal((5, 4))
+    weights = tfmath.scaled_dot_product_attention(query, key, np.eye(5), return_weights=True)[1]
+    with pytest.raises((ValueError, TypeError), match="scale"):
+        tfmath.attention_view(TOKENS, weights, query=query, key=key, scale=scale)
+
+
 def test_large_inputs_drop_to_eight_bits_with_a_warning_and_larger_ones_are_refused(monkeypatch):
     monkeypatch.setattr(view_module, "_MAX_UINT16_WEIGHTS", 100)
     monkeypatch.setattr(view_module, "_MAX_WEIGHTS", 200)
@@ -295,6 +322,8 @@ def test_attention_vectors_of_a_tfmath_model_give_its_weights():
     assert _embedded(view)["neuron"]["scale"] == scale
     with pytest.raises(ArgumentError, match="cache must be"):
         tfmath.attention_vectors({})
+    with pytest.raises(ArgumentError, match="cache must be"):
+        tfmath.attention_vectors({"stack": {}})
 
 
 def test_a_batch_from_a_tfmath_model_opens_on_the_sequence_picked():

@@ -295,6 +295,9 @@ def min_pairwise_distance_direct(encoding, *, backend="auto"):
         raise ShapeError(f"encoding must have shape (N, d), got shape {tuple(points.shape)}")
     backend = resolve_backend(backend)
     points = np.ascontiguousarray(points, dtype=np.float64)
+    if not np.all(np.isfinite(points)):
+        # A NaN distance is no distance: the kernels would skip it or keep it.
+        raise ArgumentError("encoding must be finite (NaN or infinity found)")
     distance, first, second = implementation("min_pairwise_distance", backend)(points)
     return ClosestPair(float(distance), min(first, second), max(first, second))
 
@@ -618,10 +621,11 @@ def relative_dot_products(n_positions, shifts, d_model, *, base=10000.0, backend
 
 
 def wavelengths(d_model, base=10000.0):
-    r"""The wavelength :math:`\lambda_i = 2\pi/\omega_i = 2\pi\, \text{base}^{2i/d}` of each pair.
+    r"""The wavelength :math:`\lambda_i = 2\pi/\omega_i = 2\pi\, \text{base}^{2i/d}` of each
+    frequency, :math:`i = 0, \dots, \lceil d/2 \rceil - 1`.
 
-    A geometric progression from :math:`2\pi` (pair 0) to
-    :math:`2\pi\, \text{base}^{(d-2)/d}` (the last full pair), in positions.
+    A geometric progression from :math:`2\pi` (pair 0), in positions; for an odd
+    ``d_model`` the last frequency has a sine column and no cosine.
 
     Examples
     --------

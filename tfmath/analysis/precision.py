@@ -34,8 +34,9 @@ from dataclasses import dataclass
 import numpy as np
 from scipy import optimize, stats
 
-from tfmath._contract.checks import integer, real
+from tfmath._contract.checks import boolean_flag, integer, real
 from tfmath.attention import scaled_dot_product_attention
+from tfmath.errors import ArgumentError
 from tfmath.variance import sample_scores
 
 #: float16's largest finite number.
@@ -99,10 +100,19 @@ def score_overflow_probability(d_k, n_scores, *, scaled=False, component_std=1.0
     Parameters
     ----------
     d_k : float or array_like
+        Positive.
     n_scores : int
+        At least 1.
     scaled : bool, optional
     component_std : float, optional
+        Positive.
     """
+    n_scores = integer("n_scores", n_scores, minimum=1)
+    scaled = boolean_flag("scaled", scaled)
+    component_std = real("component_std", component_std, above=0.0)
+    dims = np.asarray(d_k, dtype=np.float64)
+    if not np.all(np.isfinite(dims) & (dims > 0)):
+        raise ArgumentError(f"d_k must be finite and positive, got {dims[~(dims > 0)].flat[0]}")
 
     def one(d):
         spread = component_std**2 / (math.sqrt(d) if scaled else 1.0)
@@ -117,12 +127,26 @@ def overflow_dimension(probability, n_scores, *, component_std=1.0):
     :math:`d_k`, treated as continuous."""
     probability = real("probability", probability, above=0.0, below=1.0)
     n_scores = integer("n_scores", n_scores, minimum=1)
+    component_std = real("component_std", component_std, above=0.0)
     row = _score_row_overflow(n_scores, component_std**2)
 
     def excess(log_d):
         return _over_query_norms(math.exp(log_d), row) - probability
 
-    return math.exp(optimize.brentq(excess, 0.0, math.log(1e12), xtol=1e-6))
+    low, high = 0.0, math.log(_LARGEST_DIMENSION)
+    at_low, at_high = excess(low), excess(high)
+    if at_low > 0 or at_high <= 0:
+        d, chance = (1, at_low) if at_low > 0 else (_LARGEST_DIMENSION, at_high)
+        raise ArgumentError(
+            f"a row of {n_scores} scores of components with standard deviation "
+            f"{component_std:g} overflows with probability {chance + probability:.3g} at "
+            f"d_k = {d:g}: no d_k in [1, {_LARGEST_DIMENSION:g}] gives {probability:g}"
+        )
+    return math.exp(optimize.brentq(excess, low, high, xtol=1e-6))
+
+
+#: The largest d_k :func:`overflow_dimension` searches.
+_LARGEST_DIMENSION = 1e12
 
 
 @dataclass(frozen=True)

@@ -180,7 +180,8 @@ def _max_and_log_sum(x):
     finite_max = np.where(np.isfinite(row_max), row_max, 0)
     with np.errstate(divide="ignore"):
         log_sum = np.log(np.exp(x - finite_max[:, None]).sum(axis=1))
-    return row_max, log_sum
+    # A row holding +inf has no softmax (inf / inf): NaN, as the kernels and PyTorch give.
+    return row_max, np.where(np.isposinf(row_max), np.nan, log_sum)
 
 
 def log_softmax(x):
@@ -190,7 +191,7 @@ def log_softmax(x):
               \qquad m = \max_k x_k
 
     A row of all ``-inf`` gives ``-inf`` (the log of the zero vector that
-    :func:`tfmath.softmax` returns for it).
+    :func:`tfmath.softmax` returns for it); a row holding ``+inf`` gives NaN.
     """
     row_max, log_sum = _max_and_log_sum(x)
     with np.errstate(invalid="ignore"):
@@ -233,9 +234,10 @@ def cross_entropy(logits, targets, label_smoothing, ignore_index):
     ignored = targets == ignore_index
     safe_targets = np.where(ignored, 0, targets)
     target_logit = logits[np.arange(n_rows), safe_targets]
-    loss = log_sum + (1 - label_smoothing) * (row_max - target_logit)
-    if label_smoothing != 0:
-        loss = loss + label_smoothing * (row_max - logits.mean(axis=1))
+    with np.errstate(invalid="ignore"):  # inf - inf in a row holding +inf: NaN, as it should
+        loss = log_sum + (1 - label_smoothing) * (row_max - target_logit)
+        if label_smoothing != 0:
+            loss = loss + label_smoothing * (row_max - logits.mean(axis=1))
     loss = np.where(ignored, 0, loss)
     dtype = logits.dtype
     return loss.astype(dtype), row_max.astype(dtype), log_sum.astype(dtype)

@@ -449,7 +449,7 @@ def self_attention_weights(cache):
     ((2, 2, 5, 5), True, 0.0)
     """
     stack = cache.get("stack") if isinstance(cache, dict) else None
-    if not isinstance(stack, dict):
+    if not isinstance(stack, dict) or "layers" not in stack:
         raise ArgumentError(
             "cache must be the cache returned by encoder_forward or decoder_only_forward"
         )

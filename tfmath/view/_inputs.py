@@ -9,7 +9,7 @@ import zlib
 import numpy as np
 
 from tfmath import _cuda
-from tfmath._contract.checks import host_array, integer
+from tfmath._contract.checks import host_array, integer, real
 from tfmath.errors import ArgumentError, DTypeError, ShapeError
 
 #: The views, in the order of their tabs.
@@ -156,11 +156,14 @@ def _validate_weights(array, dtype, visible):
         raise ArgumentError("weights must be 0 where mask is False")
     sums = array.sum(axis=-1, dtype=np.float64)
     tolerance = _row_sum_tolerance(dtype, array.shape[-1])
-    worst = float(np.abs(sums - 1.0).max())
+    # A query the mask leaves no key to attend has weights 0, as tfmath's attention
+    # gives it (and PyTorch's); every other row sums to 1.
+    expected = 1.0 if visible is None else visible.any(axis=-1).astype(np.float64)
+    worst = float(np.abs(sums - expected).max())
     if worst > tolerance:
         raise ArgumentError(
             f"each row of weights must sum to 1 (within {tolerance:.1e} for {dtype} weights), "
-            f"worst deviation {worst!r}"
+            f"or to 0 where mask hides every key, worst deviation {worst!r}"
         )
 
 
@@ -233,7 +236,7 @@ def _vectors(query, key, weights, dtype, visible, batch_index, layers, heads, sc
             "and include_heads="
         )
     d = q.shape[-1]
-    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    scale = 1.0 / math.sqrt(d) if scale is None else real("scale", scale)
     q32, k32 = q.astype(np.float32), k.astype(np.float32)
     if not (np.all(np.isfinite(q32)) and np.all(np.isfinite(k32))):
         raise ArgumentError("query and key must be finite")
@@ -241,9 +244,11 @@ def _vectors(query, key, weights, dtype, visible, batch_index, layers, heads, sc
     scores *= scale
     if visible is not None:
         scores = np.where(visible, scores, -np.inf)
-    scores -= scores.max(axis=-1, keepdims=True)
-    recomputed = np.exp(scores)
-    recomputed /= recomputed.sum(axis=-1, keepdims=True)
+    top = scores.max(axis=-1, keepdims=True)
+    recomputed = np.exp(scores - np.where(np.isfinite(top), top, 0.0))
+    totals = recomputed.sum(axis=-1, keepdims=True)
+    # A row with no visible key: weights 0, as _validate_weights takes them.
+    recomputed = np.divide(recomputed, totals, out=np.zeros_like(recomputed), where=totals > 0)
     tolerance = _CONSISTENCY[min(8, max(2, dtype.itemsize))]
     worst = float(np.abs(recomputed - weights).max())
     if worst > tolerance:

@@ -182,7 +182,7 @@ def attention_vectors(cache):
         The factor the model puts on the scores.
     """
     stack = cache.get("stack") if isinstance(cache, dict) else None
-    if not isinstance(stack, dict):
+    if not isinstance(stack, dict) or "layers" not in stack:
         raise ArgumentError(
             "cache must be the cache returned by encoder_forward or decoder_only_forward"
         )
