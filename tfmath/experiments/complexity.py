@@ -86,6 +86,16 @@ def complexity_scaling(settings):
     linear = time_fits["linear"]
     crossed = {(c.variant, c.d): c for c in crossovers}
     first_d = grid["crossover_dims"][0]
+    others = [f for name, f in memory_fits.items() if name != "naive" and f is not None]
+    n_exponents = [f.exponents["n"] for f in others]
+    others_memory = (
+        f"every other variant's peak grows as n^{min(n_exponents):.2f} to "
+        f"n^{max(n_exponents):.2f}, the O(n d) of its operands and output, read as resident "
+        f"pages: at a few MiB the pages the allocator reuses move a point by up to a MiB "
+        f"from run to run, so these exponents, and their intervals, are rough"
+        if others
+        else "no other variant's memory was fitted"
+    )
     caption = (
         f"Median CPU time of {grid['repeats']} calls after a warm-up, on one thread, batch 1 "
         f"x {grid['heads']} heads, float32, backend {backend}. The machine is shared with "
@@ -97,13 +107,19 @@ def complexity_scaling(settings):
         f"the seed's O(n^2 d); linear attention as {linear.describe('n')} "
         f"{linear.describe('d')}, the O(n d^2) of Katharopoulos et al. (its d exponent is "
         f"below 2 because the O(n d) terms still weigh at d <= 128); the sliding window "
-        f"(w = {cx.LOCAL_WINDOW}) as {time_fits['local'].describe('n')}, and Child et al.'s "
+        f"(w = {cx.LOCAL_WINDOW}) as {time_fits['local'].describe('n')} (above 1 near n = w: "
+        f"the first w queries attend fewer keys, n w - w^2/2 in all), and Child et al.'s "
         f"window = stride = sqrt(n) as {time_fits['local+strided'].describe('n')} (theory "
-        f"n^1.5). Dashed lines have the theoretical slopes, anchored at the largest n; "
+        f"n^1.5); the recurrent baseline as {time_fits['rnn'].describe('n')} "
+        f"{time_fits['rnn'].describe('d')}, the O(n d^2) of its d x d products (below 2 in d "
+        f"for the same reason as linear attention's). Fitted over the sizes run, these "
+        f"exponents are local: lower-order terms move them off the asymptote's, so an "
+        f"interval may exclude the theory while the law holds (the ledger tests the laws on "
+        f"exact counts). Dashed lines have the theoretical slopes, anchored at the largest n; "
         f"intervals are 95 %. Memory: only the naive path holds O(n^2) "
-        f"({memory_fits['naive'].describe('n') if memory_fits['naive'] else 'n/a'}); every "
-        f"other variant allocates O(n d) (the two sparse variants allocate only their output, "
-        f"so their curves coincide). Crossovers with flash at d = {first_d} (bootstrap 95 % "
+        f"({memory_fits['naive'].describe('n') if memory_fits['naive'] else 'n/a'}); "
+        f"{others_memory} (the two sparse variants allocate only their output, so their "
+        f"curves coincide). Crossovers with flash at d = {first_d} (bootstrap 95 % "
         f"intervals over the repeats): "
         + "; ".join(_describe_crossover(crossed[(name, first_d)]) for name in CHALLENGERS)
         + "."
