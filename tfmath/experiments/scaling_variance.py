@@ -177,6 +177,17 @@ def _variance_claims(estimates, fits):
     return claims
 
 
+def _slope_against_one(fit):
+    """The slope with its interval, and how far from the exact 1 when the interval misses it."""
+    text = f"{fit.slope:.4f} [{fit.slope_low:.4f}, {fit.slope_high:.4f}]"
+    if fit.slope_low <= 1 <= fit.slope_high:
+        return text
+    return (
+        f"{text} ({(fit.slope - 1) / fit.slope_error:+.1f} standard errors from the exact 1: "
+        f"a {CONFIDENCE:.0%} interval misses the truth once in twenty fits)"
+    )
+
+
 def _variance_caption(estimates, fits):
     iid = "; ".join(
         f"{label} {fit.slope:.4f} [{fit.slope_low:.4f}, {fit.slope_high:.4f}]"
@@ -204,7 +215,7 @@ def _variance_caption(estimates, fits):
         f"the largest deviation from 1 is {np.max(np.abs(z_scores)):.2f} standard errors, "
         f"inside the simultaneous {CONFIDENCE:.0%} band of ±{simultaneous:.2f} for all "
         f"{z_scores.size} points (Bonferroni). "
-        f"Components of mean 1 keep slope {shifted_fit.slope:.4f} but with prefactor "
+        f"Components of mean 1 keep slope {_slope_against_one(shifted_fit)} but with prefactor "
         f"{shifted_fit.prefactor:.3f} (exact 1 + 2μ² = 3), so 1/√d_k leaves a variance of 3 "
         f"and a mean scaled score √d_k μ² that grows to "
         f"{shifted.sample_mean[-1] / math.sqrt(shifted.d_k[-1]):.1f} at "
