@@ -180,6 +180,10 @@ def chinchilla_scaling_law(settings):
     figure, axes = new_figure(12, 5, ncols=2)
     ax = axes[0, 0]
     levels = np.array([1.9, 2.0, 2.1, 2.2, 2.4, 2.6, 2.8, 3.0, 3.5, 4.0])
+    # Log axes before the contours: clabel cuts each line around its label where it is
+    # drawn, and on linear axes switched to log afterwards the cuts grew to decades.
+    ax.set_xscale("log")
+    ax.set_yscale("log")
     contours = ax.contour(c_grid, n_grid, loss, levels=levels, cmap="viridis")
     ax.clabel(contours, fmt="%.1f", fontsize=8)
     ax.loglog(compute, frontier.n, color="C3", lw=2, label=r"$N_{opt}(C) = G\,(C/6)^{a}$")
@@ -200,7 +204,7 @@ def chinchilla_scaling_law(settings):
     ax.set_title(
         r"iso-loss contours of $E + A/N^{\alpha} + B/D^{\beta}$, $D = C/(6N)$", fontsize=10
     )
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2)
 
     ax = axes[0, 1]
     budgets = (1e19, 1e21, 1e23, 5.76e23, 1e25)
