@@ -38,11 +38,13 @@ def positional_heatmap(settings):
     plots.encoding_columns(encoding, (0, 1, 16, 40, d_model // 2), ax=columns)
 
     caption = (
-        f"Each row is one position's encoding, each column one dimension. Left columns "
+        f"The first {n_positions} positions at d_model = {d_model}: each row is one "
+        f"position's encoding, each column one dimension (right, five columns as curves). "
+        f"Left columns "
         f"oscillate fast (wavelength 2π ≈ 6.3 positions at j = 0, 1) and right columns "
         f"slowly, so the rows look like a binary counter written in waves. Every value lies "
-        f"in [-1, 1]: over all {N_POSITIONS:,} positions at d_model = {D_MODEL} the smallest "
-        f"value is {bounds.minimum:.15f} and the largest {bounds.maximum:.1f} (cos 0)."
+        f"in [-1, 1]: computed over all {N_POSITIONS:,} positions at d_model = {D_MODEL}, "
+        f"the smallest value is {bounds.minimum:.15f} and the largest {bounds.maximum:.1f} (cos 0)."
     )
     return ExperimentResult(
         caption=caption,
