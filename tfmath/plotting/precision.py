@@ -55,6 +55,10 @@ def score_overflow(measured, scaled=None, *, n_keys, component_std=1.0, ax=None)
     crossing = precision.overflow_dimension(0.5, n_keys, component_std=component_std)
     ax.axvline(crossing, color="grey", linestyle=":", label="theory: 50% at this $d_k$")
     ax.set_xscale("log")
+    # The dimensions measured, as plain numbers: log-axis minor labels (3 x 10^2, ...)
+    # run into each other within one decade.
+    ax.set_xticks(d, [f"{v:g}" for v in d])
+    ax.minorticks_off()
     ax.set_xlabel("$d_k$")
     ax.set_ylabel(f"rows of {n_keys} scores with one ≥ {_FLOAT16_LIMIT}")
     ax.set_title(f"float16 overflow of $q\\cdot k$, components of s.d. {component_std:g}")
@@ -98,7 +102,8 @@ def softmax_overflow(term, row, *, n_keys, ax=None):
     ax.set_xlabel("$d_k$ (unscaled logits, s.d. $\\sqrt{d_k}$)")
     ax.set_ylabel(f"rows of {n_keys} logits")
     ax.set_title("softmax in float16 without the maximum subtracted")
-    ax.legend(fontsize=8)
+    # Below the panel: inside, the legend is as wide as the rise and covers its points.
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.22))
     return ax
 
 
