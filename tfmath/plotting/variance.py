@@ -55,7 +55,7 @@ def variance_against_dk(estimates, *, confidence=0.95):
         )
         scaled.plot(d, estimate.scaled_variance, "o", color=colour, ms=4, label=label)
         scaled.plot(d, estimate.scaled_theory, "--", color=colour, lw=1)
-        deviation.plot(d * shift, estimate.z_scores(), "o", color=colour, ms=5, label=label)
+        deviation.plot(d * shift, estimate.z_scores(), "o", color=colour, ms=5)
     unscaled.plot([], [], "k--", lw=1, label="exact (closed form)")
     unscaled.set(
         xscale="log",
@@ -72,17 +72,17 @@ def variance_against_dk(estimates, *, confidence=0.95):
         title=r"Scaled by $1/\sqrt{d_k}$: flat at 1 for i.i.d. components",
     )
     z = _normal_quantile(confidence)
-    deviation.axhspan(-z, z, color="0.85", label=f"{confidence:.0%} interval")
+    deviation.axhspan(-z, z, color="0.85")
     deviation.set(
         xscale="log",
         xlabel="$d_k$ (dimension of q and k)",
         ylabel="(estimate - exact) / standard error",
-        title="Estimates against the closed forms",
+        # The colours are the first panel's: a legend here would cover the points.
+        title=f"Estimates against the closed forms (grey: {confidence:.0%} interval)",
     )
     for ax in axes[0]:
         ax.grid(True, which="major", alpha=0.3)
     unscaled.legend(fontsize=8)
-    deviation.legend(fontsize=8, loc="lower left")
     return figure
 
 
