@@ -9,6 +9,8 @@ variant overtakes exact (flash) attention, measure what the approximations
 cost in accuracy, and count the RNN's sequential depth against attention's.
 """
 
+import math
+
 import numpy as np
 
 from tfmath._contract.backend import resolve_backend
@@ -512,6 +514,10 @@ def complexity_sequential(settings):
         ax.set_title(title)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
+    # The rates span one decade or less: from the power of ten below the slowest, so that a
+    # labelled tick lies under every point.
+    slowest = min(min(values) for values in rates.values())
+    rate.set_ylim(bottom=10 ** math.floor(math.log10(slowest)))
     last = lengths[-1]
     work_ratio = counted["flash"][-1].flops / counted["rnn"][-1].flops
     caption = (
