@@ -862,10 +862,24 @@ def _approach1(envelope, isoflop):
         return f"Approach 1 (the envelope of the training curves) could not be read: {envelope}. "
     low, high = envelope.a_interval
     overlap = max(low, isoflop.a_interval[0]) <= min(high, isoflop.a_interval[1])
+    sizes = envelope.grid_n[envelope.grid_readable]
+    budgets = envelope.grid_compute[envelope.grid_readable]
+    backwards = [
+        f"{sizes[i]:.0f} to {sizes[i + 1]:.0f} parameters at C = {budgets[i + 1]:.1e}"
+        for i in range(sizes.size - 1)
+        if sizes[i + 1] < sizes[i]
+    ]
+    staircase = (
+        f" (not always upwards: from {'; from '.join(backwards)}, where two sizes' curves "
+        f"cross more than once, as the runs' loss noise of {envelope.loss_std:.3f} nats "
+        f"allows; the line is fitted through the steps as they fall)"
+        if backwards
+        else ""
+    )
     return (
         f"Approach 1, the envelope of the runs' validation curves, changes size "
         f"{envelope.compute.size} times between C = {envelope.compute[0]:.1e} and "
-        f"{envelope.compute[-1]:.1e}; the line through those switches gives a = "
+        f"{envelope.compute[-1]:.1e}{staircase}; the line through those switches gives a = "
         f"{envelope.a:.2f} {_interval(envelope.a_interval)} (resampling a loss noise of "
         f"{envelope.loss_std:.3f} nats), "
         f"{'in agreement with' if overlap else 'apart from'} approach 2. "
