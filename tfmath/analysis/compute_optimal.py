@@ -1731,7 +1731,7 @@ def _kaplan_unneeded_terms(data, residual, confidence):
     r"""Whether the runs need neither the N term nor the D term beyond the other: a
     boolean array of two (N term, D term).
 
-    Without the D term, equation 1.5 is :math:`\log L = lpha_N (\log N_c - \log N)`,
+    Without the D term, equation 1.5 is :math:`\log L = \alpha_N (\log N_c - \log N)`,
     a line fitted exactly by least squares (likewise in :math:`D`). The term is not
     needed when the line's residual sum of squares exceeds the full fit's by no more
     than the :math:`F` test at ``confidence`` allows for 2 parameters fewer, or than the
