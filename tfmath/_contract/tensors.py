@@ -325,11 +325,15 @@ def accepts_tensors(function=None, *, autograd=None, reads_outputs=False):
     return wrapper
 
 
+#: A block's signature, read once: a block runs through autograd on every training step.
+_signature = functools.cache(inspect.signature)
+
+
 def _block_through_autograd(forward, backward, args, kwargs, reads_outputs):
     """A block's ``forward``/``backward`` pair as one autograd node over the arguments of
     its positional parameters, however they were passed (its keyword-only parameters
     are options, which get no gradient)."""
-    signature = inspect.signature(forward)
+    signature = _signature(forward)
     bound = signature.bind(*args, **kwargs)
     bound.apply_defaults()
     names = [
