@@ -181,3 +181,19 @@ def test_staging_folders_of_killed_runs_are_removed_and_live_ones_kept(tmp_path)
     build_report(out, RunSettings(backend="cpu"), only=["worked_examples"])
     leftovers = sorted(p.name for p in tmp_path.iterdir())
     assert leftovers == [".report.mine", "report"]
+
+
+def test_cli_output_read_in_part_ends_quietly():
+    """``tfmath info | head -1``: the reader closes the pipe, and tfmath stops without a
+    BrokenPipeError traceback."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tfmath", "info"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        bufsize=0,
+    )
+    assert process.stdout.read(1)
+    process.stdout.close()
+    error = process.stderr.read().decode()
+    assert process.wait(timeout=120) == 0, error
+    assert "Traceback" not in error

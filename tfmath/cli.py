@@ -15,7 +15,13 @@ def main(argv=None):
     if args.command is None:
         parser.print_help()
         return 2
-    return args.handler(args)
+    try:
+        return args.handler(args)
+    except BrokenPipeError:
+        # The reader stopped reading (``tfmath info | head``): nothing is wrong, and
+        # Python's flush of stdout at exit must not fail on the closed pipe either.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 def _parser():
