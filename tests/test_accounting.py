@@ -210,8 +210,8 @@ def tiny_configs(draw):
         n_token_types=draw(st.integers(0, 2)),
         embedding_norm=draw(st.booleans()),
         final_norm=draw(st.booleans()),
-        output_head=draw(st.sampled_from(A.OUTPUT_HEADS)),
-        output_bias=draw(st.booleans()),
+        output_head=(head := draw(st.sampled_from(A.OUTPUT_HEADS))),
+        output_bias=head != "none" and draw(st.booleans()),  # a bias needs logits
         shared_embeddings=draw(st.booleans()),
     )
 
@@ -241,11 +241,70 @@ def test_count_equals_the_size_of_the_arrays_tfmath_builds(config):
         ({"pooler": 1}, TypeError, "pooler"),
         ({"norm_eps": -1.0}, ValueError, "norm_eps"),
         ({"norm_eps": float("nan")}, ValueError, "norm_eps"),
+        ({"n_ctx": 1025}, ValueError, "n_ctx = 1025 is longer than the learned position"),
+        ({"output_bias": True, "output_head": "none"}, ValueError, "output_bias=True needs"),
     ],
 )
 def test_bad_configs_are_refused(change, exception, word):
     with pytest.raises(exception, match=word):
         dataclasses.replace(A.preset("gpt2"), **change)
+
+
+def test_numpy_integers_count_as_python_integers_without_wrapping():
+    """A NumPy integer in a config or an argument is stored and used as a Python int: an
+    int32 width once made GPT-3's count wrap to a negative number."""
+    gpt3 = A.preset("gpt3-175b")
+    narrow = dataclasses.replace(gpt3, d_model=np.int32(12288), n_layers=np.int16(96))
+    assert type(narrow.d_model) is int and narrow == gpt3
+    assert A.count_parameters(narrow) == A.count_parameters(gpt3) == 174_604_259_328
+    assert A.flops_per_token(gpt3, n_ctx=np.int32(2048)) == A.flops_per_token(gpt3, n_ctx=2048)
+    assert A.kv_cache_bytes_per_token(gpt3, bytes_per_element=np.int16(2)) == 2 * 96 * 12288 * 2
+    # Korthikanti et al.'s s b h (34 + 5 a s / h) at s = 2048, b = 8.
+    s, b, h, a = 2048, 8, 12288, 96
+    assert A.activation_memory_per_layer(
+        gpt3, seq_len=np.int32(s), batch_size=np.int32(b)
+    ) == s * b * h * (34 + 5 * a * s // h)
+
+
+def test_a_configs_context_defaults_to_its_learned_position_table():
+    short = dataclasses.replace(A.preset("gpt2"), n_positions=512, n_ctx=None)
+    assert short.n_ctx == 512
+    assert A.ModelConfig("m", "decoder", 8, 8, 1, 1, 8, position="rotary").n_ctx == 1024
+    # A formula may still be asked what the same layers would cost at another context.
+    assert A.flops_per_token(short, n_ctx=4096).n_ctx == 4096
+
+
+def test_the_pooler_is_charged_to_no_token():
+    """BERT's pooler maps the first token of each sequence only; the per-token count of
+    matrix products leaves it out (12 layers of 4 d^2 attention and 2 d d_ff FFN weights,
+    and QK^T, PV over all 512 keys)."""
+    d, d_ff, n_ctx = 768, 3072, 512
+    expected = 2 * 12 * (4 * d * d + 2 * d * d_ff) + 4 * 12 * d * n_ctx
+    assert A.flops_per_token("bert-base").step_forward == expected
+
+
+@pytest.mark.parametrize(
+    ("call", "exception", "words"),
+    [
+        (lambda: A.seconds_per_token("gpt2", 1e12, training="yes"), TypeError, "training"),
+        (lambda: A.seconds_per_token("gpt2", float("nan")), ValueError, "flop_rate"),
+        (lambda: A.seconds_per_token("gpt2", float("inf")), ValueError, "flop_rate"),
+        (lambda: A.seconds_per_token("gpt2", 0), ValueError, "flop_rate"),
+        (lambda: A.preset(["gpt2"]), TypeError, "name must be a preset's name"),
+        (lambda: A.preset("gpt-5"), ValueError, "name must be one of the presets"),
+        (lambda: A.measure_flop_rate(size=8, dtype="x"), TypeError, "dtype"),
+        (lambda: A.measure_flop_rate(size=8, dtype=np.int64), TypeError, "dtype"),
+    ],
+)
+def test_bad_arguments_are_refused_by_name(call, exception, words):
+    with pytest.raises(exception, match=words):
+        call()
+
+
+def test_a_numpy_flop_rate_is_a_rate():
+    forward = A.flops_per_token("gpt2").forward
+    assert A.seconds_per_token("gpt2", np.float32(2.0**40)) == forward / 2.0**40
+    assert A.seconds_per_token("gpt2", np.int64(10**12), training=True) == 3 * forward / 1e12
 
 
 def test_unknown_preset_names_the_argument_and_the_choices():

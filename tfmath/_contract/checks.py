@@ -32,6 +32,18 @@ def is_kernel_dtype(dtype):
     return dtype is _FLOAT32 or dtype is _FLOAT64 or dtype in KERNEL_DTYPES
 
 
+def kernel_dtype(name, dtype):
+    """A dtype argument (a NumPy dtype, type or name) as float32 or float64, or raise,
+    naming ``name``."""
+    try:
+        checked = np.dtype(dtype)
+    except TypeError:
+        raise DTypeError(f"{name} must be float32 or float64, got {dtype!r}") from None
+    if checked not in KERNEL_DTYPES:
+        raise DTypeError(f"{name} must be float32 or float64, got {checked}")
+    return checked
+
+
 #: Half-precision dtypes, by name (bfloat16 is ``ml_dtypes.bfloat16``, which tfmath
 #: recognises without importing): stored in 16 bits, computed in float32.
 HALF_DTYPE_NAMES = ("float16", "bfloat16")

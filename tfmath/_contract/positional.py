@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tfmath._contract.checks import kernel_dtype
 from tfmath.errors import ArgumentError, DTypeError
 
 #: Positions must satisfy ``|p| < POSITION_LIMIT``, so that ``p`` times a 32-bit
@@ -21,8 +22,6 @@ POSITION_LIMIT = 2**31
 
 #: Significant decimal digits of the frequencies before they are split.
 _DECIMAL_DIGITS = 60
-
-_OUTPUT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 
 # --- frequencies ------------------------------------------------------------------------------
@@ -131,13 +130,7 @@ def wavelength_base(base):
 
 def output_dtype(dtype):
     """The dtype of a computed encoding: float32 or float64."""
-    try:
-        dtype = np.dtype(dtype)
-    except TypeError:
-        raise DTypeError(f"dtype must be float32 or float64, got {dtype!r}") from None
-    if dtype not in _OUTPUT_DTYPES:
-        raise DTypeError(f"dtype must be float32 or float64, got {dtype}")
-    return dtype
+    return kernel_dtype("dtype", dtype)
 
 
 def check_position_range(name, first, last):

@@ -190,6 +190,13 @@ def _context_share(preset, n_ctx=None):
     return flops.attention_context / flops.forward
 
 
+def _half_context(preset):
+    """The context, in units of d_model, at which the context term equals 2N (half the
+    forward FLOPs): the term grows in proportion to the context."""
+    flops = flops_per_token(preset, n_ctx=1)
+    return flops.forward_approx / flops.attention_context / PRESETS[preset].d_model
+
+
 @experiment(
     "model_accounting",
     title="Parameters, FLOPs and memory of published transformers (seed 000's table, exact)",
@@ -208,6 +215,9 @@ def model_accounting(settings):
     low, high = min(context_share, key=context_share.get), max(context_share, key=context_share.get)
     billions = [p for p in PRESETS if counts[p] > 1e9]
     ffn = {p: _shares(p)["feed-forward"] for p in billions}
+    half = {p: _half_context(p) for p in PRESETS}
+    one_stack = [half[p] for p in PRESETS if PRESETS[p].architecture != "encoder-decoder"]
+    two_stacks = [half[p] for p in PRESETS if PRESETS[p].architecture == "encoder-decoder"]
     caption = (
         f"Exact parameter counts beside seed 000's rounded figures: BERT-Base "
         f"{counts['bert-base']:,}, BERT-Large {counts['bert-large']:,}, GPT-2 "
@@ -219,8 +229,10 @@ def model_accounting(settings):
         f"{100 * _shares('gpt2')['embeddings and head']:.0f}% of GPT-2. Right: Kaplan et al.'s "
         f"attention term 2 n_layer n_ctx d_attn is {100 * context_share[low]:.1f}% ({low}) to "
         f"{100 * context_share[high]:.1f}% ({high}) of the forward FLOPs at each model's own "
-        "context, and passes half only for contexts beyond about 12 d_model, where it equals "
-        "2N. Time per token uses this machine's measured matrix-multiply rate of "
+        f"context, and reaches half of them (equals 2N) only at {min(one_stack):.1f}-"
+        f"{max(one_stack):.1f} d_model ({min(two_stacks):.1f}-{max(two_stacks):.1f} d_model "
+        "for the encoder-decoders, whose cross-attention adds context terms). Time per token "
+        "uses this machine's measured matrix-multiply rate of "
         f"{flop_rate / 1e9:.1f} GFLOP/s (NumPy, float32, {size}x{size}); it is a lower bound "
         "that ignores memory traffic."
     )

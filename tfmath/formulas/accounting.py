@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tfmath._contract.checks import boolean_flag, choice, integer, real
+from tfmath._contract.checks import boolean_flag, choice, integer, kernel_dtype, real
 from tfmath.errors import ArgumentError, DTypeError
 
 __all__ = [
@@ -41,6 +41,8 @@ OUTPUT_HEADS = ("tied", "untied", "none")
 _ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "swiglu")
 _NORMS = ("layer_norm", "rms_norm")
 _NORM_ORDERS = ("post", "pre")
+#: The context length of a :class:`ModelConfig` without learned positions, unless given.
+DEFAULT_N_CTX = 1024
 #: The fields that say whether a part exists: booleans, which ``"no"`` or 2 is not.
 _FLAGS = (
     "bias",
@@ -95,8 +97,10 @@ class ModelConfig:
         Encoder-decoder: one token table for source and target.
     scale_embeddings : bool
         Multiply token embeddings by :math:`\\sqrt{d}` (Vaswani et al. section 3.4).
-    n_ctx : int
-        Context length for the FLOP and memory estimates.
+    n_ctx : int or None
+        Context length for the FLOP and memory estimates; at most ``n_positions``
+        with learned positions. None: ``n_positions`` with learned positions, else
+        :data:`DEFAULT_N_CTX`.
     source : str
         Where the dimensions come from.
     """
@@ -126,18 +130,19 @@ class ModelConfig:
     pooler: bool = False
     shared_embeddings: bool = True
     scale_embeddings: bool = False
-    n_ctx: int = 1024
+    n_ctx: int | None = None
     source: str = field(default="", compare=False)
 
     def __post_init__(self):
         choice("architecture", self.architecture, ARCHITECTURES)
-        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "n_ctx"):
-            integer(name, getattr(self, name), minimum=1)
+        # Stored as the checks return them: Python ints and floats, so that counts of
+        # large models never wrap in a NumPy integer's width.
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff"):
+            self._store(name, integer(name, getattr(self, name), minimum=1))
         for name in ("n_positions", "n_token_types"):
-            integer(name, getattr(self, name), minimum=0)
+            self._store(name, integer(name, getattr(self, name), minimum=0))
         for name in ("n_kv_heads", "d_head", "n_decoder_layers"):
-            if getattr(self, name) is not None:
-                integer(name, getattr(self, name), minimum=1)
+            self._store(name, integer(name, getattr(self, name), minimum=1, allow_none=True))
         if self.d_head is None and self.d_model % self.n_heads:
             raise ArgumentError(f"n_heads = {self.n_heads} must divide d_model = {self.d_model}")
         if self.n_heads % self.kv_heads:
@@ -150,15 +155,31 @@ class ModelConfig:
         choice("position", self.position, POSITIONS)
         choice("output_head", self.output_head, OUTPUT_HEADS)
         for name in _FLAGS:
-            boolean_flag(name, getattr(self, name))
-        real("norm_eps", self.norm_eps, at_least=0.0)
+            self._store(name, boolean_flag(name, getattr(self, name)))
+        self._store("norm_eps", real("norm_eps", self.norm_eps, at_least=0.0))
         if (self.position == "learned") != (self.n_positions > 0):
             raise ArgumentError(
                 f"n_positions must be > 0 exactly when position is 'learned', got "
                 f"position={self.position!r} and n_positions={self.n_positions}"
             )
+        if self.n_ctx is None:
+            self._store("n_ctx", self.n_positions or DEFAULT_N_CTX)
+        self._store("n_ctx", integer("n_ctx", self.n_ctx, minimum=1))
+        if self.position == "learned" and self.n_ctx > self.n_positions:
+            raise ArgumentError(
+                f"n_ctx = {self.n_ctx} is longer than the learned position table "
+                f"(n_positions = {self.n_positions}); the model cannot read it"
+            )
+        if self.output_bias and self.output_head == "none":
+            raise ArgumentError(
+                "output_bias=True needs logits, but output_head is 'none'; pass "
+                "output_bias=False or an output head"
+            )
         if self.n_decoder_layers is not None and self.architecture != "encoder-decoder":
             raise ArgumentError("n_decoder_layers applies to the encoder-decoder architecture only")
+
+    def _store(self, name, value):
+        object.__setattr__(self, name, value)  # the dataclass is frozen to its users
 
     @property
     def head_dim(self):
@@ -193,7 +214,7 @@ def _config(config):
     if isinstance(config, ModelConfig):
         return config
     if isinstance(config, str):
-        return preset(config)
+        return _preset("config", config)
     raise DTypeError(f"config must be a ModelConfig or a preset name, got {type(config).__name__}")
 
 
@@ -205,11 +226,18 @@ def preset(name):
     ValueError
         For an unknown name, listing the known ones.
     """
+    return _preset("name", name)
+
+
+def _preset(argument, name):
+    """:func:`preset`, its errors naming ``argument``."""
+    if not isinstance(name, str):
+        raise DTypeError(f"{argument} must be a preset's name (a string), got {name!r}")
     try:
         return PRESETS[name]
-    except (KeyError, TypeError):
+    except KeyError:
         raise ArgumentError(
-            f"config must be one of the presets {sorted(PRESETS)}, got {name!r}"
+            f"{argument} must be one of the presets {sorted(PRESETS)}, got {name!r}"
         ) from None
 
 
@@ -386,11 +414,12 @@ class FlopsPerToken:
         :math:`2 V d`, the logits' product per token (tied or untied), which
         :math:`N` leaves out; at a byte vocabulary it dominates tiny models.
     step_forward : int
-        The multiply-adds of every matrix product of a causal language model's
-        forward pass, per target token, times 2: the linear maps' weights
-        (biases and norms are not products), the output head, and :math:`QK^\top`
-        and :math:`PV` over the keys each query sees, :math:`(n_{ctx} + 1)/2`
-        on average under the causal mask.
+        The multiply-adds of every matrix product of the forward pass, per
+        token, times 2: the layers' linear maps (biases and norms are not
+        products; BERT's pooler, which maps one token per sequence, is left
+        out), the output head, and :math:`QK^\top` and :math:`PV` over the keys
+        each query sees: all :math:`n_{ctx}` without a mask,
+        :math:`(n_{ctx} + 1)/2` on average under a decoder's causal mask.
     step_training : int
         :math:`3\times` ``step_forward``: a training step (forward, and a
         backward pass with two products, one per operand, for each forward one).
@@ -428,7 +457,8 @@ def flops_per_token(config, *, n_ctx=None):
     ----------
     config : ModelConfig or str
     n_ctx : int, optional
-        Default: the config's ``n_ctx``.
+        Default: the config's ``n_ctx``. Any length is counted, beyond a learned
+        position table too (what the same layers would cost there).
 
     Returns
     -------
@@ -442,8 +472,7 @@ def flops_per_token(config, *, n_ctx=None):
     True
     """
     c = _config(config)
-    n_ctx = c.n_ctx if n_ctx is None else n_ctx
-    integer("n_ctx", n_ctx, minimum=1)
+    n_ctx = c.n_ctx if n_ctx is None else integer("n_ctx", n_ctx, minimum=1)
     n = count_parameters(c, include_embeddings=False)
     n_attention = c.encoder_layers + c.decoder_layers
     if c.architecture == "encoder-decoder":
@@ -458,14 +487,15 @@ def flops_per_token(config, *, n_ctx=None):
 
 
 def _matrix_weights(c):
-    """Weights that multiply an activation once per token: the linear maps, no biases."""
+    """Weights that multiply every token's activations once: the layers' linear maps, no
+    biases."""
     q_width, kv_width = c.n_heads * c.head_dim, c.kv_heads * c.head_dim
     attention = 2 * c.d_model * q_width + 2 * c.d_model * kv_width
     inner = 2 * c.d_ff if c.activation == "swiglu" else c.d_ff
     cross = c.decoder_layers if c.architecture == "encoder-decoder" else 0
     layers = c.encoder_layers + c.decoder_layers
-    pooler = c.d_model * c.d_model if c.pooler else 0
-    return (layers + cross) * attention + layers * (c.d_model * inner + c.d_ff * c.d_model) + pooler
+    # BERT's pooler is left out: it maps one token per sequence, not every token.
+    return (layers + cross) * attention + layers * (c.d_model * inner + c.d_ff * c.d_model)
 
 
 def _causal_attention_products(c, n_ctx):
@@ -500,7 +530,7 @@ def kv_cache_bytes_per_token(config, *, bytes_per_element=2):
         decoded token by token, so it keeps no KV cache.
     """
     c = _config(config)
-    integer("bytes_per_element", bytes_per_element, minimum=1)
+    bytes_per_element = integer("bytes_per_element", bytes_per_element, minimum=1)
     if c.architecture == "encoder":
         raise ArgumentError(
             f"config {c.name!r} is encoder-only: it is not decoded token by token and keeps "
@@ -548,15 +578,11 @@ def activation_memory_per_layer(
     int
     """
     c = _config(config)
-    s = c.n_ctx if seq_len is None else seq_len
-    for name, value in (
-        ("seq_len", s),
-        ("batch_size", batch_size),
-        ("bytes_per_element", bytes_per_element),
-    ):
-        integer(name, value, minimum=1)
-    boolean_flag("dropout", dropout)
-    b, p, d = batch_size, bytes_per_element, c.d_model
+    s = c.n_ctx if seq_len is None else integer("seq_len", seq_len, minimum=1)
+    b = integer("batch_size", batch_size, minimum=1)
+    p = integer("bytes_per_element", bytes_per_element, minimum=1)
+    dropout = boolean_flag("dropout", dropout)
+    d = c.d_model
     q_width, kv_width = c.n_heads * c.head_dim, c.kv_heads * c.head_dim
     k = 2 if c.activation == "swiglu" else 1
     scores = c.n_heads * s * s * b
@@ -573,8 +599,9 @@ def measure_flop_rate(*, size=1024, repeats=5, dtype=np.float32):
     times, and returns :math:`2\,\text{size}^3` over the fastest run, the rate
     a transformer's dense layers can approach.
     """
-    integer("size", size, minimum=1)
-    integer("repeats", repeats, minimum=1)
+    size = integer("size", size, minimum=1)
+    repeats = integer("repeats", repeats, minimum=1)
+    dtype = kernel_dtype("dtype", dtype)
     rng = np.random.default_rng(0)
     a, b = (rng.standard_normal((size, size)).astype(dtype) for _ in range(2))
     a @ b  # warm-up: threads and caches
@@ -594,8 +621,8 @@ def seconds_per_token(config, flop_rate, *, training=False, n_ctx=None):
     example :func:`measure_flop_rate`), ignoring memory traffic, which
     dominates single-token decoding.
     """
-    if isinstance(flop_rate, bool) or not isinstance(flop_rate, int | float) or flop_rate <= 0:
-        raise ArgumentError(f"flop_rate must be a positive number of FLOP/s, got {flop_rate!r}")
+    flop_rate = real("flop_rate", flop_rate, above=0.0)
+    training = boolean_flag("training", training)
     flops = flops_per_token(config, n_ctx=n_ctx)
     return (flops.training if training else flops.forward) / flop_rate
 

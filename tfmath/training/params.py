@@ -32,7 +32,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from tfmath._contract.checks import is_half
+from tfmath._contract.checks import is_half, kernel_dtype
 from tfmath.errors import ArgumentError, DTypeError, ShapeError
 
 __all__ = ["ParameterSpec", "Parameters"]
@@ -104,9 +104,7 @@ class ParameterSpec:
         """
         if isinstance(seed, bool) or not isinstance(seed, int | np.integer) or seed < 0:
             raise ArgumentError(f"seed must be a non-negative integer, got {seed!r}")
-        dtype = np.dtype(dtype)
-        if dtype not in (np.float32, np.float64):
-            raise DTypeError(f"dtype must be float32 or float64, got {dtype}")
+        dtype = kernel_dtype("dtype", dtype)
         arrays = {}
         for name, (shape, initializer) in self.entries.items():
             if initializer == "normal":
