@@ -124,6 +124,59 @@ def test_linear_causal_output_ignores_later_keys(any_backend):
     assert np.max(np.abs(after[:, 90:] - before[:, 90:])) > 1
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("operand", "later"), [("key", "largest"), ("key", np.inf), ("key", np.nan),
+                           ("value", np.inf), ("value", np.nan)],
+)  # fmt: skip
+def test_linear_causal_rows_are_untouched_by_any_later_key_or_value(
+    any_backend, dtype, operand, later
+):
+    """Row i reads keys and values j <= i only, also in its rounding: a largest, infinite or
+    NaN key or value at j = 70 (inside a chunk: rows 64-127 are one) leaves rows 0-69 as
+    they were. Keys once were scaled by the largest of all keys, future ones too, so an
+    infinite key made every earlier row NaN and a huge one moved them by 1e9 ulps; a NaN
+    value reached the rows before it in its chunk through ``0 * nan`` in a GEMM."""
+    rng = np.random.default_rng(3)
+    query, key, value = (rng.standard_normal((130, 4)).astype(dtype) for _ in range(3))
+    before = linear_attention(query, key, value, is_causal=True, backend=any_backend)
+    operands = {"key": key.copy(), "value": value.copy()}
+    operands[operand][70, 0] = np.finfo(dtype).max if later == "largest" else later
+    after = linear_attention(query, operands["key"], operands["value"], is_causal=True,
+                             backend=any_backend)  # fmt: skip
+    before, after = np.asarray(before), np.asarray(after)
+    assert np.all(np.isfinite(after[:70]))
+    assert_close(after[:70], before[:70], linear_tolerance(dtype, 4))
+    if later != "largest":  # and from row 70 on, the non-finite number is read
+        assert not np.any(np.isfinite(after[70:, 0]))
+
+
+def test_linear_float32_keys_of_any_range_keep_their_weight(any_backend):
+    """A float32 key of 1e38 beside keys of 1e-6: every key's features stay exact. Keys
+    were once divided by the largest one, so the small ones underflowed and the output
+    was 77% off. Here the query reads feature 1 only, where key 0 (huge in feature 0) has
+    none: the exact output is the mean of the other values weighted by their feature 1."""
+    rng = np.random.default_rng(4)
+    key = (np.abs(rng.standard_normal((20, 2))) * 1e-6).astype(np.float32)
+    key[0] = [1e38, 0.0]
+    value = rng.standard_normal((20, 1)).astype(np.float32)
+    query = np.array([[0.0, 1.0]], dtype=np.float32)
+    output = linear_attention(query, key, value, feature_map="relu", eps=0.0,
+                              backend=any_backend)  # fmt: skip
+    weights = key[1:, 1].astype(np.float64)
+    expected = weights @ value[1:, 0].astype(np.float64) / weights.sum()
+    assert_close(output[0, 0], expected, linear_tolerance(np.float32, 2))
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_linear_float32_products_beyond_float32_range_do_not_overflow(any_backend, is_causal):
+    """phi(k) v = 4e38 leaves float32's range, but the output, one key's value, does not."""
+    q = k = v = np.full((1, 1), 2e19, dtype=np.float32)
+    output = linear_attention(q, k, v, is_causal=is_causal, feature_map="relu",
+                              backend=any_backend)  # fmt: skip
+    assert_close(output, v.astype(np.float64), linear_tolerance(np.float32, 1))
+
+
 def test_linear_with_no_keys_gives_zeros(any_backend):
     output = linear_attention(
         np.ones((3, 2)), np.ones((0, 2)), np.ones((0, 4)), backend=any_backend

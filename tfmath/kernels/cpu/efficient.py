@@ -15,16 +15,21 @@ batch entries (heads) run in parallel:
   then added to the state. Time :math:`O(n\,C\,d + n\,d\,d_v)`, memory
   :math:`O(C^2 + d\,d_v)` per batch entry, never :math:`O(n^2)`.
 
-Guards for long sequences and extreme magnitudes: the state is a float64 sum
-of per-chunk GEMMs, so a float32 input of length :math:`n` accumulates about
-:math:`C \epsilon_{32} + (n/C)\, \epsilon_{64}` relative rounding rather
-than :math:`n\, \epsilon_{32}`, and numerator and denominator are means
-over the attended keys (see :func:`tfmath.efficient.linear_attention`).
-Every query's features are divided by their largest entry and every key's
-by the largest key feature, with :math:`\varepsilon` rescaled to match
-(the output is unchanged: the rescaling cancels between numerator and
-denominator), so float32 products of features neither overflow nor
-underflow whatever the inputs' scale.
+Guards for long sequences and extreme magnitudes: every product and sum runs in
+float64, the features and values of float32 inputs widened a chunk at a time, so
+float32 features and values (below :math:`3.4 \times 10^{38}`) have products and
+sums far inside float64's range, and a float32 input of length :math:`n`
+accumulates about :math:`n\, \epsilon_{64}` relative rounding rather than
+:math:`n\, \epsilon_{32}`; numerator and denominator are means over the attended
+keys (see :func:`tfmath.efficient.linear_attention`). Each query's features are
+divided by their largest entry, with :math:`\varepsilon` rescaled to match (the
+output is unchanged), which keeps float64 inputs' products within range too. No
+key is scaled by another, so a row's result, rounding included, never depends on
+keys it does not attend: a causal row's not on later keys, infinite or NaN ones
+included (keys scaled by the largest of all once let them in). The causal block
+inside a chunk multiplies by the values in one GEMM, except where a value in the
+chunk is infinite or NaN: then the rows sum only the keys at or before them, since
+the GEMM's ``0 * inf`` above the diagonal would make earlier rows NaN.
 
 Sparse attention walks, for each query row, the runs of keys it attends
 (:func:`run_bounds`: a contiguous window, an arithmetic progression, or the
@@ -173,16 +178,25 @@ def chunk_size(n_features, n_values):
 
 @cpu_kernel
 def _feature_map(x, code, out):
-    """``out = phi(x)`` elementwise: elu(x) + 1 (as e^x for x <= 0) or max(x, 0); NaN stays NaN."""
+    """``out = phi(x)`` elementwise in ``out``'s (float64) precision: elu(x) + 1 (as e^x for
+    x <= 0) or max(x, 0); NaN stays NaN."""
     one = out.dtype.type(1)
     zero = out.dtype.type(0)
     for i in range(x.shape[0]):
         for e in range(x.shape[1]):
-            value = x[i, e]
+            value = one * x[i, e]
             if code == ELU_PLUS_ONE:
                 out[i, e] = value + one if value > 0 else np.exp(value)
             else:
                 out[i, e] = zero if value < 0 else value
+
+
+@cpu_kernel
+def _widen(x, out):
+    """``out = x`` in ``out``'s (float64) precision."""
+    for i in range(x.shape[0]):
+        for e in range(x.shape[1]):
+            out[i, e] = x[i, e]
 
 
 @cpu_kernel
@@ -202,32 +216,8 @@ def _normalised_rows(x, code, out, row_scale):
 
 
 @cpu_kernel
-def _largest_feature(x, code, scratch):
-    """``max phi(x)`` over all rows (1 when every feature is 0), a chunk at a time."""
-    largest = 0.0
-    chunk = scratch.shape[0]
-    for start in range(0, x.shape[0], chunk):
-        rows = min(chunk, x.shape[0] - start)
-        _feature_map(x[start : start + rows], code, scratch[:rows])
-        for r in range(rows):
-            for e in range(x.shape[1]):
-                if scratch[r, e] > largest:
-                    largest = scratch[r, e]
-    return largest if largest > 0 else 1.0
-
-
-@cpu_kernel
-def _key_features(key, code, key_scale, out):
-    """``out = phi(key) / key_scale``."""
-    _feature_map(key, code, out)
-    for r in range(key.shape[0]):
-        for e in range(key.shape[1]):
-            out[r, e] /= key_scale
-
-
-@cpu_kernel
 def _add_features(state, normaliser, features, values, partial):
-    """``state += features^T values`` and ``normaliser += column sums of features`` (float64)."""
+    """``state += features^T values`` and ``normaliser += column sums of features``."""
     np.dot(features.T, values, partial)
     for e in range(state.shape[0]):
         for f in range(state.shape[1]):
@@ -238,34 +228,57 @@ def _add_features(state, normaliser, features, values, partial):
 
 
 @cpu_kernel
+def _all_finite(x):
+    for i in range(x.shape[0]):
+        for e in range(x.shape[1]):
+            if not np.isfinite(x[i, e]):
+                return False
+    return True
+
+
+@cpu_kernel
+def _lower_product(scores, values, out):
+    """``out[r] = sum_{c <= r} scores[r, c] values[c]``, reading no value above the
+    diagonal (where a GEMM's ``0 * inf`` would give NaN)."""
+    for r in range(out.shape[0]):
+        for f in range(out.shape[1]):
+            out[r, f] = 0.0
+        for c in range(min(r + 1, values.shape[0])):
+            weight = scores[r, c]
+            for f in range(out.shape[1]):
+                out[r, f] += weight * values[c, f]
+
+
+@cpu_kernel
 def _global_linear(query, key, value, code, eps, chunk, out):
     """Non-causal linear attention of one batch entry."""
     n_query, n_key = query.shape[0], key.shape[0]
     n_features, n_values = key.shape[1], value.shape[1]
-    dtype = out.dtype
     state = np.zeros((n_features, n_values))
     normaliser = np.zeros(n_features)
-    features = np.empty((chunk, n_features), dtype=dtype)
-    partial = np.empty((n_features, n_values), dtype=dtype)
+    features = np.empty((chunk, n_features))
+    values = np.empty((chunk, n_values))
+    partial = np.empty((n_features, n_values))
+    result = np.empty((chunk, n_values))
     row_scale = np.empty(chunk)
-    key_scale = _largest_feature(key, code, features)
     for start in range(0, n_key, chunk):
         rows = min(chunk, n_key - start)
-        _key_features(key[start : start + rows], code, key_scale, features[:rows])
-        _add_features(state, normaliser, features[:rows], value[start : start + rows], partial)
-    mean_state = (state / n_key).astype(dtype)
-    mean_normaliser = normaliser / n_key
+        _feature_map(key[start : start + rows], code, features[:rows])
+        _widen(value[start : start + rows], values[:rows])
+        _add_features(state, normaliser, features[:rows], values[:rows], partial)
+    state /= max(n_key, 1)
+    normaliser /= max(n_key, 1)
     for start in range(0, n_query, chunk):
         rows = min(chunk, n_query - start)
         _normalised_rows(query[start : start + rows], code, features[:rows], row_scale)
-        np.dot(features[:rows], mean_state, out[start : start + rows])
+        np.dot(features[:rows], state, result[:rows])
         for r in range(rows):
-            # eps / (row scale * key scale): the guard in the units of the normalised features.
-            denominator = eps / (row_scale[r] * key_scale)
+            # eps / row scale: the guard in the units of the normalised features.
+            denominator = eps / row_scale[r]
             for e in range(n_features):
-                denominator += features[r, e] * mean_normaliser[e]
+                denominator += features[r, e] * normaliser[e]
             for f in range(n_values):
-                out[start + r, f] /= denominator
+                out[start + r, f] = result[r, f] / denominator
 
 
 @cpu_kernel
@@ -273,19 +286,17 @@ def _causal_linear(query, key, value, code, eps, chunk, out):
     """Causal linear attention of one batch entry, a chunk of positions at a time."""
     n_query, n_key = query.shape[0], key.shape[0]
     n_features, n_values = key.shape[1], value.shape[1]
-    dtype = out.dtype
     state = np.zeros((n_features, n_values))
     normaliser = np.zeros(n_features)
-    mean_state = np.zeros((n_features, n_values), dtype=dtype)
-    query_features = np.empty((chunk, n_features), dtype=dtype)
-    key_features = np.empty((chunk, n_features), dtype=dtype)
-    block = np.empty(chunk * chunk, dtype=dtype)
-    inside = np.empty((chunk, n_values), dtype=dtype)
-    partial = np.empty((n_features, n_values), dtype=dtype)
+    mean_state = np.zeros((n_features, n_values))
+    query_features = np.empty((chunk, n_features))
+    key_features = np.empty((chunk, n_features))
+    values = np.empty((chunk, n_values))
+    block = np.empty(chunk * chunk)
+    prefix = np.empty((chunk, n_values))
+    inside = np.empty((chunk, n_values))
+    partial = np.empty((n_features, n_values))
     row_scale = np.empty(chunk)
-    # One scale for every key: rescaling all keys alike changes only the units of eps,
-    # so using keys later than a query here does not leak them into its output.
-    key_scale = _largest_feature(key, code, key_features)
     for start in range(0, n_query, chunk):
         rows = min(chunk, n_query - start)
         before = min(start, n_key)  # keys wholly before the chunk: the prefix state
@@ -295,17 +306,19 @@ def _causal_linear(query, key, value, code, eps, chunk, out):
             for e in range(n_features):
                 for f in range(n_values):
                     mean_state[e, f] = state[e, f] / before
-            np.dot(query_features[:rows], mean_state, out[start : start + rows])
-        else:
-            out[start : start + rows] = 0
+            np.dot(query_features[:rows], mean_state, prefix[:rows])
         scores = block[: rows * max(n_inside, 1)].reshape(rows, max(n_inside, 1))
         if n_inside > 0:
-            _key_features(key[start : start + n_inside], code, key_scale, key_features[:n_inside])
+            _feature_map(key[start : start + n_inside], code, key_features[:n_inside])
+            _widen(value[start : start + n_inside], values[:n_inside])
             np.dot(query_features[:rows], key_features[:n_inside].T, scores)
             for r in range(rows):
                 for c in range(r + 1, n_inside):
                     scores[r, c] = 0
-            np.dot(scores, value[start : start + n_inside], inside[:rows])
+            if _all_finite(values[:n_inside]):
+                np.dot(scores, values[:n_inside], inside[:rows])
+            else:
+                _lower_product(scores, values[:n_inside], inside[:rows])
         for r in range(rows):
             count = min(start + r + 1, n_key)
             prefix_kernel = 0.0
@@ -315,18 +328,16 @@ def _causal_linear(query, key, value, code, eps, chunk, out):
             inside_kernel = 0.0
             for c in range(min(r + 1, n_inside)):
                 inside_kernel += scores[r, c]
-            guard = eps / (row_scale[r] * key_scale)
-            denominator = (prefix_kernel + inside_kernel) / count + guard
+            denominator = (prefix_kernel + inside_kernel) / count + eps / row_scale[r]
             for f in range(n_values):
-                numerator = before * out[start + r, f]
+                numerator = 0.0
+                if before > 0:
+                    numerator += before * prefix[r, f]
                 if n_inside > 0:
                     numerator += inside[r, f]
                 out[start + r, f] = numerator / count / denominator
         if n_inside > 0:
-            _add_features(
-                state, normaliser, key_features[:n_inside], value[start : start + n_inside],
-                partial,
-            )  # fmt: skip
+            _add_features(state, normaliser, key_features[:n_inside], values[:n_inside], partial)
 
 
 @cpu_kernel(parallel=True)

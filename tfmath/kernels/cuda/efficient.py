@@ -121,10 +121,12 @@ def sparse_attention(problem, pattern):
 
 @cuda.jit(device=True)
 def _phi(x, code):
-    """The feature map: elu(x) + 1 (as e^x for x <= 0) or max(x, 0); NaN stays NaN."""
+    """The feature map in float64: elu(x) + 1 (as e^x for x <= 0) or max(x, 0); NaN stays
+    NaN. float64, so that products of float32 features and values cannot overflow."""
+    wide = float(x)  # float64 on the GPU and on the simulator alike
     if code == ELU_PLUS_ONE:
-        return x + 1 if x > 0 else math.exp(x)
-    return 0 * x if x < 0 else x
+        return wide + 1.0 if wide > 0 else math.exp(wide)
+    return 0.0 * wide if wide < 0 else wide
 
 
 @cuda.jit
@@ -141,7 +143,7 @@ def _global_state_kernel(key, value, index, code, state, normaliser):
     total = 0.0
     for j in range(n_key):
         feature = _phi(key[k, j, e], code)
-        total += feature if f == n_values else feature * value[v, j, f]
+        total += feature if f == n_values else feature * float(value[v, j, f])
     if f == n_values:
         normaliser[b, e] = total / n_key
     else:
@@ -184,7 +186,7 @@ def _causal_kernel(query, key, value, index, code, eps, column, normaliser, out)
         if i < n_key:
             for e in range(n_features):
                 feature = _phi(key[k, i, e], code)
-                column[b, f, e] += feature * value[v, i, f]
+                column[b, f, e] += feature * float(value[v, i, f])
                 normaliser[b, f, e] += feature
         count = min(i + 1, n_key)
         numerator = 0.0
