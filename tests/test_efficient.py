@@ -12,6 +12,7 @@ from hypothesis.extra.numpy import mutually_broadcastable_shapes
 
 import tfmath
 from tfmath.efficient import (
+    default_window,
     linear_attention,
     sparse_attention,
     sparse_attention_mask,
@@ -142,8 +143,9 @@ def test_linear_causal_rows_are_untouched_by_any_later_key_or_value(
     before = linear_attention(query, key, value, is_causal=True, backend=any_backend)
     operands = {"key": key.copy(), "value": value.copy()}
     operands[operand][70, 0] = np.finfo(dtype).max if later == "largest" else later
-    after = linear_attention(query, operands["key"], operands["value"], is_causal=True,
-                             backend=any_backend)  # fmt: skip
+    with np.errstate(over="ignore", invalid="ignore"):  # the later rows: inf or NaN
+        after = linear_attention(query, operands["key"], operands["value"], is_causal=True,
+                                 backend=any_backend)  # fmt: skip
     before, after = np.asarray(before), np.asarray(after)
     assert np.all(np.isfinite(after[:70]))
     assert_close(after[:70], before[:70], linear_tolerance(dtype, 4))
@@ -458,6 +460,17 @@ def test_bad_linear_input_is_refused_before_any_kernel(
     kernels_must_not_run, kwargs, exception, words
 ):
     assert_refused(lambda: linear_attention(Q, Q, Q, backend="cpu", **kwargs), exception, words)
+
+
+@pytest.mark.parametrize(
+    ("n", "exception"), [(0, ValueError), (-5, ValueError), (True, TypeError), (2.5, TypeError)]
+)
+def test_default_window_refuses_what_is_not_a_length(n, exception):
+    assert_refused(lambda: default_window(n), exception, ["n "])
+
+
+def test_default_window_is_the_ceiling_of_the_square_root():
+    assert [default_window(n) for n in (1, 2, 4, 5, 16, 17, 10**12)] == [1, 2, 2, 3, 4, 5, 10**6]
 
 
 def test_bad_shapes_are_refused_like_exact_attention(kernels_must_not_run):

@@ -144,3 +144,17 @@ BAD_CALLS = [
 @pytest.mark.parametrize(("args", "exception", "words"), BAD_CALLS)
 def test_bad_input_is_refused_before_any_kernel(kernels_must_not_run, args, exception, words):
     assert_refused(lambda: elman_rnn(*args, backend="cpu"), exception, words)
+
+
+@pytest.mark.cuda
+def test_a_hidden_state_beyond_the_cuda_kernels_block_is_refused_before_any_kernel(
+    kernels_must_not_run,
+):
+    """One thread per hidden unit in one block: d_h = 1025 cannot run on the cuda backend,
+    and the refusal is a tfmath error naming the size and the way out."""
+    arguments = (np.ones((2, 3)), np.ones((1025, 3)), np.zeros((1025, 1025)))
+    assert_refused(
+        lambda: elman_rnn(*arguments, backend="cuda"),
+        tfmath.BackendUnavailableError,
+        ["d_h = 1025", "backend='cpu'"],
+    )

@@ -291,5 +291,7 @@ def sparse_attention_mask(
 
 
 def default_window(n):
-    r"""Child et al.'s window and stride for length :math:`n`: :math:`\lceil\sqrt{n}\rceil`."""
-    return max(1, math.isqrt(max(n - 1, 0)) + 1)
+    r"""Child et al.'s window and stride for length :math:`n \ge 1`:
+    :math:`\lceil\sqrt{n}\rceil`."""
+    n = integer("n", n, minimum=1)
+    return math.isqrt(n - 1) + 1

@@ -27,7 +27,8 @@ class ArgumentError(TfmathError, ValueError):
 
 
 class BackendUnavailableError(TfmathError, ValueError):
-    """The requested backend is unknown, or cannot run on this machine."""
+    """The requested backend is unknown, cannot run on this machine, or cannot run this
+    problem (a size beyond its kernel's limit)."""
 
 
 class AllocationError(TfmathError, MemoryError):

@@ -7,8 +7,8 @@ costs :math:`O(d_h^2 + d_h d_x)`, so a sequence costs :math:`O(n d^2)`, less
 than attention's :math:`O(n^2 d)` once :math:`n > d`; but step :math:`t`
 needs :math:`h_{t-1}`, so the :math:`n` steps cannot run at the same time,
 whereas attention computes all positions at once. Only the input projections
-:math:`W_{xh} x_t` are independent across time, and the kernels compute
-those first, all together.
+:math:`W_{xh} x_t` are independent across time: the CPU kernel computes them
+a chunk of steps at a time, in one matrix product per chunk.
 """
 
 from tfmath._contract.backend import resolve_backend
@@ -56,11 +56,13 @@ def elman_rnn(inputs, w_xh, w_hh, bias=None, h0=None, *, backend="auto"):
 
     Notes
     -----
-    The cpu kernel computes all input projections :math:`W_{xh} x_t` with one
-    matrix product and then runs the :math:`n` dependent steps; batch entries
+    The cpu kernel computes the input projections :math:`W_{xh} x_t` of a chunk
+    of steps with one matrix product (at most 256 steps, fewer for wide layers
+    so that the product's operands stay in a core's L2 cache: one step at
+    :math:`d_x = d_h = 512`), then runs those dependent steps; batch entries
     run in parallel, the steps of one sequence cannot. The cuda kernel runs a
-    block per sequence and a thread per hidden unit, so it needs
-    :math:`d_h \le 1024`.
+    block per sequence and a thread per hidden unit, computing each projection
+    in its step, so it needs :math:`d_h \le 1024`.
 
     Examples
     --------

@@ -242,7 +242,7 @@ def _check_dtype(name, dtype, half):
         return
     accepted = "float16, bfloat16, float32 or float64" if half else "float32 or float64"
     if dtype.kind == "c":
-        hint = "complex data has no ordering, so softmax is undefined for it"
+        hint = "tfmath computes on real numbers only"
     elif dtype.kind == "f" or is_half(dtype):
         hint = (
             f"cast it with .astype(np.float32), or a tensor with .to(torch.float32), if "

@@ -8,7 +8,11 @@ import numpy as np
 from tfmath import _cuda
 from tfmath._contract.checks import float_operand, require_ndim
 from tfmath._contract.layout import as_batched_3d, batch_index, broadcast_batch_shapes, shape_of
-from tfmath.errors import DTypeError, ShapeError
+from tfmath.errors import BackendUnavailableError, DTypeError, ShapeError
+
+#: The widest hidden state the CUDA kernel takes: it runs one thread per hidden unit, in
+#: one block, and a block has at most 1024 threads.
+CUDA_MAX_HIDDEN = 1024
 
 
 @dataclass(frozen=True)
@@ -100,6 +104,12 @@ def rnn_problem(inputs, w_xh, w_hh, bias, h0, *, backend):
         raise ShapeError(
             f"w_hh must have shape (d_h, d_h) = {(hidden, hidden)} (d_h from w_xh), "
             f"got {w_hh.shape}"
+        )
+    if backend == "cuda" and hidden > CUDA_MAX_HIDDEN:
+        raise BackendUnavailableError(
+            f"the cuda backend runs one thread per hidden unit and takes d_h <= "
+            f"{CUDA_MAX_HIDDEN}, got d_h = {hidden} (w_xh of shape {w_xh.shape}); use "
+            "backend='cpu'"
         )
     bias = np.zeros(hidden, dtype=w_hh.dtype) if bias is None else _host_float("bias", bias)
     if bias.shape != (hidden,):

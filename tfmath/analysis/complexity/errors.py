@@ -40,8 +40,9 @@ def structured_inputs(
         a^2 \sum_{m=1}^{H} \cos 2\pi m (i-j)/p`, which is :math:`a^2 H` where
         :math:`p` divides :math:`i - j` and exactly 0 elsewhere (a sum over
         whole periods of the :math:`p`-th roots of unity). :math:`a` makes
-        the peak scaled score ``peak_logit``. Every token attends every
-        :math:`p`-th token.
+        the peak scaled score ``peak_logit``. Every token's largest scores are
+        at every :math:`p`-th token; the others are 0, so a strided pattern of
+        stride :math:`p` misses their small weight.
 
     Values are standard normal in every kind. Build the structured kinds in
     float64: their scores are differences of terms of size :math:`\beta n^2`.

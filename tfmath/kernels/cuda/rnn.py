@@ -15,9 +15,6 @@ from tfmath import _cuda
 
 cuda = _cuda.numba_cuda()
 
-#: Threads per block on every CUDA GPU: the largest hidden size this kernel runs.
-MAX_HIDDEN = 1024
-
 
 @functools.cache
 def _elman_kernel(numba_dtype):
@@ -46,11 +43,6 @@ def _elman_kernel(numba_dtype):
 def elman_rnn(problem):
     """Launch the Elman CUDA kernel on a validated :class:`~tfmath.rnn.RnnProblem`."""
     hidden = problem.hidden_size
-    if hidden > MAX_HIDDEN:
-        raise ValueError(
-            f"the cuda backend runs one thread per hidden unit and supports d_h <= "
-            f"{MAX_HIDDEN}, got d_h = {hidden}; use backend='cpu'"
-        )
     inputs, h0, index = problem.kernel_operands()
     dtype = problem.dtype
     states = _cuda.device_empty((index.shape[0], problem.n_steps, hidden), dtype)
