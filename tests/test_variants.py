@@ -838,3 +838,98 @@ def test_empty_dimensions_give_empty_or_zero_results(shape_q, shape_k):
     grads = variants.flash_attention_grad(q, k, v, np.ones_like(out), sinks=np.ones(2))
     assert [g.shape for g in grads[:3]] == [q.shape, k.shape, v.shape]
     assert all((g == 0).all() for g in grads)
+    # flex_attention's backward too: with no keys it read a key tile beyond its list
+    # (a segmentation fault).
+    grads = variants.flex_attention_grad(q, k, v, np.ones_like(out))
+    assert [g.shape for g in grads[:3]] == [q.shape, k.shape, v.shape]
+    assert all((g == 0).all() for g in grads[:3])
+
+
+#: Document ids that the plain Python functions below read as a global.
+DOCUMENT = np.repeat(np.arange(4), 16)
+
+
+def same_document(b, h, q_idx, kv_idx):
+    return DOCUMENT[q_idx] == DOCUMENT[kv_idx]
+
+
+def document_bias(score, b, h, q_idx, kv_idx):
+    return score + DOCUMENT[kv_idx]
+
+
+def test_plain_functions_read_the_globals_as_they_are_at_each_call(monkeypatch):
+    """A plain Python score_mod or mask_mod reads its globals' current values, on the CPU
+    kernels as in Python (the reference) and PyTorch: the kernels compiled from it are
+    kept only while the arrays it reads are unchanged. They were kept by the function
+    alone, so the CPU masked partial blocks with the previous document ids (1.1 off)."""
+    q, k, v = _operands((1, 2, 64, 4), (1, 2, 64, 4), 4)
+    for ids in (np.repeat(np.arange(4), 16), np.repeat(np.arange(8), 8)):
+        monkeypatch.setitem(globals(), "DOCUMENT", ids)
+        mask = variants.create_block_mask(same_document, None, None, 64, 64, BLOCK_SIZE=16)
+        results = [
+            variants.flex_attention(q, k, v, document_bias, block_mask=mask, backend=backend)
+            for backend in ("cpu", "reference")
+        ]
+        assert_close(results[0], results[1], attention_tolerance(np.float64, 4, 64))
+
+
+def test_an_index_beyond_a_captured_array_is_an_error_not_a_read_beside_it():
+    """PyTorch raises IndexError; compiled without bounds checks, the mask read memory
+    beside the array and classified blocks by it."""
+    short = np.arange(10)
+
+    def beyond(b, h, q_idx, kv_idx):
+        return short[q_idx] == short[kv_idx]
+
+    assert_refused(
+        lambda: variants.create_block_mask(beyond, None, None, 4000, 4000),
+        ValueError,
+        ["mask_mod raised IndexError"],
+    )
+
+    def bias_beyond(score, b, h, q_idx, kv_idx):
+        return score + short[kv_idx]
+
+    q = np.ones((1, 1, 64, 4))
+    assert_refused(
+        lambda: variants.flex_attention(q, q, q, bias_beyond, backend="cpu"),
+        ValueError,
+        ["score_mod or mask_mod raised IndexError"],
+    )
+
+
+def test_auto_runs_the_variants_on_the_cpu_where_a_gpu_is_present(monkeypatch):
+    """ "auto" picks CUDA for every call where a real GPU is present; the variants have
+    CPU kernels only, so there "auto" raised instead of running them."""
+    from tfmath._contract import backend
+
+    monkeypatch.setattr(backend, "auto_stays_on_host", lambda: False)
+    q = np.random.default_rng(0).standard_normal((1, 2, 8, 4))
+    assert_close(
+        variants.flash_attention(q, q, q), variants.flash_attention(q, q, q, backend="cpu"), 0
+    )
+
+
+def test_upstream_gradients_of_the_wrong_shape_are_refused_before_the_forward(
+    kernels_must_not_run,
+):
+    q = np.ones((1, 2, 8, 4))
+    assert_refused(
+        lambda: variants.flash_attention_grad(q, q, q, np.ones((1, 2, 8, 3))),
+        ValueError,
+        ["grad_output"],
+    )
+
+
+def test_learnable_alibi_slopes_are_refused_not_left_without_a_gradient():
+    torch = pytest.importorskip("torch")
+    slopes = torch.nn.Parameter(torch.full((2,), 0.5))
+    for requires_grad in (True, False):
+        q = torch.ones(1, 2, 8, 4, requires_grad=requires_grad)
+        assert_refused(
+            lambda q=q: tfmath.flash_attention(q, q, q, alibi_slopes=slopes),
+            ValueError,
+            ["alibi_slopes requires grad", "detach()"],
+        )
+    detached = tfmath.flash_attention(q, q, q, alibi_slopes=slopes.detach())
+    assert detached.shape == q.shape

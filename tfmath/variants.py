@@ -59,6 +59,8 @@ def __getattr__(name):
 
 
 def _backend(backend):
+    if type(backend) is str and backend == "auto":
+        return "cpu"  # the variants' kernels are the CPU's (auto would pick a present GPU)
     backend = resolve_backend(backend)
     if backend == "cuda":
         raise BackendUnavailableError(
@@ -277,14 +279,16 @@ def _gradients(problem, layout, grad_output, grad_lse, has_sinks, saved=None):
     """``((grad_q, grad_k, grad_v, grad_sinks or None), grad_params)`` in the operands'
     layout, from the forward's ``saved`` output and log-sum-exp (run here when None;
     the reference recomputes everything)."""
+    # The upstream gradients' shapes are checked before the forward runs.
+    grad_output_rows = _output_rows(layout, problem, grad_output, "grad_output")
+    grad_lse_rows = _lse_rows(layout, problem, grad_lse)
     if problem.backend == "reference":
         saved = None
     elif saved is None:
         saved = _run_forward(problem)
     grad_query, grad_key, grad_value, grad_sinks, grad_params = _run_backward(
-        problem, _output_rows(layout, problem, grad_output, "grad_output"),
-        _lse_rows(layout, problem, grad_lse), saved,
-    )  # fmt: skip
+        problem, grad_output_rows, grad_lse_rows, saved
+    )
     grads = (
         layout.narrowed(layout.output(grad_query)),
         layout.narrowed(layout.key_gradient(grad_key)),
@@ -373,7 +377,7 @@ def flash_attention(
     (2, 4, 128, 16)
     """
     options = dict(causal=causal, scale=scale, window_size=window_size, softcap=softcap,
-                   alibi_slopes=alibi_slopes, sinks=sinks)  # fmt: skip
+                   alibi_slopes=contract.slopes_array(alibi_slopes), sinks=sinks)  # fmt: skip
     return _call(
         lambda arrays: _flash_problem(*arrays[:3], {**options, "sinks": arrays[3]}, backend),
         (q, k, v, sinks), return_lse, "flash_attention", return_weights=return_weights,
@@ -395,7 +399,7 @@ def flash_attention_grad(
     \text{lse}_i}(g_i - D_i)` (see :mod:`tfmath.kernels.cpu.flash_variants`).
     """
     options = dict(causal=causal, scale=scale, window_size=window_size, softcap=softcap,
-                   alibi_slopes=alibi_slopes, sinks=sinks)  # fmt: skip
+                   alibi_slopes=contract.slopes_array(alibi_slopes), sinks=sinks)  # fmt: skip
     problem, layout = _flash_problem(q, k, v, options, backend)
     grads, _ = _gradients(problem, layout, grad_output, grad_lse, sinks is not None)
     return grads
@@ -463,7 +467,7 @@ def flash_attention_varlen(
     ``return_lse``, ``lse`` ``(total_q, H)``.
     """
     options = dict(causal=causal, scale=scale, window_size=window_size, softcap=softcap,
-                   alibi_slopes=alibi_slopes, sinks=sinks)  # fmt: skip
+                   alibi_slopes=contract.slopes_array(alibi_slopes), sinks=sinks)  # fmt: skip
     return _call(
         lambda arrays: _varlen_problem(
             *arrays[:3], cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -480,7 +484,7 @@ def flash_attention_varlen_grad(
 ):  # fmt: skip
     """Gradients of :func:`flash_attention_varlen`, as :func:`flash_attention_grad`'s."""
     options = dict(causal=causal, scale=scale, window_size=window_size, softcap=softcap,
-                   alibi_slopes=alibi_slopes, sinks=sinks)  # fmt: skip
+                   alibi_slopes=contract.slopes_array(alibi_slopes), sinks=sinks)  # fmt: skip
     problem, layout = _varlen_problem(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options, backend
     )
@@ -712,10 +716,13 @@ def _flex_problem(query, key, value, score_mod, block_mask, scale, enable_gqa,
     scale = attention_scale(scale, query.shape)
     if block_mask is None:
         query_tile, key_tile = contract.tile_for(n_query), contract.tile_for(n_key)
-        n_key_tiles = -(-n_key // key_tile)
+        # At least one tile each way, as the kernels' padded operands have (no keys or
+        # no queries: one empty tile), so that no tile they loop over is unlisted.
+        n_query_tiles = max(1, -(-n_query // query_tile))
+        n_key_tiles = max(1, -(-n_key // key_tile))
         blocks = contract._packed(
             query_tile, key_tile,
-            [[[(t, False) for t in range(n_key_tiles)] for _ in range(-(-n_query // query_tile))]],
+            [[[(t, False) for t in range(n_key_tiles)] for _ in range(n_query_tiles)]],
             n_key_tiles,
         )  # fmt: skip
         mask_b = mask_h = 1

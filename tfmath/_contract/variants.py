@@ -22,6 +22,7 @@ from tfmath._contract.checks import (
     is_half,
     real,
 )
+from tfmath._contract.tensors import any_tensor, needs_grad, to_array
 from tfmath.errors import ArgumentError, DTypeError, ShapeError
 
 #: Query rows and keys per tile of FlashAttention's variants (a block mask sets its own).
@@ -224,6 +225,20 @@ def head_groups(n_heads, n_kv_heads, what="key and value"):
             f"{what} (grouped-query attention shares each key/value head among a group)"
         )
     return n_heads // n_kv_heads
+
+
+def slopes_array(alibi_slopes):
+    """``alibi_slopes`` as given, or a tensor's as an array; refused if it requires grad
+    (checked in the public function, where grad mode is the caller's)."""
+    if not any_tensor(alibi_slopes):
+        return alibi_slopes
+    if needs_grad(alibi_slopes):
+        raise ArgumentError(
+            "alibi_slopes requires grad, but the variants differentiate q, k, v and sinks "
+            "only, as FlashAttention does: the slopes would get no gradient; pass "
+            "alibi_slopes.detach()"
+        )
+    return to_array("alibi_slopes", alibi_slopes)
 
 
 def flash_options(scale, causal, window_size, softcap, alibi_slopes, sinks, n_heads, n_slope_rows,

@@ -36,6 +36,7 @@ key tiles) takes :math:`D_i - g_i` for the :math:`D_i` of the flash backward, wh
 and :math:`dS_{ij} = dS'_{ij}\, \partial s'_{ij} / \partial s_{ij}`.
 """
 
+import contextlib
 import functools
 import math
 
@@ -45,6 +46,7 @@ from numba import types
 
 from tfmath._blas_threads import serial_blas
 from tfmath._jit import cpu_kernel
+from tfmath.errors import ArgumentError
 from tfmath.kernels.cpu.attention import LOG2E, balanced_tile
 from tfmath.kernels.cpu.blas import gemm, transpose_into
 from tfmath.kernels.cpu.exp2 import exp2_scalar
@@ -57,7 +59,7 @@ from tfmath.kernels.cpu.flash_attention import (
     _softmax_tile,
 )
 from tfmath.kernels.cpu.tanh import tanh_scalar
-from tfmath.kernels.cpu.user_functions import score_function_for
+from tfmath.kernels.cpu.user_functions import frozen_state, score_function_for
 from tfmath.kernels.cpu.vector_width import prefer_wide_vectors
 
 #: The dtypes the kernels compile for (half precision is widened to float32 first).
@@ -558,7 +560,7 @@ def variant_attention(problem):
     log_sum_exp = np.full((n_batch, n_query_tiles, blocks.query_tile), -np.inf, dtype)
     modification = problem.modification
     forward, _, _ = modification_functions(modification, dtype)
-    with serial_blas():
+    with serial_blas(), user_errors():
         _forward_kernel(np.dtype(dtype))(
             query_tiles, _row_tiles(problem.key, blocks.key_tile),
             _row_tiles(problem.value, blocks.key_tile), problem.index, problem.lengths,
@@ -602,7 +604,7 @@ def variant_attention_grad(problem, grad_output, grad_log_sum_exp, saved):
     _, backward, parameter_gradient = modification_functions(modification, dtype)
     grad_params = np.zeros((n_batch * n_parts, max(modification.n_learnable, 1)))
     transposed = blocks.transposed()
-    with serial_blas():
+    with serial_blas(), user_errors():
         _backward_kernel(np.dtype(dtype))(
             query_tiles, key_tiles, _row_tiles(problem.value, key_tile),
             _row_tiles(np.ascontiguousarray(grad_output, dtype), query_tile),
@@ -654,10 +656,28 @@ def _score_element(function, dtype):
 
 
 def _mask_element(function):
-    """A user's ``mask_mod``, a Numba function or a plain Python one compiled here."""
+    """A user's ``mask_mod``, a Numba function or a plain Python one compiled here, with
+    bounds checks (an index beyond a captured array raises: :func:`user_errors`)."""
     if isinstance(function, numba.core.registry.CPUDispatcher):
         return function
-    return numba.njit(function)
+    return numba.njit(boundscheck=True)(function)
+
+
+@contextlib.contextmanager
+def user_errors():
+    """An exception raised by a user's ``score_mod`` or ``mask_mod`` inside a parallel
+    kernel reaches Python as Numba's ``SystemError`` with the user's exception as its
+    cause: re-raised as an error that says whose it was."""
+    try:
+        yield
+    except SystemError as error:
+        cause = error.__cause__
+        if cause is None:
+            raise
+        raise ArgumentError(
+            f"score_mod or mask_mod raised {type(cause).__name__}: {cause} (an array it "
+            "reads shorter than the positions it indexes?)"
+        ) from cause
 
 
 _FLEX_FUNCTIONS = {}
@@ -670,7 +690,10 @@ def modification_functions(modification, dtype):
     :class:`tfmath._contract.variants.Modification` for ``dtype`` tiles."""
     if modification.kind == "flash":
         return flash_modification, flash_modification_derivative, no_parameter_gradient
-    key = (modification.score, modification.derivative, modification.mask_mod, np.dtype(dtype))
+    functions = (modification.score, modification.derivative, modification.mask_mod)
+    # Keyed by what compilation freezes too: a plain function recompiled when a global
+    # array it reads (document ids) changes, as the block mask built from it is.
+    key = (*functions, *map(frozen_state, functions), np.dtype(dtype))
     if key not in _FLEX_FUNCTIONS:
         if len(_FLEX_FUNCTIONS) >= _MAX_FLEX_FUNCTIONS:
             _FLEX_FUNCTIONS.pop(next(iter(_FLEX_FUNCTIONS)))
@@ -715,7 +738,8 @@ def classify_blocks(mask_mod, n_batch, n_heads, n_query, n_key, query_block, key
     out = np.empty(
         (n_batch, n_heads, -(-n_query // query_block), -(-n_key // key_block)), dtype=np.int64
     )
-    cpu_kernel(count, parallel=True, cached=False)(out)
+    with user_errors():
+        cpu_kernel(count, parallel=True, cached=False)(out)
     return out
 
 

@@ -21,6 +21,7 @@ the globals it reads, its closure), never in the functions it calls:
    alone: they index positions.
 """
 
+import hashlib
 import math
 import types
 
@@ -88,6 +89,43 @@ def _names_read(code):
     return names
 
 
+def frozen_state(function):
+    """What compiling a plain Python ``function`` freezes into its machine code (Numba
+    reads globals and closures as constants): the values of the globals it reads and of
+    its closure, as a key that changes when they do (arrays by dtype, shape and a digest
+    of their bytes; functions it calls, by their own frozen state). Empty for a Numba
+    dispatcher: its own first compilation froze them, as Numba documents."""
+    return _frozen_state(function, set())
+
+
+def _frozen_state(function, seen):
+    if not isinstance(function, types.FunctionType) or id(function) in seen:
+        return ()
+    seen.add(id(function))
+    namespace = function.__globals__
+    names = sorted(_names_read(function.__code__) & namespace.keys())
+    values = [namespace[name] for name in names]
+    for cell in function.__closure__ or ():
+        try:
+            values.append(cell.cell_contents)
+        except ValueError:  # a cell not yet filled
+            values.append(None)
+    return tuple(_fingerprint(value, seen) for value in values)
+
+
+def _fingerprint(value, seen):
+    if isinstance(value, np.ndarray):
+        data = np.ascontiguousarray(value).view(np.uint8)
+        return ("array", value.dtype.str, value.shape, hashlib.blake2b(data).hexdigest())
+    if isinstance(value, types.FunctionType):
+        return ("function", id(value), _frozen_state(value, seen))
+    if isinstance(value, tuple):
+        return ("tuple", *(_fingerprint(item, seen) for item in value))
+    if isinstance(value, bool | int | float | complex | str | bytes | np.generic):
+        return (type(value).__name__, repr(value))  # repr: NaN equals itself
+    return ("object", id(value))  # modules, dispatchers, classes: by identity
+
+
 def score_function_for(function, dtype):
     """``function`` (a user's ``score_mod`` or its derivative: a Python function or a
     Numba dispatcher of one) compiled for ``dtype`` tiles with the changes of the
@@ -110,4 +148,5 @@ def score_function_for(function, dtype):
         python.__defaults__, closure,
     )  # fmt: skip
     recompiled.__qualname__ = python.__qualname__
-    return numba.njit(**options)(recompiled)
+    # Bounds checked: an index beyond a captured array raises instead of reading beside it.
+    return numba.njit(**{"boundscheck": True, **options})(recompiled)
