@@ -933,3 +933,38 @@ def test_learnable_alibi_slopes_are_refused_not_left_without_a_gradient():
         )
     detached = tfmath.flash_attention(q, q, q, alibi_slopes=slopes.detach())
     assert detached.shape == q.shape
+
+
+def test_pytorch_calls_port_unchanged():
+    """create_block_mask's device comes before BLOCK_SIZE, and flex_attention takes
+    kernel_options, as in PyTorch (the CPU kernels ignore tile hints)."""
+    q = np.random.default_rng(0).standard_normal((1, 2, 16, 4))
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    mask = variants.create_block_mask(causal, None, None, 16, 16, "cpu", BLOCK_SIZE=8)
+    hinted = variants.flex_attention(q, q, q, None, mask, None, False, False, {"BLOCK_M": 64})
+    assert_close(hinted, variants.flex_attention(q, q, q, block_mask=mask), 0)
+    assert_refused(
+        lambda: variants.create_block_mask(causal, None, None, 16, 16, 8),
+        ValueError,
+        ["device must be 'cpu'", "BLOCK_SIZE comes after device"],
+    )
+    assert_refused(
+        lambda: variants.flex_attention(q, q, q, kernel_options="fast"), TypeError, ["dict"]
+    )
+
+
+def test_a_mask_reading_a_torch_tensor_says_what_to_pass_instead():
+    torch = pytest.importorskip("torch")
+    ids = torch.repeat_interleave(torch.arange(2), 8)
+
+    def same(b, h, q_idx, kv_idx):
+        return ids[q_idx] == ids[kv_idx]
+
+    assert_refused(
+        lambda: variants.create_block_mask(same, None, None, 16, 16, BLOCK_SIZE=8),
+        TypeError,
+        ["could not be compiled with Numba", "tensor.numpy()"],
+    )

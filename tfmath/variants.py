@@ -35,7 +35,7 @@ from tfmath._contract.tensors import (
     to_array,
     to_tensor,
 )
-from tfmath.errors import ArgumentError, BackendUnavailableError, ShapeError
+from tfmath.errors import ArgumentError, BackendUnavailableError, DTypeError, ShapeError
 
 __all__ = [
     "BlockMask",
@@ -424,7 +424,9 @@ def _check_seqlens(name, cu_seqlens, max_seqlen, total, max_name):
         raise ArgumentError(
             f"{max_name} is {max_seqlen}, but {name} holds a sequence of {longest} tokens"
         )
-    return cu, max_seqlen
+    # The longest sequence, not the bound: as in FlashAttention, max_seqlen only bounds
+    # the work (a generous one, 10**9, once sized the padded operands).
+    return cu, longest
 
 
 def _varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options,
@@ -464,7 +466,11 @@ def flash_attention_varlen(
     caches' lengths in ``cu_seqlens_k``. No work is done across sequences. The other
     options are :func:`flash_attention`'s (``alibi_slopes`` of shape ``(H,)`` or
     ``(n_sequences, H)``). Returns ``out`` ``(total_q, H, Ev)`` and, with
-    ``return_lse``, ``lse`` ``(total_q, H)``.
+    ``return_lse``, ``lse`` ``(total_q, H)`` (FlashAttention's is ``(H, total_q)``).
+
+    The CPU kernels run the sequences as a batch padded to the longest one: memory
+    grows as the number of sequences times the longest, so one long sequence among
+    many short ones costs as many long ones would (call it apart).
     """
     options = dict(causal=causal, scale=scale, window_size=window_size, softcap=softcap,
                    alibi_slopes=contract.slopes_array(alibi_slopes), sinks=sinks)  # fmt: skip
@@ -628,7 +634,7 @@ class BlockMask:
         return contract._packed(*self.BLOCK_SIZE, lists, n_key_blocks)
 
 
-def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, BLOCK_SIZE=128):
+def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device="cpu", BLOCK_SIZE=128):
     """PyTorch's ``create_block_mask``: the :class:`BlockMask` of ``mask_mod``.
 
     ``mask_mod(b, h, q_idx, kv_idx)`` returns whether query ``q_idx`` may attend
@@ -636,8 +642,15 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, BLOCK_SIZE=128):
     function or a plain Python one (compiled with ``numba.njit``). It is evaluated
     once per pair here, compiled and in parallel, to classify each block as empty
     (never computed), partial or full; ``B`` or ``H`` None broadcasts the mask over
-    that dimension. ``BLOCK_SIZE`` is an int or ``(query rows, keys)``, multiples of 8.
+    that dimension. ``device`` must be the CPU (``"cpu"`` or ``torch.device("cpu")``),
+    where the variants run. ``BLOCK_SIZE`` is an int or ``(query rows, keys)``,
+    multiples of 8.
     """
+    if str(device) != "cpu":
+        raise BackendUnavailableError(
+            f"device must be 'cpu', where tfmath's variants run, got {device!r}"
+            + ("; BLOCK_SIZE comes after device, as in PyTorch" if type(device) is int else "")
+        )
     n_b = 1 if B is None else integer("B", B, minimum=1)
     n_h = 1 if H is None else integer("H", H, minimum=1)
     n_query = integer("Q_LEN", Q_LEN, minimum=1)
@@ -781,7 +794,8 @@ def _flex_problem(query, key, value, score_mod, block_mask, scale, enable_gqa,
 
 def flex_attention(
     query, key, value, score_mod=None, block_mask=None, scale=None, enable_gqa=False,
-    return_lse=False, *, score_mod_derivative=None, return_weights=False, backend="auto",
+    return_lse=False, kernel_options=None, *, score_mod_derivative=None, return_weights=False,
+    backend="auto",
 ):  # fmt: skip
     r"""PyTorch's ``flex_attention``, forward and backward on the CPU.
 
@@ -804,6 +818,10 @@ def flex_attention(
         ``H_kv`` dividing ``H`` requires ``enable_gqa=True``, as in PyTorch.
     score_mod, block_mask, scale, enable_gqa, return_lse
         As in PyTorch; the log-sum-exp is in natural log, shape (B, H, L).
+    kernel_options : dict, optional
+        PyTorch's tile choices for its Triton kernels: accepted, so that calls port
+        unchanged, and ignored (the CPU kernels choose their tiles; results do not
+        depend on them).
     score_mod_derivative : callable, optional
         :math:`\partial\, \text{score\_mod} / \partial s`, same arguments: needed for
         the backward through a user's ``score_mod`` (tfmath does not differentiate
@@ -817,6 +835,8 @@ def flex_attention(
     out : shape (B, H, L, Ev), then lse with ``return_lse``, then the weights with
     ``return_weights``.
     """
+    if kernel_options is not None and not isinstance(kernel_options, dict):
+        raise DTypeError(f"kernel_options must be a dict or None, got {kernel_options!r}")
     table = score_mod.table if isinstance(score_mod, RelativePositionBias) else None
     inputs = (query, key, value, None) + (() if table is None else (table,))
 

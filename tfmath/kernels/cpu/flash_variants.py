@@ -46,7 +46,7 @@ from numba import types
 
 from tfmath._blas_threads import serial_blas
 from tfmath._jit import cpu_kernel
-from tfmath.errors import ArgumentError
+from tfmath.errors import ArgumentError, DTypeError
 from tfmath.kernels.cpu.attention import LOG2E, balanced_tile
 from tfmath.kernels.cpu.blas import gemm, transpose_into
 from tfmath.kernels.cpu.exp2 import exp2_scalar
@@ -667,9 +667,16 @@ def _mask_element(function):
 def user_errors():
     """An exception raised by a user's ``score_mod`` or ``mask_mod`` inside a parallel
     kernel reaches Python as Numba's ``SystemError`` with the user's exception as its
-    cause: re-raised as an error that says whose it was."""
+    cause, and one Numba cannot compile as its ``TypingError``: re-raised as errors that
+    say whose they were."""
     try:
         yield
+    except numba.core.errors.TypingError as error:
+        raise DTypeError(
+            "score_mod or mask_mod could not be compiled with Numba (the arrays they read "
+            "must be NumPy arrays: a torch tensor's is tensor.numpy()); Numba said: "
+            f"{error}"
+        ) from None
     except SystemError as error:
         cause = error.__cause__
         if cause is None:
