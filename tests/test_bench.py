@@ -142,3 +142,19 @@ def test_variant_rows_without_a_peer_are_listed():
     names = [w.name for w in VARIANTS]
     assert len(names) == len(set(names))
     assert [n for n in names if not has_peer(n)] == ["softcap fwd", "softcap fwd+bwd"]
+
+
+def test_every_variant_row_runs_without_pytorch():
+    """Without PyTorch (asv's environment) the fwd+bwd rows time tfmath's NumPy gradient
+    functions; they raised AttributeError (``.detach()`` of an array) instead."""
+    from tfmath.tools.variant_workloads import VARIANT_NAMES, variant
+
+    for name in VARIANT_NAMES:
+        forward = variant(name, length=64)(np.random.default_rng(0), None)
+        backward = variant(name, backward=True, length=64)(np.random.default_rng(0), None)
+        assert forward.torch is None and backward.torch is None
+        output = np.asarray(forward.tfmath())
+        grads = backward.tfmath()
+        assert output.shape == (1, 8, 64, 64)
+        assert [np.shape(g) for g in grads[:3]] == [(1, 8, 64, 64)] * 3
+        assert all(np.isfinite(g).all() for g in grads[:3])

@@ -24,6 +24,7 @@ from tfmath.variants import (
     flash_attention,
     flash_attention_grad,
     flash_attention_varlen,
+    flash_attention_varlen_grad,
     flex_attention,
     flex_attention_grad,
 )
@@ -71,26 +72,31 @@ def _documents_dense(length, n_sequences):
 
 def variant(name, backward=False, length=LENGTH):
     """The :class:`Case` builder of one variant, forward or forward and backward, on
-    sequences of ``length`` (a multiple of :data:`SEQUENCES`)."""
+    sequences of ``length`` (a multiple of :data:`SEQUENCES`). Without PyTorch the
+    forward and backward of tfmath is its NumPy gradient function (which runs the
+    forward, then the backward, as autograd does)."""
 
     def build(rng, torch):
         shape = (BATCH, HEADS, length, HEAD_DIM)
         arrays = [rng.standard_normal(shape).astype(np.float32) for _ in range(3)]
         sinks = rng.standard_normal(HEADS).astype(np.float32)
-        tfmath_call, dense = _variant_calls(name, sinks, length)
+        forward, gradients, dense = _variant_calls(name, sinks, length)
         flops = _attention_flops(
             BATCH * HEADS, length, length, HEAD_DIM, name not in ("plain", "softcap"), backward
         )
         if name == "window":
             flops *= min((WINDOW + 0.5) / (length / 2), 1.0)
         if torch is None:
-            return Case(_timed(tfmath_call, arrays, None, backward), None, flops=flops)
+            if not backward:
+                return Case(_bound(forward, arrays), None, flops=flops)
+            upstream = np.ones(shape, dtype=np.float32)
+            return Case(_bound(gradients, arrays, upstream), None, flops=flops)
         tensors = [torch.from_numpy(a) for a in arrays]
         tfmath_tensors = tensors if backward else arrays
         torch_call = None if dense is None else _torch_call(torch, dense, sinks, length)
         return Case(
-            _timed(tfmath_call, tfmath_tensors, torch, backward),
-            None if torch_call is None else _timed(torch_call, tensors, torch, backward),
+            _timed(forward, tfmath_tensors, backward),
+            None if torch_call is None else _timed(torch_call, tensors, backward),
             flops=flops,
         )
 
@@ -98,46 +104,56 @@ def variant(name, backward=False, length=LENGTH):
 
 
 def _variant_calls(name, sinks, length):
-    """``(tfmath call on (q, k, v), dense equivalent for SDPA or None)``."""
-    if name == "plain":
-        return (lambda q, k, v: flash_attention(q, k, v)), "none"
-    if name == "causal":
-        return (lambda q, k, v: flash_attention(q, k, v, causal=True)), _window_dense(
-            length, length
-        )
-    if name == "window":
-        return (
-            lambda q, k, v: flash_attention(q, k, v, causal=True, window_size=(WINDOW, 0))
-        ), _window_dense(length, WINDOW)
-    if name == "alibi":
-        return (lambda q, k, v: flash_attention(q, k, v, alibi_slopes=SLOPES)), _alibi_dense(length)
-    if name == "sinks":
-        return (lambda q, k, v: flash_attention(q, k, v, causal=True, sinks=sinks)), "sinks"
-    if name == "softcap":  # in WITHOUT_PEER
-        return (lambda q, k, v: flash_attention(q, k, v, softcap=30.0)), None
+    """``(tfmath call on (q, k, v), its gradients on (q, k, v, grad_output), dense
+    equivalent for SDPA or None)``."""
     if name == "varlen":
-        size = length // SEQUENCES
-        cu = np.arange(SEQUENCES + 1) * size
+        return (*_packed_calls(length), _documents_dense(length, SEQUENCES))
+    if name.startswith("flex"):
+        if name == "flex score_mod":
+            options = {"score_mod": _user_alibi, "score_mod_derivative": _unit_derivative}
+            dense = _alibi_dense(length)
+        else:
+            mask = create_block_mask(_window_mask, None, None, length, length, BLOCK_SIZE=64)
+            options, dense = {"block_mask": mask}, _window_dense(length, WINDOW)
+        return _with(flex_attention, options), _with(flex_attention_grad, options), dense
+    options, dense = {
+        "plain": ({}, "none"),
+        "causal": ({"causal": True}, _window_dense(length, length)),
+        "window": ({"causal": True, "window_size": (WINDOW, 0)}, _window_dense(length, WINDOW)),
+        "alibi": ({"alibi_slopes": SLOPES}, _alibi_dense(length)),
+        "sinks": ({"causal": True, "sinks": sinks}, "sinks"),
+        "softcap": ({"softcap": 30.0}, None),  # in WITHOUT_PEER
+    }[name]
+    return _with(flash_attention, options), _with(flash_attention_grad, options), dense
 
-        def packed(q, k, v):
-            """The sequences packed as (tokens, heads, E), and the output unpacked."""
-            rows = [x.reshape(HEADS, length, HEAD_DIM).swapaxes(0, 1) for x in (q, k, v)]
-            out = flash_attention_varlen(*rows, cu, cu, size, size, causal=True)
-            return out.swapaxes(0, 1).reshape(BATCH, HEADS, length, HEAD_DIM)
 
-        return packed, _documents_dense(length, SEQUENCES)
-    if name == "flex score_mod":
-        return (
-            lambda q, k, v: flex_attention(
-                q, k, v, _user_alibi, score_mod_derivative=_unit_derivative
-            )
-        ), _alibi_dense(length)
-    if name == "flex block_mask":
-        mask = create_block_mask(_window_mask, None, None, length, length, BLOCK_SIZE=64)
-        return (lambda q, k, v: flex_attention(q, k, v, block_mask=mask)), _window_dense(
-            length, WINDOW
+def _with(function, options):
+    return lambda *operands: function(*operands, **options)
+
+
+def _packed_calls(length):
+    """Varlen's forward and gradients on ``(B, H, L, E)`` operands: the sequences packed
+    as ``(tokens, heads, E)``, the results unpacked."""
+    size = length // SEQUENCES
+    cu = np.arange(SEQUENCES + 1) * size
+
+    def pack(x):
+        return x.reshape(HEADS, length, x.shape[-1]).swapaxes(0, 1)
+
+    def unpack(x):
+        return x.swapaxes(0, 1).reshape(BATCH, HEADS, length, x.shape[-1])
+
+    def forward(q, k, v):
+        return unpack(flash_attention_varlen(*map(pack, (q, k, v)), cu, cu, size, size,
+                                             causal=True))  # fmt: skip
+
+    def gradients(q, k, v, grad_output):
+        grads = flash_attention_varlen_grad(
+            *map(pack, (q, k, v, grad_output)), cu, cu, size, size, causal=True
         )
-    raise KeyError(name)
+        return [unpack(g) for g in grads[:3]]
+
+    return forward, gradients
 
 
 def _torch_call(torch, dense, sinks, length):
@@ -167,7 +183,7 @@ def _four_dimensional(mask):
     return mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
 
 
-def _timed(call, operands, torch, backward):
+def _timed(call, operands, backward):
     if not backward:
         return lambda: call(*operands)
 
@@ -201,7 +217,10 @@ def has_peer(name):
 
 def variant_workload(name):
     """The row of :data:`VARIANTS` called ``name``."""
-    return next(w for w in VARIANTS if w.name == name)
+    for workload in VARIANTS:
+        if workload.name == name:
+            return workload
+    raise KeyError(f"no variant row is named {name!r}; the rows: {[w.name for w in VARIANTS]}")
 
 
 def window_scaling(lengths=(2048, 4096, 8192, 16384), window=512, heads=1):
