@@ -62,11 +62,38 @@ def test_bench_on_cuda_without_a_gpu_says_why(monkeypatch, capsys):
     assert "no GPU here" in capsys.readouterr().err
 
 
-def test_bench_refuses_calls_outside_dropin(capsys):
-    assert cli.main(["bench", "training", "--calls"]) == 2
-    assert "--calls is for dropin" in capsys.readouterr().err
-    assert cli.main(["bench", "dropin", "--anatomy"]) == 2
-    assert "--anatomy is for training" in capsys.readouterr().err
+@pytest.mark.parametrize(
+    ("arguments", "words"),
+    [
+        (["training", "--calls"], "--calls is for dropin"),
+        (["dropin", "--anatomy"], "--anatomy is for training"),
+        (["attention", "--threads", "1"], "--threads is for training, not attention"),
+        (["dropin", "--threads", "1"], "--threads is for training, not dropin"),
+        (["training", "--backend", "cuda"], "--backend is for attention"),
+        (["training", "--matrix"], "--matrix is for attention"),
+        (["attention", "--matrix", "--small"], "one report at a time: --matrix or --small"),
+        (["attention", "--variants", "--quick"], "--variants has no --quick form"),
+        (["training", "--anatomy", "--quick"], "--anatomy has no --quick form"),
+        (["training", "--threads", "0"], "--threads must be from 1"),
+        (["training", "--threads", "999"], "NUMBA_NUM_THREADS"),
+    ],
+)
+def test_bench_refuses_options_that_make_no_report_before_any_work(
+    arguments, words, capsys, monkeypatch
+):
+    """Every option either shapes the report or is refused: they were ignored (the
+    training report on its own threads with --threads 999 gave PyTorch 999 threads and
+    tfmath 2, and printed ratios of 400)."""
+    monkeypatch.setattr(cli, "_print_machine", lambda: pytest.fail("work started"))
+    assert cli.main(["bench", *arguments]) == 2
+    assert words in capsys.readouterr().err
+
+
+def test_bench_dropin_without_pytorch_says_so_and_fails(capsys, monkeypatch):
+    monkeypatch.setattr(bench, "optional_torch", lambda backend="cpu": None)
+    monkeypatch.setattr(cli, "_print_machine", lambda: pytest.fail("work started"))
+    assert cli.main(["bench", "dropin"]) == 2
+    assert "needs PyTorch" in capsys.readouterr().err
 
 
 @pytest.mark.cuda
@@ -158,3 +185,17 @@ def test_every_variant_row_runs_without_pytorch():
         assert output.shape == (1, 8, 64, 64)
         assert [np.shape(g) for g in grads[:3]] == [(1, 8, 64, 64)] * 3
         assert all(np.isfinite(g).all() for g in grads[:3])
+
+
+def test_key_padding_rows_count_only_the_attended_pairs():
+    """The padded quarter of the keys is never computed, so it is not counted: the row
+    read 127% of the GEMM roof with it counted."""
+    from tfmath.tools.workloads import workload
+
+    rng = np.random.default_rng(0)
+    for plain, padded in [
+        ("d=64 L=2048", "key padding (B,1,1,S) L=2048"),
+        ("fwd+bwd L=2048", "fwd+bwd key padding L=2048"),
+    ]:
+        ratio = workload(padded).build(rng, None).flops / workload(plain).build(rng, None).flops
+        assert ratio == 0.75

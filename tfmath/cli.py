@@ -118,27 +118,65 @@ def _parser():
     return parser
 
 
+#: The options of each topic of ``tfmath bench``, beside its name (``--quick`` for all).
+_BENCH_OPTIONS = {
+    "attention": ("matrix", "small", "variants", "backend"),
+    "training": ("threads", "anatomy"),
+    "dropin": ("calls",),
+}
+#: Reports other than a topic's default one: one at a time, none with ``--quick``.
+_BENCH_REPORTS = ("matrix", "small", "variants", "anatomy", "calls")
+
+
+def _bench_options_error(args):
+    """Why the options given do not make one report, or None: an option of another
+    topic, two reports at once, ``--quick`` with a report that has no quick form, or
+    more threads than Numba runs (the two contenders would not get the same count)."""
+    defaults = {"backend": "cpu", "threads": None}
+    given = [
+        name
+        for names in _BENCH_OPTIONS.values()
+        for name in names
+        if getattr(args, name) != defaults.get(name, False)
+    ]
+    for name in given:
+        if name not in _BENCH_OPTIONS[args.topic]:
+            owner = next(topic for topic, names in _BENCH_OPTIONS.items() if name in names)
+            return f"--{name} is for {owner}, not {args.topic}"
+    reports = [name for name in given if name in _BENCH_REPORTS]
+    if len(reports) > 1:
+        return "one report at a time: " + " or ".join(f"--{name}" for name in reports)
+    if reports and args.quick:
+        return f"--{reports[0]} has no --quick form"
+    if args.threads is not None:
+        import numba
+
+        if not 1 <= args.threads <= numba.config.NUMBA_NUM_THREADS:
+            return (
+                f"--threads must be from 1 to Numba's {numba.config.NUMBA_NUM_THREADS} threads "
+                f"(NUMBA_NUM_THREADS), got {args.threads}"
+            )
+    return None
+
+
 def _bench(args):
-    if args.calls and args.topic != "dropin":
-        print(f"tfmath bench: --calls is for dropin, not {args.topic}", file=sys.stderr)
-        return 2
-    if args.anatomy and args.topic != "training":
-        print(f"tfmath bench: --anatomy is for training, not {args.topic}", file=sys.stderr)
+    error = _bench_options_error(args)
+    if error is not None:
+        print(f"tfmath bench: {error}", file=sys.stderr)
         return 2
     if args.topic == "dropin":
+        from tfmath.tools.bench import optional_torch
         from tfmath.tools.bench_dropin import print_call_times_report, print_dropin_report
 
+        if optional_torch() is None:
+            print("tfmath bench dropin: needs PyTorch (pip install torch)", file=sys.stderr)
+            return 2
         _print_machine()
         _print_compilation_notice()
         (print_call_times_report if args.calls else print_dropin_report)(quick=args.quick)
         return 0
     if args.topic == "training":
         from tfmath.tools.bench_training import print_step_anatomy, print_training_report
-
-        if args.threads is not None and args.threads < 1:
-            message = f"tfmath bench: --threads must be at least 1, got {args.threads}"
-            print(message, file=sys.stderr)
-            return 2
 
         _print_machine()
         _print_compilation_notice()
@@ -188,9 +226,14 @@ def _print_machine():
     """The header of every report of ``tfmath bench``: the CPU, the BLAS kernel the
     timings ran on (:func:`tfmath._blas_kernel.describe_blas`) and how half-precision
     products run."""
+    import numba
+
     from tfmath._blas_kernel import describe_blas, describe_half_precision
 
-    _flushed(f"CPU: {_cpu_name()}")
+    _flushed(
+        f"CPU: {_cpu_name()} ({os.cpu_count()} logical cores; tfmath's parallel kernels on "
+        f"{numba.get_num_threads()} Numba threads)"
+    )
     for line in describe_blas():
         _flushed(line)
     _flushed(describe_half_precision())

@@ -227,9 +227,9 @@ def training_rows(shapes=TRAINING_SHAPES, threads=None, rounds=5, repeats=2):
 
     rng = np.random.default_rng(0)
     a, b = (rng.standard_normal((ROOF_SIZE, ROOF_SIZE), dtype=np.float32) for _ in range(2))
-    peer = (
-        None if optional_torch() is None else TorchPeer(threads or numba.config.NUMBA_NUM_THREADS)
-    )
+    # Both contenders on one count: threads_limited holds tfmath to Numba's threads.
+    count = min(threads or numba.config.NUMBA_NUM_THREADS, numba.config.NUMBA_NUM_THREADS)
+    peer = None if optional_torch() is None else TorchPeer(count)
     try:
         with threads_limited(threads):
             for shape in shapes:
@@ -373,9 +373,9 @@ def step_anatomy(shapes=None, threads=None, repeats=7):
 
     if shapes is None:
         shapes = tuple(s for s in TRAINING_SHAPES if s.label == "width")
-    peer = (
-        None if optional_torch() is None else TorchPeer(threads or numba.config.NUMBA_NUM_THREADS)
-    )
+    # Both contenders on one count: threads_limited holds tfmath to Numba's threads.
+    count = min(threads or numba.config.NUMBA_NUM_THREADS, numba.config.NUMBA_NUM_THREADS)
+    peer = None if optional_torch() is None else TorchPeer(count)
     try:
         with threads_limited(threads):
             for shape in shapes:

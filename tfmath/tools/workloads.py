@@ -106,6 +106,15 @@ def _attention_flops(batch_heads, n_query, n_key, d, is_causal, backward=False):
     return flops / 2 if is_causal and n_query == n_key else flops
 
 
+def _attended_fraction(attn_mask):
+    """The fraction of query-key pairs a mask lets attend: a boolean mask's True share (a
+    key padding mask leaves its padded keys' products undone, as a causal mask does
+    its upper triangle's); 1 for no mask or an additive one."""
+    if attn_mask is None or attn_mask.dtype != np.bool_:
+        return 1.0
+    return float(attn_mask.mean())
+
+
 def _roof_multiple(dtype):
     """:attr:`Case.roof_multiple` of attention on ``dtype`` operands (heads of 64)."""
     return 2 if np.dtype(dtype).name == "bfloat16" and target_has_bfloat16_dot() else 1
@@ -131,6 +140,7 @@ def forward(batch, heads, length, d, *, is_causal=False, dtype=np.float32, mask=
                 return sdpa(*tensors, attn_mask=torch_mask, is_causal=is_causal)
 
         flops = _attention_flops(batch * heads, length, length, d, is_causal)
+        flops *= _attended_fraction(attn_mask)
         return Case(call, torch_call, flops=flops, calls=calls, roof_multiple=_roof_multiple(dtype))
 
     return build
@@ -162,6 +172,7 @@ def training_step(batch, heads, length, d, *, dtype=np.float32, mask=None):
                 sdpa(*tensors, attn_mask=torch_mask).backward(torch_grad)
 
         flops = _attention_flops(batch * heads, length, length, d, False, backward=True)
+        flops *= _attended_fraction(attn_mask)
         return Case(call, torch_call, flops=flops, roof_multiple=_roof_multiple(dtype))
 
     return build
