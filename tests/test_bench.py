@@ -199,3 +199,20 @@ def test_key_padding_rows_count_only_the_attended_pairs():
     ]:
         ratio = workload(padded).build(rng, None).flops / workload(plain).build(rng, None).flops
         assert ratio == 0.75
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "words"),
+    [
+        ("TFMATH_THREADING_LAYER", "bogus", "TFMATH_THREADING_LAYER must be one of"),
+        ("NUMBA_NUM_THREADS", "0", "NUMBA_NUM_THREADS must be a positive integer"),
+    ],
+)
+def test_an_environment_no_command_can_run_in_is_refused_before_any_work(
+    variable, value, words, capsys, monkeypatch
+):
+    """Half a report and a traceback came out before."""
+    monkeypatch.setenv(variable, value)
+    monkeypatch.setattr(cli, "_print_machine", lambda: pytest.fail("work started"))
+    assert cli.main(["bench", "attention", "--quick"]) == 2
+    assert words in capsys.readouterr().err

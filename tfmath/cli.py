@@ -15,6 +15,10 @@ def main(argv=None):
     if args.command is None:
         parser.print_help()
         return 2
+    error = _environment_error()
+    if error is not None:
+        print(f"tfmath: {error}", file=sys.stderr)
+        return 2
     try:
         return args.handler(args)
     except BrokenPipeError:
@@ -22,6 +26,21 @@ def main(argv=None):
         # Python's flush of stdout at exit must not fail on the closed pipe either.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+
+
+def _environment_error():
+    """What in the environment would stop every command partway, or None: a threading
+    layer tfmath does not know, a thread count Numba refuses."""
+    from tfmath._jit import requested_threading_layer
+
+    try:
+        requested_threading_layer()
+    except ValueError as error:
+        return str(error)
+    threads = os.environ.get("NUMBA_NUM_THREADS")
+    if threads is not None and not (threads.strip().isdigit() and int(threads) > 0):
+        return f"NUMBA_NUM_THREADS must be a positive integer, got {threads!r}"
+    return None
 
 
 def _parser():
