@@ -6,7 +6,7 @@ Child et al.'s ``local+strided`` with window = stride = sqrt(n), and the
 Elman ``rnn``) on one head, float32, cpu backend:
 
 * ``Scaling.time_call``: one call at each sequence length ``n`` (128 to
-  8192), head size ``d`` and variant; ``Memory.peakmem_call``: its peak memory
+  8192), head size ``d`` and variant; ``Memory.track_peak_memory``: the memory it adds
   at ``d = 64``. asv's graphs of these against ``n`` show the slopes directly.
 * ``FittedExponents``: the exponents :math:`a, b` of :math:`t = c\\, n^a d^b`
   fitted (log-log least squares) to a small sweep: one number per commit, so
@@ -32,6 +32,7 @@ from typing import ClassVar
 import numpy as np
 
 from tfmath.analysis import complexity as cx
+from tfmath.analysis.timing import measure_peak_bytes
 
 SEQUENCE_LENGTHS = [128, 1024, 8192]
 HEAD_DIMS = [64, 128]
@@ -75,9 +76,8 @@ class Scaling:
 class Memory:
     """Peak memory of one call at ``d = 64``: O(n^2) for naive attention, O(n d) otherwise.
 
-    asv's ``peakmem_`` is the peak resident memory of the whole benchmark process
-    (Python, NumPy, Numba and the inputs included), so compare it between
-    lengths and variants, not as an absolute number.
+    The memory the call adds at its peak, in MiB (see bench_attention.py: asv's
+    ``peakmem_`` would be the process's, which compilation dominates).
     """
 
     params: ClassVar[list] = [SEQUENCE_LENGTHS, VARIANTS]
@@ -87,8 +87,10 @@ class Memory:
     def setup(self, n, variant):
         self.call = _compiled_call(n, MEMORY_HEAD_DIM, variant)
 
-    def peakmem_call(self, n, variant):
-        self.call()
+    def track_peak_memory(self, n, variant):
+        return measure_peak_bytes(self.call) / 2**20
+
+    track_peak_memory.unit = "MiB"
 
 
 def _sweep_and_fit():

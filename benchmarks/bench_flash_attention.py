@@ -8,10 +8,10 @@ measured in the same run, so machines and days stay comparable:
   fraction of the machine's float32 GEMM roof (NumPy matmul of 2048x2048);
   and PyTorch's time over tfmath's when PyTorch is importable (n/a otherwise).
 * ``FlashTrainingStep``: forward plus backward, against PyTorch's autograd.
-* ``FlashLongSequence``: one head of L = S = 32768: the process's peak memory
-  (``peakmem_``) and the resident memory the call adds at its peak
-  (``track_extra_memory``, :func:`tfmath.analysis.timing.measure_peak_bytes`),
-  against the 4 GiB that the L x L float32 scores alone would need.
+* ``FlashLongSequence``: one head of L = S = 32768: the resident memory the call
+  adds at its peak (``track_extra_memory``,
+  :func:`tfmath.analysis.timing.measure_peak_bytes`), against the 4 GiB that the
+  L x L float32 scores alone would need.
 
 Run with ``asv run -E existing --quick --bench Flash`` (see bench_attention.py
 for the other ways to run asv).
@@ -146,9 +146,6 @@ class FlashLongSequence:
                        for _ in range(3)]  # fmt: skip
         small = [a[:, :256] for a in self.arrays]
         tfmath.scaled_dot_product_attention(*small, backend="cpu")
-
-    def peakmem_flash_forward(self):
-        tfmath.scaled_dot_product_attention(*self.arrays, backend="cpu")
 
     def track_extra_memory(self):
         """Resident memory the call adds at its peak, its 8 MiB output included."""

@@ -2,7 +2,7 @@
 
 Every shape of :data:`tfmath.tools.bench_training.TRAINING_SHAPES` (widths 16 to
 512, 1 to 4 layers, contexts 64 to 512, and the scaling sweeps' own models)
-trains one float32 Adam step with tfmath's fused step (``time_``, ``peakmem_``);
+trains one float32 Adam step with tfmath's fused step (``time_``, ``track_peak_memory``);
 ``track_`` records tokens per second, the fraction of the machine's GEMM roof
 measured in the same run, and, where PyTorch is importable, tfmath's tokens per
 second over PyTorch's for the same model on the same threads.
@@ -12,7 +12,7 @@ Run with ``asv run -E existing --quick --bench Training``.
 
 from typing import ClassVar
 
-from tfmath.analysis.timing import best_time
+from tfmath.analysis.timing import best_time, measure_peak_bytes
 from tfmath.formulas.accounting import flops_per_token
 from tfmath.tools.bench import gemm_roof
 from tfmath.tools.bench_training import TRAINING_SHAPES, TorchPeer, tfmath_step
@@ -39,8 +39,12 @@ class Training:
     def time_tfmath_step(self, name):
         self.step()
 
-    def peakmem_tfmath_step(self, name):
-        self.step()
+    def track_peak_memory(self, name):
+        """Memory one step adds at its peak, in MiB (not the process's peak, which the
+        setup's compilation dominates)."""
+        return measure_peak_bytes(self.step) / 2**20
+
+    track_peak_memory.unit = "MiB"
 
     def track_tfmath_tokens_per_second(self, name):
         return self.shape.tokens / best_time(self.step, 2)

@@ -233,9 +233,9 @@ def training_rows(shapes=TRAINING_SHAPES, threads=None, rounds=5, repeats=2):
     try:
         with threads_limited(threads):
             for shape in shapes:
-                peaks = {"tfmath": _peak_bytes(lambda s=shape: tfmath_step(s))}
                 step = tfmath_step(shape)
-                step()  # compile, or load from the cache
+                step()  # compile, or load from the cache, before memory and time are measured
+                peaks = {"tfmath": _peak_bytes(lambda s=shape: tfmath_step(s))}
                 timers = {
                     "tfmath": lambda step=step: min(repeat_times(step, repeats, warmup=0)),
                     "roof": lambda: min(repeat_times(lambda: a @ b, repeats)),
