@@ -24,7 +24,8 @@ repository root, where ``asv.conf.json`` lives::
 measured, unless ``-E existing`` runs without ``--set-commit-hash``), so use
 it to check that the suite works, not to measure. ``--bench REGEX`` selects
 benchmarks, for example ``--bench "Attention.time_attention"``; the whole
-suite takes about two minutes with ``--quick`` on two cores.
+suite has over 600 parameter combinations and takes tens of minutes even with
+``--quick`` on two cores (the ``Small`` rows alone about five), so select.
 
 What is measured
 ----------------

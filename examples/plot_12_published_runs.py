@@ -68,7 +68,6 @@ figure, axes = new_figure(9, 7)
 ax = axes[0, 0]
 published_refits(labels, published, refitted, ax=ax)
 ax.set_title("Porian et al. (2024): a as published and as refitted by tfmath", fontsize=10)
-figure.tight_layout()
 
 # %%
 # Approach 3 on Gadre et al.'s runs

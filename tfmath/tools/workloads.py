@@ -375,5 +375,5 @@ def workload(name):
     """The workload of :data:`MATRIX` or :data:`SMALL` called ``name``."""
     matching = [w for w in (*MATRIX, *SMALL) if w.name == name]
     if not matching:
-        raise KeyError(f"no workload {name!r}; known: {[w.name for w in MATRIX]}")
+        raise KeyError(f"no workload {name!r}; known: {[w.name for w in (*MATRIX, *SMALL)]}")
     return matching[0]
