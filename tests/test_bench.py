@@ -112,7 +112,7 @@ def test_matrix_rows_time_tfmath_and_torch_on_every_kind_of_workload():
         w.Workload("decode", w.decoding(1, 4, 2, 64, 8)),
         w.Workload("step", w.training_step(1, 2, 32, 8, mask=w.additive)),
     ]
-    rows = bench.matrix_rows(tiny, repeats=1, rounds=1)
+    rows = list(bench.matrix_rows(tiny, repeats=1, rounds=1))
     assert [row[0].name for row in rows] == [w.name for w in tiny]
     has_torch = bench.optional_torch() is not None
     for _, case, times in rows:

@@ -221,11 +221,11 @@ def _bench(args):
         _print_machine()
         _print_compilation_notice()
         if args.matrix:
-            print_matrix_report()
+            print_matrix_report(out=_flushed)
         elif args.small:
-            print_small_report()
+            print_small_report(out=_flushed)
         else:
-            print_variants_report()
+            print_variants_report(out=_flushed)
         return 0
 
     if args.backend == "cuda":

@@ -247,17 +247,16 @@ def print_attention_report(quick=False, backend="cpu", out=print):
 
 
 def matrix_rows(workloads, repeats=2, rounds=ROUNDS):
-    """Time every workload, tfmath against its peers in alternating rounds:
-    rows ``(workload, case, {contender: seconds per call})``."""
+    """Time every workload, tfmath against its peers in alternating rounds: yields rows
+    ``(workload, case, {contender: seconds per call})`` one by one, as they are
+    measured (a report prints each at once)."""
     torch = optional_torch()
     rng = np.random.default_rng(0)
-    rows = []
     for item in workloads:
         case = item.build(rng, torch)
         times = interleaved_best_times(case.repeated().contenders(), repeats, rounds)
-        rows.append((item, case, {name: t / case.calls for name, t in times.items()}))
+        yield item, case, {name: t / case.calls for name, t in times.items()}
         del case  # free this row's inputs before the next row's
-    return rows
 
 
 def print_matrix_report(out=print):
