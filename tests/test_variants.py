@@ -682,7 +682,7 @@ def test_torch_refuses_a_score_mod_without_a_derivative():
 
 
 def _block_mask_of_other_lengths():
-    return variants.create_block_mask(_documents, None, None, 8, 16, 8)
+    return variants.create_block_mask(_documents, None, None, 8, 16, BLOCK_SIZE=8)
 
 
 #: (call on q, k, v of shape (1, 4, 16, 8), the error, a word its message must hold)
