@@ -968,3 +968,17 @@ def test_a_mask_reading_a_torch_tensor_says_what_to_pass_instead():
         TypeError,
         ["could not be compiled with Numba", "tensor.numpy()"],
     )
+
+
+def test_a_generous_max_seqlen_costs_nothing():
+    """max_seqlen bounds the sequences, as in FlashAttention; the operands were padded to
+    it (10**9 asked for 119 GiB). All sequences empty still works."""
+    q = np.random.default_rng(0).standard_normal((6, 2, 4))
+    cu = np.array([0, 2, 6])
+    tight = variants.flash_attention_varlen(q, q, q, cu, cu, 4, 4)
+    assert_close(variants.flash_attention_varlen(q, q, q, cu, cu, 10**9, 10**9), tight, 0)
+    empty, no_sequences = np.ones((0, 2, 4)), np.array([0, 0, 0])
+    grads = variants.flash_attention_varlen_grad(
+        empty, empty, empty, empty, no_sequences, no_sequences, 5, 5
+    )
+    assert [g.shape for g in grads[:3]] == [(0, 2, 4)] * 3

@@ -424,9 +424,10 @@ def _check_seqlens(name, cu_seqlens, max_seqlen, total, max_name):
         raise ArgumentError(
             f"{max_name} is {max_seqlen}, but {name} holds a sequence of {longest} tokens"
         )
-    # The longest sequence, not the bound: as in FlashAttention, max_seqlen only bounds
-    # the work (a generous one, 10**9, once sized the padded operands).
-    return cu, longest
+    # The longest sequence (one row at least, for empty ones), not the bound: as in
+    # FlashAttention, max_seqlen only bounds the work (a generous one, 10**9, once sized
+    # the padded operands).
+    return cu, max(longest, 1)
 
 
 def _varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options,

@@ -114,7 +114,7 @@ def _frozen_state(function, seen):
 
 
 def _fingerprint(value, seen):
-    if isinstance(value, np.ndarray):
+    if isinstance(value, np.ndarray) and not value.dtype.hasobject:
         data = np.ascontiguousarray(value).view(np.uint8)
         return ("array", value.dtype.str, value.shape, hashlib.blake2b(data).hexdigest())
     if isinstance(value, types.FunctionType):
