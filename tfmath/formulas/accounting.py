@@ -417,11 +417,11 @@ class FlopsPerToken:
         The multiply-adds of every matrix product of the forward pass, per
         token, times 2: the layers' linear maps (biases and norms are not
         products; BERT's pooler, which maps one token per sequence, is left
-        out), the output head, and :math:`QK^\top` and :math:`PV` over the keys
+        out), the output head, and :math:`QK^\\top` and :math:`PV` over the keys
         each query sees: all :math:`n_{ctx}` without a mask,
         :math:`(n_{ctx} + 1)/2` on average under a decoder's causal mask.
     step_training : int
-        :math:`3\times` ``step_forward``: a training step (forward, and a
+        :math:`3\\times` ``step_forward``: a training step (forward, and a
         backward pass with two products, one per operand, for each forward one).
     """
 
