@@ -146,6 +146,16 @@ def _peak_bytes(make_step):
     return measure_peak_bytes(build_and_train)
 
 
+def _torch_peer(threads):
+    """The :class:`TorchPeer` on the threads tfmath gets (``threads_limited`` holds it to
+    Numba's), or None without PyTorch."""
+    import numba
+
+    if optional_torch() is None:
+        return None
+    return TorchPeer(min(threads or numba.config.NUMBA_NUM_THREADS, numba.config.NUMBA_NUM_THREADS))
+
+
 #: Side of the square float32 product timed with every row as the GEMM roof.
 ROOF_SIZE = 1024
 
@@ -221,15 +231,12 @@ def training_rows(shapes=TRAINING_SHAPES, threads=None, rounds=5, repeats=2):
     :data:`~tfmath.analysis.timing.SETTLE_SECONDS`, in which the previous
     contender's threads stop spinning.
     """
-    import numba
 
     from tfmath.training.loop import threads_limited
 
     rng = np.random.default_rng(0)
     a, b = (rng.standard_normal((ROOF_SIZE, ROOF_SIZE), dtype=np.float32) for _ in range(2))
-    # Both contenders on one count: threads_limited holds tfmath to Numba's threads.
-    count = min(threads or numba.config.NUMBA_NUM_THREADS, numba.config.NUMBA_NUM_THREADS)
-    peer = None if optional_torch() is None else TorchPeer(count)
+    peer = _torch_peer(threads)
     try:
         with threads_limited(threads):
             for shape in shapes:
@@ -367,15 +374,12 @@ def step_anatomy(shapes=None, threads=None, repeats=7):
     longer than the budget (PyTorch's time over 1.5), no work on the rest reaches
     1.5x without faster products.
     """
-    import numba
 
     from tfmath.training.loop import threads_limited
 
     if shapes is None:
         shapes = tuple(s for s in TRAINING_SHAPES if s.label == "width")
-    # Both contenders on one count: threads_limited holds tfmath to Numba's threads.
-    count = min(threads or numba.config.NUMBA_NUM_THREADS, numba.config.NUMBA_NUM_THREADS)
-    peer = None if optional_torch() is None else TorchPeer(count)
+    peer = _torch_peer(threads)
     try:
         with threads_limited(threads):
             for shape in shapes:
