@@ -110,8 +110,10 @@ def test_runs_that_are_not_repeats_are_each_on_the_envelope():
     fit = fit_envelope(*both, np.concatenate([loss, worse]), loss_std=1e-3, n_bootstrap=20)
     assert set(fit.grid_run) <= set(range(12))
     reference = fit_envelope(run, compute, n, d, loss, loss_std=1e-3, n_bootstrap=20)
+    # The envelope picks the same points, so its losses are equal bit for bit; the fit
+    # of them may sum in another order (BLAS), so its exponent agrees to rounding.
     np.testing.assert_array_equal(fit.grid_loss, reference.grid_loss)
-    assert fit.a == reference.a
+    assert fit.a == pytest.approx(reference.a, rel=1e-12)
 
 
 def test_repeats_of_different_sizes_are_refused():
