@@ -20,11 +20,12 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
+from _errors import assert_refused
 from _tolerances import assert_close, half_tolerance
 
 import tfmath
 from tfmath import _cuda
-from tfmath._contract.attention import attention_problem
+from tfmath._contract.attention import CUDA_FLASH_MAX_HEAD_DIM, attention_problem
 
 ROOT = Path(__file__).resolve().parents[1]
 HALF = [np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)]
@@ -56,6 +57,46 @@ def test_every_head_size_gets_tiles_that_fit(head, itemsize):
             assert _shared_bytes(shared_elements, tiles, head, head, itemsize) <= 48 * 1024
             # Short sequences get short blocks (wide float64 heads fit only 4 x 4 threads).
             assert tiles.block_rows <= max(n_rows, 4)
+
+
+@pytest.mark.cuda
+def test_heads_wider_than_the_flash_kernels_hold_run_on_the_naive_kernel():
+    """The cuda backend's ``method="auto"`` takes heads beyond the flash kernels' limit
+    to the naive kernel, which holds any head whose key and value rows fit in shared
+    memory."""
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 3, CUDA_FLASH_MAX_HEAD_DIM + 1)) for _ in range(3))
+    got = tfmath.scaled_dot_product_attention(q, k, v, is_causal=True, backend="cuda")
+    want = tfmath.scaled_dot_product_attention(q, k, v, is_causal=True, backend="reference")
+    # float64 sums of 257 products: rounding far below 1e-12.
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+
+
+_WIDE = np.ones((1, 2, CUDA_FLASH_MAX_HEAD_DIM + 1))
+_TOO_WIDE_FOR_SHARED_MEMORY = np.ones((1, 2, 6145), np.float32)  # 2 x 6145 x 4 > 48 KiB
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize(
+    ("call", "words"),
+    [
+        (lambda: tfmath.scaled_dot_product_attention(_WIDE, _WIDE, _WIDE, method="flash",
+                                                     backend="cuda"),
+         ["at most 256 features", "E = 257", "backend='cpu'"]),
+        (lambda: tfmath.scaled_dot_product_attention(_WIDE, _WIDE, _WIDE,
+                                                     return_log_sum_exp=True, backend="cuda"),
+         ["at most 256 features", "E = 257", "backend='cpu'"]),
+        (lambda: tfmath.attention_grad(_WIDE, _WIDE, _WIDE, _WIDE, backend="cuda"),
+         ["at most 256 features", "Ev = 257", "backend='cpu'"]),
+        (lambda: tfmath.scaled_dot_product_attention(
+            *[_TOO_WIDE_FOR_SHARED_MEMORY] * 3, backend="cuda"),
+         ["shared memory", "E + Ev = 12290", "backend='cpu'"]),
+    ],
+)  # fmt: skip
+def test_heads_no_cuda_kernel_holds_are_refused_before_any_kernel(
+    kernels_must_not_run, call, words
+):
+    assert_refused(call, tfmath.BackendUnavailableError, words)
 
 
 def test_float32_d64_gets_four_by_four_micro_tiles_on_128_threads():

@@ -249,3 +249,37 @@ def test_nested_lists_follow_one_rule_numbers_as_float64_booleans_as_a_boolean_m
     np.testing.assert_array_equal(attend(q, q, q, booleans), attend(q, q, q, np.array(booleans)))
     integers = [[1, 0, 2, 0]] * 3
     np.testing.assert_array_equal(attend(integers, q, q), attend(np.float64(integers), q, q))
+
+
+_SMALL = np.zeros((2, 512, 8), np.float32)
+_WIDE = np.zeros((2, 2048, 512), np.float32)
+
+
+@pytest.mark.parametrize(
+    ("call", "arrays", "words"),
+    [
+        # A float64 mask of 16 MiB with a row too few: read in float32 (8 MiB), it
+        # was copied before its shape was looked at.
+        (lambda mask: tfmath.scaled_dot_product_attention(_SMALL, _SMALL, _SMALL, mask),
+         [np.zeros((8, 511, 512))], ["attn_mask", "(..., 512, 512)", "(8, 511, 512)"]),
+        # float32 queries (8 MiB) with float64 keys and values of another batch: the
+        # queries' float64 copy came before the batch check.
+        (lambda kv: tfmath.scaled_dot_product_attention(_WIDE, kv, kv),
+         [np.zeros((3, 2048, 512))], ["batch", "query (2,), key (3,)"]),
+        (lambda grad: tfmath.attention_grad(_SMALL.astype(np.float64), _SMALL, _SMALL, grad),
+         [np.zeros((4, 2048, 256), np.float32)], ["grad_output", "(4, 2048, 256)"]),
+    ],
+)  # fmt: skip
+def test_a_call_refused_for_its_shapes_copies_nothing_first(call, arrays, words):
+    """Masks and operands of mixed dtypes are read in the computation's dtype (copies of
+    their size) only once every shape is checked: a refused call allocates none of it."""
+    import tracemalloc
+
+    assert_refused(lambda: call(*arrays), tfmath.ShapeError, words)  # imports what it needs
+    tracemalloc.start()
+    try:
+        assert_refused(lambda: call(*arrays), tfmath.ShapeError, words)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, f"{peak} bytes allocated before the refusal"

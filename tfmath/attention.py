@@ -17,7 +17,12 @@ import numpy as np
 
 from tfmath import _cuda
 from tfmath._contract.attention import (
+    CUDA_SHARED_MEMORY_BYTES,
     attention_problem,
+    check_cuda_flash_heads,
+    cuda_flash_takes,
+    cuda_flash_takes_operands,
+    cuda_naive_takes,
     group_query_heads,
     output_gradient,
     plain_attention_problem,
@@ -47,7 +52,7 @@ from tfmath._contract.tensors import (
     to_tensor,
 )
 from tfmath._dispatch import direct, implementation, layout_plan, narrowed, run
-from tfmath.errors import ArgumentError, DTypeError
+from tfmath.errors import ArgumentError, BackendUnavailableError, DTypeError
 
 __all__ = ["attention_grad", "scaled_dot_product_attention", "softmax"]
 
@@ -384,8 +389,11 @@ def _grouped_forward(args, enable_gqa, *, return_weights, return_log_sum_exp, me
         scale,
         return_weights,
         accumulate=accumulate,
-        backend=resolve_backend(backend, query, key, value, attn_mask),
-    )
+        backend=resolve_backend(
+            backend, query, key, value, attn_mask,
+            cuda_takes=lambda: cuda_flash_takes_operands(query, value),
+        ),
+    )  # fmt: skip
     output, extra = forward(problem, method, return_log_sum_exp=return_log_sum_exp)
     return problem, groups, output, extra
 
@@ -624,14 +632,37 @@ def _attention_routine(problem, method, return_log_sum_exp):
             "the log-sum-exp is kept by method='flash' (or 'auto'), not by method='naive'"
         )
     if method == "naive" or return_weights:
-        return "naive_attention"
-    if method == "decode" or (
+        routine = "naive_attention"
+    elif method == "decode" or (
         method == "auto"
         and problem.n_query <= DECODE_MAX_QUERIES
         and problem.n_key >= DECODE_MIN_KEYS
     ):
-        return "decode_attention"
-    return "flash_attention"
+        routine = "decode_attention"
+    else:
+        routine = "flash_attention"
+    if problem.backend == "cuda":
+        return _cuda_routine(problem, routine, method, return_log_sum_exp)
+    return routine
+
+
+def _cuda_routine(problem, routine, method, return_log_sum_exp):
+    """``routine`` on the CUDA backend, within its kernels' limits: ``method="auto"``
+    takes heads wider than the flash kernels hold to the naive kernel; a call no CUDA
+    kernel takes is refused here, before any work."""
+    n_features, n_values = problem.n_features, problem.value_dim
+    if routine != "naive_attention" and not cuda_flash_takes(n_features, n_values):
+        if method != "auto" or return_log_sum_exp:
+            check_cuda_flash_heads(problem)
+        routine = "naive_attention"
+    if not cuda_naive_takes(n_features, n_values, problem.compute_dtype.itemsize):
+        raise BackendUnavailableError(
+            f"the cuda naive kernel stages a key and a value row in "
+            f"{CUDA_SHARED_MEMORY_BYTES} bytes of shared memory and cannot hold E + Ev = "
+            f"{n_features + n_values} {problem.compute_dtype} features (query "
+            f"{shape_of(problem.query)}, value {shape_of(problem.value)}); use backend='cpu'"
+        )
+    return routine
 
 
 def attention_grad(
@@ -714,8 +745,11 @@ def attention_grad(
         attn_mask,
         is_causal,
         scale,
-        backend=resolve_backend(backend, query, key, value, grad_output, attn_mask),
-    )
+        backend=resolve_backend(
+            backend, query, key, value, grad_output, attn_mask,
+            cuda_takes=lambda: cuda_flash_takes_operands(query, value),
+        ),
+    )  # fmt: skip
     grad_output = output_gradient(problem, grad_output)
     return gradients(problem, grad_output, saved_forward(problem, output, log_sum_exp))
 
@@ -726,6 +760,7 @@ def gradients(problem, grad_output, saved=None):
     ``saved`` is the forward's checked ``(output, log_sum_exp)``, or None.
     Gradients of broadcast operands are summed back to the operands' shapes.
     """
+    check_cuda_flash_heads(problem)
     grads = run("attention_grad", problem, grad_output, saved)
     sum_to_shape = implementation("sum_to_shape", problem.backend)
     return tuple(

@@ -12,7 +12,7 @@ a chunk of steps at a time, in one matrix product per chunk.
 """
 
 from tfmath._contract.backend import resolve_backend
-from tfmath._contract.rnn import RnnProblem, rnn_problem
+from tfmath._contract.rnn import RnnProblem, cuda_takes_hidden, rnn_problem
 from tfmath._contract.tensors import accepts_tensors
 from tfmath._dispatch import run
 
@@ -73,7 +73,8 @@ def elman_rnn(inputs, w_xh, w_hh, bias=None, h0=None, *, backend="auto"):
     array([[0.7616],
            [0.9093]])
     """
-    problem = rnn_problem(
-        inputs, w_xh, w_hh, bias, h0, backend=resolve_backend(backend, inputs, w_xh, w_hh, bias, h0)
+    backend = resolve_backend(
+        backend, inputs, w_xh, w_hh, bias, h0, cuda_takes=lambda: cuda_takes_hidden(w_xh)
     )
+    problem = rnn_problem(inputs, w_xh, w_hh, bias, h0, backend=backend)
     return run("elman_rnn", problem)

@@ -25,7 +25,48 @@ from tfmath._contract.checks import (
     result_dtype,
 )
 from tfmath._contract.layout import as_batched_3d, batch_index, broadcast_batch_shapes, shape_of
-from tfmath.errors import ArgumentError, DTypeError, ShapeError
+from tfmath.errors import ArgumentError, BackendUnavailableError, DTypeError, ShapeError
+
+#: The CUDA kernels' limits, checked before any work (the kernels size their tiles by
+#: them): the flash kernels (the forward, decoding and the backward) hold a head of at
+#: most this many features (E and Ev) per thread block, and the naive kernel stages a
+#: key row and a value row per query row in the shared memory a block may use without
+#: opting in to more (48 KiB on every GPU).
+CUDA_FLASH_MAX_HEAD_DIM = 256
+CUDA_SHARED_MEMORY_BYTES = 48 * 1024
+
+
+def cuda_flash_takes(n_features, n_values):
+    """Whether the CUDA flash kernels take heads of ``n_features`` (E) and ``n_values``
+    (Ev) features."""
+    return max(n_features, n_values) <= CUDA_FLASH_MAX_HEAD_DIM
+
+
+def cuda_naive_takes(n_features, n_values, itemsize):
+    """Whether the CUDA naive kernel's shared memory holds a key and a value row of
+    ``itemsize``-byte numbers."""
+    return (n_features + n_values) * itemsize <= CUDA_SHARED_MEMORY_BYTES
+
+
+def cuda_flash_takes_operands(query, value):
+    """``backend="auto"``'s question before any check (:func:`resolve_backend`'s
+    ``cuda_takes``): whether the flash kernels take the heads of these operands; yes
+    where their shapes cannot tell, so that the checks refuse them."""
+    query_shape, value_shape = np.shape(query), np.shape(value)
+    if not query_shape or not value_shape:
+        return True
+    return cuda_flash_takes(query_shape[-1], value_shape[-1])
+
+
+def check_cuda_flash_heads(problem):
+    """Refuse, before any work, a CUDA problem whose heads the flash kernels cannot hold
+    (the backward has no other kernel)."""
+    if problem.backend == "cuda" and not cuda_flash_takes(problem.n_features, problem.value_dim):
+        raise BackendUnavailableError(
+            f"the cuda flash kernels take heads of at most {CUDA_FLASH_MAX_HEAD_DIM} "
+            f"features, got E = {problem.n_features} and Ev = {problem.value_dim} (query "
+            f"{shape_of(problem.query)}, value {shape_of(problem.value)}); use backend='cpu'"
+        )
 
 
 class AttentionProblem(NamedTuple):
@@ -227,9 +268,8 @@ def attention_problem(
     dtype = query.dtype
     if not dtype == key.dtype == value.dtype:
         dtype = result_dtype(query.dtype, key.dtype, value.dtype)
-        query = cast_operand("query", query, dtype)
-        key = cast_operand("key", key, dtype)
-        value = cast_operand("value", value, dtype)
+        for name, operand in (("query", query), ("key", key), ("value", value)):
+            _check_castable(name, operand, dtype)
     accumulation = compute_dtype(dtype, accumulate, backend)
     mask = _attention_mask(attn_mask, query_shape[-2], key_shape[-2], accumulation, backend)
     batch_shape = query_shape[:-2]
@@ -262,6 +302,13 @@ def attention_problem(
         dtype.name == "bfloat16" and accumulate is None,
     )
     check_allocations(_allocations(problem))
+    if not query.dtype == key.dtype == value.dtype:
+        # Operands of mixed dtypes are converted once every check has passed.
+        problem = problem._replace(
+            query=cast_operand("query", query, dtype),
+            key=cast_operand("key", key, dtype),
+            value=cast_operand("value", value, dtype),
+        )
     return problem if backend == "cuda" else problem.on_host()
 
 
@@ -281,7 +328,11 @@ def _allocations(problem):
         allocations.append(("the weights (return_weights=True)", weights))
     for name in ("query", "key", "value", "attn_mask"):
         array = getattr(problem, name)
-        if isinstance(array, np.ndarray) and not array.flags.c_contiguous:
+        if not isinstance(array, np.ndarray):
+            continue
+        if name != "attn_mask" and array.dtype != problem.dtype:
+            allocations.append((f"a {problem.dtype} copy of {name}", array.size * itemsize))
+        elif not array.flags.c_contiguous:
             allocations.append((f"a contiguous copy of {name}", array.size * itemsize))
     mask = problem.attn_mask
     if isinstance(mask, np.ndarray):
@@ -396,16 +447,20 @@ def dense_additive_mask(mask, n_query, n_key, dtype):
     return np.ascontiguousarray(dense)
 
 
-def cast_operand(name, array, dtype):
-    """``array`` in ``dtype``: host arrays are converted, device arrays must already match."""
-    if array.dtype == dtype:
-        return array
-    if _cuda.is_device_array(array):
+def _check_castable(name, array, dtype):
+    """Refuse a device operand that is not in ``dtype``: host operands are converted,
+    device ones must already match."""
+    if array.dtype != dtype and _cuda.is_device_array(array):
         raise DTypeError(
             f"{name} is a {array.dtype} device array but the other operands make the "
             f"computation {dtype}; give all device operands one dtype"
         )
-    return array.astype(dtype)
+
+
+def cast_operand(name, array, dtype):
+    """``array`` in ``dtype``: host arrays are converted, device arrays must already match."""
+    _check_castable(name, array, dtype)
+    return array if array.dtype == dtype else array.astype(dtype)
 
 
 def _attention_mask(attn_mask, n_query, n_key, dtype, backend):
@@ -417,20 +472,27 @@ def _attention_mask(attn_mask, n_query, n_key, dtype, backend):
     """
     if attn_mask is None:
         return None
+    if hasattr(attn_mask, "shape"):
+        # Checked before the mask is read in the scores' dtype (a copy of its size).
+        _check_mask_shape(tuple(attn_mask.shape), n_query, n_key)
     if backend == "cuda" and _on_device_contiguous(attn_mask):
         mask = _cuda.as_device_array(attn_mask)
         _check_mask_dtype(np.dtype(mask.dtype))
     else:
         mask = _host_mask(attn_mask, dtype)
+        _check_mask_shape(shape_of(mask), n_query, n_key)
     if len(shape_of(mask)) < 2:
         mask = mask.reshape((1,) * (2 - len(shape_of(mask))) + shape_of(mask))
-    rows, columns = shape_of(mask)[-2:]
+    return mask
+
+
+def _check_mask_shape(shape, n_query, n_key):
+    rows, columns = (1, 1, *shape)[-2:]
     if rows not in (1, n_query) or columns not in (1, n_key):
         raise ShapeError(
             f"attn_mask must broadcast to (..., L, S) = (..., {n_query}, {n_key}), "
-            f"got shape {tuple(np.shape(attn_mask))}"
+            f"got shape {shape}"
         )
-    return mask
 
 
 def _on_device_contiguous(array):
@@ -486,14 +548,13 @@ def mask_overflow_error(example, dtype):
 
 def output_gradient(problem, grad_output):
     """Check the gradient of the attention output: the output's shape, cast to its dtype."""
-    grad_output = cast_operand(
-        "grad_output", float_operand("grad_output", grad_output, half=True), problem.dtype
-    )
+    grad_output = float_operand("grad_output", grad_output, half=True)
     if shape_of(grad_output) != problem.output_shape():
         raise ShapeError(
             f"grad_output must have the attention output's shape {problem.output_shape()}, "
             f"got {shape_of(grad_output)}"
         )
+    grad_output = cast_operand("grad_output", grad_output, problem.dtype)
     return grad_output if problem.backend == "cuda" else _cuda.to_host(grad_output)
 
 
@@ -516,11 +577,12 @@ def saved_forward(problem, output, log_sum_exp):
             problem.compute_dtype,
         ),
     ):
-        array = cast_operand(name, float_operand(name, array, half=True), dtype)
+        array = float_operand(name, array, half=True)
         if shape_of(array) != shape:
             raise ShapeError(
                 f"{name} must have shape {shape} for these inputs, got {shape_of(array)}"
             )
+        array = cast_operand(name, array, dtype)
         saved.append(array if problem.backend == "cuda" else _cuda.to_host(array))
     return tuple(saved)
 

@@ -24,12 +24,15 @@ def auto_stays_on_host():
     return not _cuda.status().real_gpu
 
 
-def resolve_backend(backend, *arrays):
+def resolve_backend(backend, *arrays, cuda_takes=None):
     """Turn the user's ``backend`` argument into the backend that will run.
 
     ``"auto"`` picks ``"cuda"`` when an input already lives on the GPU or a real
     GPU is present, and ``"cpu"`` otherwise; it never picks the CUDA simulator
-    for host data.
+    for host data. ``cuda_takes``, where given, is called (without arguments) to
+    ask whether the CUDA kernels take the call's sizes: host operands beyond their
+    limits run on the CPU under ``"auto"``, as they would without a GPU; operands
+    already on the GPU stay there, and the call's checks refuse them.
 
     Raises
     ------
@@ -37,9 +40,11 @@ def resolve_backend(backend, *arrays):
         For an unknown name, or for ``"cuda"`` on a machine that cannot run it.
     """
     if type(backend) is str and backend == "auto":
-        if not auto_stays_on_host() or any(map(_cuda.is_device_array, arrays)):
+        if any(map(_cuda.is_device_array, arrays)):
             return "cuda"
-        return "cpu"
+        if auto_stays_on_host() or (cuda_takes is not None and not cuda_takes()):
+            return "cpu"
+        return "cuda"
     if not isinstance(backend, str) or backend not in BACKEND_CHOICES:
         raise BackendUnavailableError(f"backend must be one of {BACKEND_CHOICES}, got {backend!r}")
     if backend == "cuda" and not _cuda.status().usable:

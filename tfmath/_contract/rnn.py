@@ -15,6 +15,14 @@ from tfmath.errors import BackendUnavailableError, DTypeError, ShapeError
 CUDA_MAX_HIDDEN = 1024
 
 
+def cuda_takes_hidden(w_xh):
+    """``backend="auto"``'s question before any check: whether the CUDA kernel takes the
+    hidden width of ``w_xh``; yes where its shape cannot tell, so that the checks
+    refuse it."""
+    shape = np.shape(w_xh)
+    return not shape or shape[0] <= CUDA_MAX_HIDDEN
+
+
 @dataclass(frozen=True)
 class RnnProblem:
     """Validated inputs of one :func:`elman_rnn` call, as every backend receives them.

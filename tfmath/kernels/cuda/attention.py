@@ -16,6 +16,7 @@ import math
 import numpy as np
 
 from tfmath import _cuda
+from tfmath._contract.attention import CUDA_SHARED_MEMORY_BYTES
 from tfmath.kernels.cuda.masks import dense_bias
 
 cuda = _cuda.numba_cuda()
@@ -23,8 +24,6 @@ cuda = _cuda.numba_cuda()
 #: Query rows (threads) per block. A tile of keys and one of values share the
 #: block's shared memory, so heads wider than this budget allows get fewer rows.
 MAX_ROWS_PER_BLOCK = 64
-#: Shared memory a block may use without opting in to more (48 KiB on every GPU).
-SHARED_MEMORY_BYTES = 48 * 1024
 
 
 @cuda.jit(device=True)
@@ -176,17 +175,12 @@ def softmax(x):
 
 
 def _rows_per_block(problem):
+    """Query rows per block: as many as the shared memory holds key and value rows for
+    (:func:`~tfmath._contract.attention.cuda_naive_takes` has checked that one fits)."""
     row_bytes = (problem.n_features + problem.value_dim) * problem.dtype.itemsize
-    rows = min(
-        MAX_ROWS_PER_BLOCK, SHARED_MEMORY_BYTES // max(row_bytes, 1), max(problem.n_query, 1)
+    return min(
+        MAX_ROWS_PER_BLOCK, CUDA_SHARED_MEMORY_BYTES // max(row_bytes, 1), max(problem.n_query, 1)
     )
-    if rows < 1:
-        raise ValueError(
-            f"the cuda backend stages whole key and value rows in shared memory and "
-            f"cannot fit E + Ev = {problem.n_features + problem.value_dim} "
-            f"{problem.dtype} features in {SHARED_MEMORY_BYTES} bytes; use backend='cpu'"
-        )
-    return rows
 
 
 def naive_attention(problem):

@@ -37,15 +37,12 @@ from typing import NamedTuple
 import numpy as np
 
 from tfmath import _cuda, _cuda_switches
+from tfmath._contract.attention import CUDA_SHARED_MEMORY_BYTES
 from tfmath._contract.checks import is_half
 from tfmath.kernels.cuda import half
-from tfmath.kernels.cuda.attention import SHARED_MEMORY_BYTES
 from tfmath.kernels.cuda.masks import dense_bias
 
 cuda = _cuda.numba_cuda()
-
-#: Largest head size (E and Ev) the kernels accept.
-MAX_HEAD_DIM = 256
 
 
 class Tiles(NamedTuple):
@@ -66,7 +63,7 @@ class Tiles(NamedTuple):
 
 
 #: Tile shapes in order of preference; a launch takes the first whose shared memory
-#: fits in :data:`SHARED_MEMORY_BYTES` and whose block rows do not outnumber the rows
+#: fits in :data:`CUDA_SHARED_MEMORY_BYTES` and whose block rows do not outnumber the rows
 #: to compute. 128 threads of 4 x 4 micro-tiles (64 x 32 tiles) for head sizes up to
 #: 64 in float32; smaller micro-tiles, then fewer threads, for wider heads, float64
 #: and short sequences (a decoding step's few query rows).
@@ -96,9 +93,9 @@ def _kernel_jit():
 def _choose_tiles(shared_elements, itemsize, n_rows):
     """The first of :data:`TILE_CHOICES` whose ``shared_elements(tiles)`` numbers fit and
     whose block rows are at most ``n_rows``; else the fitting one with the fewest rows."""
-    fitting = [t for t in TILE_CHOICES if shared_elements(t) * itemsize <= SHARED_MEMORY_BYTES]
-    if not fitting:
-        raise ValueError("no tile shape fits in shared memory")  # MAX_HEAD_DIM prevents this
+    fitting = [t for t in TILE_CHOICES if shared_elements(t) * itemsize <= CUDA_SHARED_MEMORY_BYTES]
+    if not fitting:  # the head limit the contract checks (CUDA_FLASH_MAX_HEAD_DIM) prevents it
+        raise ValueError("no tile shape fits in shared memory")
     short_enough = [t for t in fitting if t.block_rows <= n_rows]
     return short_enough[0] if short_enough else min(fitting, key=lambda t: t.block_rows)
 
@@ -558,15 +555,6 @@ def _key_gradient_kernel(numba_dtype, n_features, n_values, tiles):
     return kernel
 
 
-def _check_head_size(problem):
-    if max(problem.n_features, problem.value_dim) > MAX_HEAD_DIM:
-        raise ValueError(
-            f"the cuda flash kernels take heads of at most {MAX_HEAD_DIM} features, got "
-            f"E = {problem.n_features} and Ev = {problem.value_dim}; use method='naive' or "
-            "backend='cpu'"
-        )
-
-
 def _launch(build, shared_elements, problem, n_batch, n_rows, *args):
     """Build (once) and launch a kernel over ``n_rows`` rows of each of ``n_batch`` batch
     entries, with the first tile shape of :data:`TILE_CHOICES` whose shared memory fits."""
@@ -624,7 +612,6 @@ def flash_attention(problem):
             return tensor_core.flash_attention(problem)
         if problem.needs_widening:
             problem = problem.widened(half.widen)
-    _check_head_size(problem)
     out, log_sum_exp = _launch_forward(problem, _device_operands(problem))
     out = out.reshape(problem.output_shape())
     log_sum_exp = log_sum_exp.reshape((*problem.batch_shape, problem.n_query))
@@ -685,7 +672,6 @@ def attention_grad(problem, grad_output, saved=None):
         grad_output = _widened(grad_output)
         if saved is not None:
             saved = (_widened(saved[0]), saved[1])
-    _check_head_size(problem)
     operands = _device_operands(problem)
     query, key, value, mask, index = operands
     dtype = problem.dtype

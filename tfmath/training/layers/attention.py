@@ -5,7 +5,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tfmath import _cuda, attention
-from tfmath._contract.attention import attention_problem
+from tfmath._contract.attention import attention_problem, cuda_flash_takes
 from tfmath._contract.backend import resolve_backend
 from tfmath._contract.checks import boolean_flag, host_array, integer
 from tfmath.errors import ArgumentError, DTypeError, ShapeError
@@ -246,7 +246,9 @@ def multi_head_attention_forward(
         value[..., None, :, :],
         _grouped_mask(attn_mask, layout, (*query.shape[:-1], key.shape[-2])),
         is_causal,
-        backend=resolve_backend(backend, x, attn_mask),
+        backend=resolve_backend(
+            backend, x, attn_mask, cuda_takes=lambda: cuda_flash_takes(layout.d_head, layout.d_head)
+        ),
     )
     heads, log_sum_exp = attention.forward(problem, return_log_sum_exp=True)
     heads = _cuda.to_host(heads).reshape(query.shape)
