@@ -38,6 +38,22 @@ def test_auto_picks_cuda_with_a_real_gpu(monkeypatch):
     assert resolve_backend("auto", np.ones(3)) == "cuda"
 
 
+def test_auto_runs_host_operands_the_cuda_kernels_cannot_take_on_the_cpu(monkeypatch):
+    """With a GPU present, ``"auto"`` picks CUDA for host operands only where its
+    kernels take their sizes: wider heads and hidden states run on the CPU, as without
+    a GPU, rather than fail."""
+    monkeypatch.setattr(_cuda, "status", lambda: _cuda.CudaStatus(True, True, "a GPU"))
+    assert resolve_backend("auto", np.ones(3), cuda_takes=lambda: True) == "cuda"
+    assert resolve_backend("auto", np.ones(3), cuda_takes=lambda: False) == "cpu"
+    real_load, loaded = _dispatch._load, []
+    monkeypatch.setattr(_dispatch, "_load", lambda name: loaded.append(name) or real_load(name))
+    wide = np.random.default_rng(0).standard_normal((1, 3, 257))
+    output = tfmath.scaled_dot_product_attention(wide, wide, wide)
+    tfmath.attention_grad(wide, wide, wide, output)
+    tfmath.elman_rnn(np.ones((2, 3)), np.ones((1025, 3)), np.zeros((1025, 1025)))
+    assert loaded and all(target.startswith("tfmath.kernels.cpu.") for target in loaded), loaded
+
+
 @pytest.mark.parametrize("routine", sorted(_dispatch.ROUTINES))
 def test_every_routine_is_implemented_under_its_name_on_every_backend(routine):
     backends = ["cpu", "reference"]
@@ -74,6 +90,23 @@ def test_import_is_lazy_and_fast():
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     )
     assert result.stdout.strip() == "[]"
+
+
+def test_a_machine_without_a_cuda_driver_never_imports_the_cuda_target():
+    """Where the driver's library does not load, the probe answers without importing
+    ``numba.cuda`` (a second on a CPU-only machine's first ``backend="auto"`` call)."""
+    code = (
+        "import sys, numpy as np, tfmath; "
+        "tfmath.softmax(np.ones(3)); "
+        "print(tfmath.backends()['cuda'].reason); print('numba.cuda' in sys.modules)"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    env["NUMBA_CUDA_DRIVER"] = str(Path(__file__).parent / "no-such-driver.so")
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env
+    )
+    reason, imported = result.stdout.strip().splitlines()
+    assert "no CUDA driver found" in reason and imported == "False"
 
 
 def test_only_one_module_imports_numba_cuda():

@@ -14,6 +14,7 @@ and device (:func:`to_device`, :func:`to_host`).
 
 import contextlib
 import contextvars
+import ctypes
 import functools
 import os
 import sys
@@ -70,9 +71,32 @@ class CudaStatus:
     reason: str
 
 
+def _driver_loads():
+    """Whether the CUDA driver's library loads, as ``numba.cuda`` would load it first
+    (``NUMBA_CUDA_DRIVER``, else the platform's name for it): a fraction of a
+    millisecond where a machine without a driver would otherwise import ``numba.cuda``
+    (about a second) to learn the same."""
+    custom = os.environ.get("NUMBA_CUDA_DRIVER")
+    if custom:
+        names = [custom]
+    elif sys.platform == "win32":
+        names = ["nvcuda.dll"]
+    else:
+        names = ["libcuda.so.1", "libcuda.so"]
+    for name in names:
+        try:
+            ctypes.CDLL(name)
+        except OSError:
+            continue
+        return True
+    return False
+
+
 @functools.cache
 def status():
     """Probe the CUDA backend once per process and remember the answer."""
+    if not simulator_requested() and not _driver_loads():
+        return CudaStatus(False, False, "no CUDA driver found (the driver library did not load)")
     try:
         cuda = numba_cuda()
     except Exception as exc:  # a broken CUDA install must not break import tfmath
