@@ -1,7 +1,8 @@
-"""Linear and sparse attention: feature-map and pattern codes, sparsity patterns, key runs.
+"""Linear and sparse attention: feature maps and pattern codes, sparsity patterns, key runs.
 
 The problem of both routines is the :class:`~tfmath._contract.attention.AttentionProblem`;
-what they add is here: the integer codes the kernels receive, the validated
+what they add is here: the integer codes the kernels receive, the feature maps by
+their definition (:func:`feature_map`, for the NumPy oracle and the analysis), the validated
 :class:`SparsePattern`, and how a pattern enumerates the keys of a query row
 (:func:`run_count`, :func:`run_bounds`: plain Python, compiled by both the CPU
 and the CUDA kernels, and read by the NumPy oracle through :meth:`SparsePattern.allows`).
@@ -23,6 +24,25 @@ from tfmath.errors import ArgumentError, DTypeError, ShapeError
 #: Feature maps of :func:`~tfmath.efficient.linear_attention`; the kernels receive the index.
 FEATURE_MAPS = ("elu+1", "relu")
 ELU_PLUS_ONE, RELU = range(len(FEATURE_MAPS))
+
+
+def feature_map(x, feature_code):
+    r"""The feature map, elementwise in float64.
+
+    .. math::
+
+        \phi_{\text{elu+1}}(x) = \begin{cases} x + 1 & x > 0 \\ e^x & x \le 0 \end{cases}
+        \qquad \phi_{\text{relu}}(x) = \max(x, 0)
+
+    (:math:`\operatorname{elu}(x) + 1 = e^x - 1 + 1` for :math:`x \le 0`, written
+    as :math:`e^x` so that tiny values do not cancel). NaN stays NaN.
+    """
+    x = np.asarray(x, dtype=np.float64)
+    if feature_code == ELU_PLUS_ONE:
+        return np.where(x > 0, x + 1, np.exp(np.minimum(x, 0)))
+    return np.where(x < 0, 0.0, x)
+
+
 #: Patterns of :func:`~tfmath.efficient.sparse_attention`; the kernels receive the index.
 PATTERNS = ("local", "strided", "local+strided", "block")
 LOCAL, STRIDED, LOCAL_STRIDED, BLOCK = range(len(PATTERNS))

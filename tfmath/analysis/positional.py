@@ -46,6 +46,7 @@ from tfmath._contract.backend import resolve_backend
 from tfmath._contract.checks import float_operand, integer, real
 from tfmath._contract.positional import (
     POSITION_LIMIT,
+    centred_turns,
     check_position_range,
     decimal_pi,
     wavelength_base,
@@ -60,7 +61,6 @@ from tfmath.positional import (
     rotary_embedding,
     sinusoidal_encoding,
 )
-from tfmath.reference.positional import centred_turns
 
 __all__ = [
     "ClosestPair",

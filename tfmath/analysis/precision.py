@@ -39,8 +39,6 @@ from tfmath.attention import scaled_dot_product_attention
 from tfmath.errors import ArgumentError
 from tfmath.variance import sample_scores
 
-#: float16's largest finite number.
-FLOAT16_MAX = 65504.0
 #: Numbers of this magnitude and above round to infinity in float16 (halfway to 2**16).
 FLOAT16_OVERFLOW = 65520.0
 

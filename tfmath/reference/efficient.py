@@ -2,25 +2,8 @@ r"""NumPy oracles for linear attention and sparse attention, written from the de
 
 import numpy as np
 
-from tfmath._contract.efficient import ELU_PLUS_ONE
+from tfmath._contract.efficient import feature_map
 from tfmath.reference.attention import naive_attention
-
-
-def feature_map(x, feature_code):
-    r"""The feature map, elementwise in float64.
-
-    .. math::
-
-        \phi_{\text{elu+1}}(x) = \begin{cases} x + 1 & x > 0 \\ e^x & x \le 0 \end{cases}
-        \qquad \phi_{\text{relu}}(x) = \max(x, 0)
-
-    (:math:`\operatorname{elu}(x) + 1 = e^x - 1 + 1` for :math:`x \le 0`, written
-    as :math:`e^x` so that tiny values do not cancel). NaN stays NaN.
-    """
-    x = np.asarray(x, dtype=np.float64)
-    if feature_code == ELU_PLUS_ONE:
-        return np.where(x > 0, x + 1, np.exp(np.minimum(x, 0)))
-    return np.where(x < 0, 0.0, x)
 
 
 def linear_attention(problem, feature_code, eps):

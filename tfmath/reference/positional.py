@@ -2,46 +2,13 @@ r"""NumPy oracles for the positional encodings and the positional analysis kerne
 
 Every angle is :math:`2\pi r` with :math:`r` the centred fractional part of
 :math:`p f_i` (turns), reduced exactly from the integer position and the split
-frequency of :func:`tfmath.positional.frequency_table`; see :func:`centred_turns`.
+frequency of :func:`tfmath.positional.frequency_table`; see
+:func:`tfmath._contract.positional.centred_turns`, which the analysis reads too.
 """
 
 import numpy as np
 
-_TWO_TO_MINUS_32 = 2.0**-32
-_TWO_TO_MINUS_64 = 2.0**-64
-_LOW_32_BITS = 0xFFFFFFFF
-
-
-def centred_turns(positions, table, n_pairs=None):
-    r"""The fractional part of :math:`p f_i`, in :math:`[-\tfrac12, \tfrac12]`, for every pair.
-
-    .. math::
-
-        r_{p,i} = t - \operatorname{round}(t), \qquad
-        t = \left[(p F_i^{\text{high}}) \bmod 2^{32}\right] 2^{-32}
-            + p F_i^{\text{low}}\, 2^{-64} + p\, c_i .
-
-    The integer products are exact for :math:`|p| < 2^{31}` (they stay below
-    :math:`2^{63}`), so :math:`r` is within about :math:`2^{-53}` of the exact
-    fractional part.
-
-    Parameters
-    ----------
-    positions : numpy.ndarray of int64, shape (n,)
-    table : tfmath.positional.FrequencyTable
-    n_pairs : int, optional
-        Use the first ``n_pairs`` frequencies; default all.
-
-    Returns
-    -------
-    numpy.ndarray of float64, shape (n, n_pairs)
-    """
-    n_pairs = table.n_pairs if n_pairs is None else n_pairs
-    p = np.asarray(positions, dtype=np.int64)[:, None]
-    high, low = table.halves[:n_pairs, 0], table.halves[:n_pairs, 1]
-    turns = ((p * high) & _LOW_32_BITS) * _TWO_TO_MINUS_32
-    turns = turns + (p * low) * _TWO_TO_MINUS_64 + p * table.remainder[:n_pairs]
-    return turns - np.rint(turns)
+from tfmath._contract.positional import centred_turns
 
 
 def sinusoidal_encoding(n_positions, d_model, offset, table, dtype):

@@ -5,11 +5,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tfmath._contract.efficient import feature_map as _feature_map
 from tfmath.analysis.complexity.counts import sparse_arguments
 from tfmath.attention import scaled_dot_product_attention
 from tfmath.efficient import linear_attention, sparse_attention, sparse_attention_mask
 from tfmath.errors import ArgumentError
-from tfmath.reference.efficient import feature_map as _feature_map
 
 #: The inputs :func:`structured_inputs` draws.
 INPUT_KINDS = ("random", "local", "periodic")
