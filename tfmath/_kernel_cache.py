@@ -142,11 +142,6 @@ def compilation_notice(cache=None):
     return f"compiling kernels (first call, about 10 s; cached in {cache.folder})"
 
 
-def cache_enabled():
-    """Whether compiled CPU kernels are cached on disk (see :func:`kernel_cache`)."""
-    return kernel_cache().enabled
-
-
 @functools.cache
 def _log_compilation_notice():
     """Log :func:`compilation_notice` (at INFO, on the ``tfmath`` logger) once per process."""
