@@ -19,9 +19,17 @@ _INV_SQRT_2PI = 1 / math.sqrt(2 * math.pi)
 _GELU_CUBIC = 0.044715
 
 
-def sigmoid(a):
-    """The logistic function of one value."""
-    return 1 / (1 + math.exp(-a))
+def swiglu(gate, up):
+    r"""SwiGLU of one pair: :math:`\operatorname{silu}(x)\, u = x \sigma(x)\, u` at
+    :math:`x` = gate, :math:`u` = up (Shazeer 2020)."""
+    return gate * (1 / (1 + math.exp(-gate))) * up
+
+
+def swiglu_gradients(g, gate, up):
+    r"""The gradients of :func:`swiglu` with respect to gate and up, times the incoming
+    ``g``: :math:`g u \sigma (1 + x (1 - \sigma))` and :math:`g x \sigma`."""
+    sigmoid = 1 / (1 + math.exp(-gate))
+    return g * up * sigmoid * (1 + gate * (1 - sigmoid)), g * gate * sigmoid
 
 
 def activation(h, code):

@@ -186,7 +186,8 @@ def rms_norm_backward(grad_y, x, weight, rstd):
     return grad_x, grad_weight
 
 
-_sigmoid = cpu_kernel(formulas.sigmoid)
+_swiglu = cpu_kernel(formulas.swiglu)
+_swiglu_gradients = cpu_kernel(formulas.swiglu_gradients)
 _activation = cpu_kernel(formulas.activation)
 _activation_slope = cpu_kernel(formulas.activation_slope)
 
@@ -198,7 +199,7 @@ def _activation_kernel(h, code, out):
         for j in range(width):
             if code == SWIGLU:
                 gate = h[i, j]
-                out[i, j] = gate * _sigmoid(gate) * h[i, width + j]
+                out[i, j] = _swiglu(gate, h[i, width + j])
             else:
                 out[i, j] = _activation(h[i, j], code)
 
@@ -218,10 +219,7 @@ def _activation_grad_kernel(grad_out, h, code, grad_h):
         for j in range(width):
             g = grad_out[i, j]
             if code == SWIGLU:
-                gate, up = h[i, j], h[i, width + j]
-                sigmoid = _sigmoid(gate)
-                grad_h[i, j] = g * up * sigmoid * (1 + gate * (1 - sigmoid))
-                grad_h[i, width + j] = g * gate * sigmoid
+                grad_h[i, j], grad_h[i, width + j] = _swiglu_gradients(g, h[i, j], h[i, width + j])
             else:
                 grad_h[i, j] = g * _activation_slope(h[i, j], code)
 

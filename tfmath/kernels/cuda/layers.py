@@ -191,7 +191,8 @@ def rms_norm_backward(grad_y, x, weight, rstd):
     return transfer.outputs(grad_x, grad_weight)
 
 
-_sigmoid = cuda.jit(device=True)(formulas.sigmoid)
+_swiglu = cuda.jit(device=True)(formulas.swiglu)
+_swiglu_gradients = cuda.jit(device=True)(formulas.swiglu_gradients)
 _activation = cuda.jit(device=True)(formulas.activation)
 _activation_slope = cuda.jit(device=True)(formulas.activation_slope)
 
@@ -205,7 +206,7 @@ def _activation_kernel(h, code, out):
     i, j = index // width, index % width
     if code == SWIGLU:
         gate = h[i, j]
-        out[i, j] = gate * _sigmoid(gate) * h[i, width + j]
+        out[i, j] = _swiglu(gate, h[i, width + j])
     else:
         out[i, j] = _activation(h[i, j], code)
 
@@ -229,10 +230,7 @@ def _activation_grad_kernel(grad_out, h, code, grad_h):
     i, j = index // width, index % width
     g = grad_out[i, j]
     if code == SWIGLU:
-        gate, up = h[i, j], h[i, width + j]
-        sigmoid = _sigmoid(gate)
-        grad_h[i, j] = g * up * sigmoid * (1 + gate * (1 - sigmoid))
-        grad_h[i, width + j] = g * gate * sigmoid
+        grad_h[i, j], grad_h[i, width + j] = _swiglu_gradients(g, h[i, j], h[i, width + j])
     else:
         grad_h[i, j] = g * _activation_slope(h[i, j], code)
 
