@@ -99,6 +99,40 @@ def test_heads_no_cuda_kernel_holds_are_refused_before_any_kernel(
     assert_refused(call, tfmath.BackendUnavailableError, words)
 
 
+def _garbage_before_the_maximum(case):
+    """Values that are not finite in a key tile before the one holding each row's
+    maximum, at a weight positive against the running maximum and 0 against the final
+    one: left padding with a finite "minimum" mask over NaN padding values, an infinite
+    value 200 below the maximum, and one 120 below it (its weight e^-60 at first)."""
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, n, 8)).astype(np.float32) for n in (4, 40, 40))
+    bias = np.zeros((4, 40), np.float32)
+    if case == "padding":
+        v[0, :34] = np.nan
+        bias[:, :34] = np.finfo(np.float16).min
+    else:
+        q[:], k[:] = 0, 0
+        v[0, 0] = np.inf
+        bias[:, 35] = 200.0 if case == "far below" else 60.0
+        bias[:, 0] = 0.0 if case == "far below" else -60.0
+    return q, k, v, bias
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", ["padding", "far below", "underflowing"])
+@pytest.mark.parametrize("method", ["flash", "decode"])
+def test_values_not_finite_at_weight_zero_are_never_read(case, method):
+    """The flash forward rescales its accumulator as each row's maximum grows; a value
+    read at a weight that underflows to 0 against the final maximum must not reach the
+    output (inf * 0 was NaN, inf * e^-60 inf), as on the CPU and in the reference."""
+    q, k, v, bias = _garbage_before_the_maximum(case)
+    want = tfmath.scaled_dot_product_attention(q, k, v, bias, method="naive", backend="reference")
+    got = tfmath.scaled_dot_product_attention(q, k, v, bias, method=method, backend="cuda")
+    assert np.isfinite(want).all()
+    # float32 softmax of 40 keys: a few ulps.
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_float32_d64_gets_four_by_four_micro_tiles_on_128_threads():
     flash = _flash_module()
     tiles = flash._choose_tiles(lambda t: flash._forward_shared(t, 64, 64), 4, 4096)

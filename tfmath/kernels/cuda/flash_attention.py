@@ -177,74 +177,88 @@ def _forward_kernel(numba_dtype, n_features, n_values, tiles):
         has_mask = mask.shape[1] != 0
         zero = numba_dtype(0)
         _stage(shared[Q0:], QS, query, q, first_row, BR, E, tid, NT)
-        for i in range(RM):
-            row_max[i] = -math.inf
-            row_sum[i] = 0
-            for f in range(VP):
-                acc[i * VP + f] = 0
         # Causal: no row of this block attends past its last row.
         n_visible = min(first_row + BR, n_key) if is_causal else n_key
-        for start in range(0, n_visible, BC):
-            bad = _stage(shared[K0:], QS, key, k, start, BC, E, tid, NT)
-            bad |= _stage(shared[V0:], EV, value, v, start, BC, EV, tid, NT)
-            value_has_garbage = cuda.syncthreads_or(bad)
-            # S = Q K^T, one outer product per feature.
-            for c in range(RM * CM):
-                scores[c] = 0
-            for e in range(E):
-                for i in range(RM):
-                    q_reg[i] = shared[Q0 + (ty + i * TR) * QS + e]
-                for j in range(CM):
-                    k_reg[j] = shared[K0 + (tx + j * TC) * QS + e]
-                for i in range(RM):
-                    for j in range(CM):
-                        scores[i * CM + j] += q_reg[i] * k_reg[j]
+        # A value that is not finite, read at a weight that was positive against the
+        # running maximum and is 0 against the final one, leaves the accumulator NaN or
+        # infinite through the rescaling (inf * 0, or inf * tiny). Rows are then
+        # computed again against their final maxima, never reading a value at weight 0,
+        # as the reference reads them (and the CPU kernel retries).
+        for attempt in range(2):
+            retry = attempt == 1
             for i in range(RM):
-                row = first_row + ty + i * TR
-                tile_max = numba_dtype(-math.inf)
-                for j in range(CM):
-                    col = start + tx + j * TC
-                    bias = zero
-                    if has_mask and row < n_query and col < n_key:
-                        bias = mask[m, row, col]
-                    s = _masked(
-                        scale * scores[i * CM + j], bias, has_mask, row, col, n_query, n_key,
-                        is_causal,
-                    )  # fmt: skip
-                    scores[i * CM + j] = s
-                    tile_max = max(tile_max, s)
-                shared[R0 + (ty + i * TR) * TC + tx] = tile_max
-            cuda.syncthreads()
-            # The row's new maximum, agreed by its TC threads; rescale, then P = exp(S - m).
-            for i in range(RM):
-                r = ty + i * TR
-                new_max = row_max[i]
-                for t in range(TC):
-                    new_max = max(new_max, shared[R0 + r * TC + t])
-                if new_max != -math.inf:
-                    rescale = math.exp(row_max[i] - new_max)
-                    row_sum[i] *= rescale
-                    for f in range(VP):
-                        acc[i * VP + f] *= rescale
-                row_max[i] = new_max
-                for j in range(CM):
-                    s = scores[i * CM + j]
-                    p = zero if s == -math.inf else math.exp(s - new_max)
-                    row_sum[i] += p
-                    shared[P0 + r * PS + tx + j * TC] = p
-            cuda.syncthreads()
-            # O += P V, one outer product per key.
-            for t in range(BC):
+                if not retry:
+                    row_max[i] = -math.inf
+                row_sum[i] = 0
                 for f in range(VP):
-                    feature = tx + f * TC
-                    v_reg[f] = shared[V0 + t * EV + feature] if feature < EV else zero
+                    acc[i * VP + f] = 0
+            for start in range(0, n_visible, BC):
+                bad = _stage(shared[K0:], QS, key, k, start, BC, E, tid, NT)
+                bad |= _stage(shared[V0:], EV, value, v, start, BC, EV, tid, NT)
+                value_has_garbage = cuda.syncthreads_or(bad)
+                # S = Q K^T, one outer product per feature.
+                for c in range(RM * CM):
+                    scores[c] = 0
+                for e in range(E):
+                    for i in range(RM):
+                        q_reg[i] = shared[Q0 + (ty + i * TR) * QS + e]
+                    for j in range(CM):
+                        k_reg[j] = shared[K0 + (tx + j * TC) * QS + e]
+                    for i in range(RM):
+                        for j in range(CM):
+                            scores[i * CM + j] += q_reg[i] * k_reg[j]
                 for i in range(RM):
-                    p = shared[P0 + (ty + i * TR) * PS + t]
-                    if value_has_garbage and p == 0:
-                        continue
+                    row = first_row + ty + i * TR
+                    tile_max = numba_dtype(-math.inf)
+                    for j in range(CM):
+                        col = start + tx + j * TC
+                        bias = zero
+                        if has_mask and row < n_query and col < n_key:
+                            bias = mask[m, row, col]
+                        s = _masked(
+                            scale * scores[i * CM + j], bias, has_mask, row, col, n_query, n_key,
+                            is_causal,
+                        )  # fmt: skip
+                        scores[i * CM + j] = s
+                        tile_max = max(tile_max, s)
+                    shared[R0 + (ty + i * TR) * TC + tx] = tile_max
+                cuda.syncthreads()
+                # The row's new maximum, agreed by its TC threads; rescale, then P = exp(S - m).
+                for i in range(RM):
+                    r = ty + i * TR
+                    new_max = row_max[i]
+                    for t in range(TC):
+                        new_max = max(new_max, shared[R0 + r * TC + t])
+                    if new_max != -math.inf:
+                        rescale = math.exp(row_max[i] - new_max)
+                        row_sum[i] *= rescale
+                        for f in range(VP):
+                            acc[i * VP + f] *= rescale
+                    row_max[i] = new_max
+                    for j in range(CM):
+                        s = scores[i * CM + j]
+                        p = zero if s == -math.inf else math.exp(s - new_max)
+                        row_sum[i] += p
+                        shared[P0 + r * PS + tx + j * TC] = p
+                cuda.syncthreads()
+                # O += P V, one outer product per key.
+                for t in range(BC):
                     for f in range(VP):
-                        acc[i * VP + f] += p * v_reg[f]
-            cuda.syncthreads()
+                        feature = tx + f * TC
+                        v_reg[f] = shared[V0 + t * EV + feature] if feature < EV else zero
+                    for i in range(RM):
+                        p = shared[P0 + (ty + i * TR) * PS + t]
+                        if (value_has_garbage or retry) and p == 0:
+                            continue
+                        for f in range(VP):
+                            acc[i * VP + f] += p * v_reg[f]
+                cuda.syncthreads()
+            not_finite = 0
+            for c in range(RM * VP):
+                if not math.isfinite(acc[c]):
+                    not_finite = 1
+            if retry or not cuda.syncthreads_or(not_finite):
+                break
         # Each row's normaliser, summed over its TC threads in a fixed order.
         for i in range(RM):
             shared[R0 + (ty + i * TR) * TC + tx] = row_sum[i]
