@@ -235,7 +235,10 @@ def test_every_kernel_launches_on_the_callers_stream(launches):
         tfmath.alibi_bias(2, 3, 3, backend="cuda")
         tfmath.softmax_row_statistics(x.copy_to_host()[0], backend="cuda")
         tfmath.layer_norm(x, np.ones(4, np.float32), np.zeros(4, np.float32), backend="cuda")
-    assert len(recorded) >= 12
+        tfmath.elman_rnn(
+            x, np.ones((3, 4), np.float32), np.eye(3, dtype=np.float32), backend="cuda"
+        )
+    assert len(recorded) >= 13
     assert all(stream is side for stream in recorded), recorded
 
 

@@ -47,7 +47,9 @@ def elman_rnn(problem):
     dtype = problem.dtype
     states = _cuda.device_empty((index.shape[0], problem.n_steps, hidden), dtype)
     if index.shape[0] and problem.n_steps and hidden:
-        _elman_kernel(_cuda.numba_dtype(dtype))[index.shape[0], hidden, 0, hidden * dtype.itemsize](
+        _elman_kernel(_cuda.numba_dtype(dtype))[
+            index.shape[0], hidden, _cuda.stream(), hidden * dtype.itemsize
+        ](
             _cuda.to_device(inputs),
             _cuda.to_device(problem.w_xh),
             _cuda.to_device(problem.w_hh),
