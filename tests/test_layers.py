@@ -1376,3 +1376,32 @@ def test_self_attention_weights_of_a_decoder_are_causal_and_other_caches_are_ref
     for bad in ({}, {"stack": None}, [cache]):
         with pytest.raises(ArgumentError, match="encoder_forward or decoder_only_forward"):
             M.self_attention_weights(bad)
+
+
+def test_degenerate_rows_give_what_the_reference_gives_on_every_backend(kernel_backend):
+    """A constant row with ``eps=0`` (its standard deviation 0) normalises to NaN, and a
+    SwiGLU gate far below zero (whose logistic's e^{-x} overflows) gives -0 and zero
+    gradients, on every backend as in the reference: the CUDA simulator, which runs the
+    kernels as Python, raised ZeroDivisionError and OverflowError instead."""
+    constant = np.ones((2, 4), np.float32)
+    weight, bias = np.ones(4, np.float32), np.zeros(4, np.float32)
+    for call in (
+        lambda backend: L.layer_norm(constant, weight, bias, eps=0.0, backend=backend),
+        lambda backend: L.rms_norm(constant * 0, weight, eps=0.0, backend=backend),
+    ):
+        with np.errstate(divide="ignore", invalid="ignore"):  # 1 / 0, then 0 * inf
+            got, want = call(kernel_backend), call("reference")
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+        assert np.isnan(want).all()
+    h = np.array([[-800.0, -80.0, 1.0, 2.0]], np.float32)  # gates -800 and -80
+    out, cache = L.ffn_activation_forward(h, "swiglu", backend=kernel_backend)
+    expected, expected_cache = L.ffn_activation_forward(h, "swiglu", backend="reference")
+    grad = np.ones_like(out)
+    # float32 products of a logistic near e^-80: relative rounding of a few ulps.
+    np.testing.assert_allclose(out, expected, rtol=1e-6, atol=0)
+    np.testing.assert_allclose(
+        L.ffn_activation_backward(grad, cache),
+        L.ffn_activation_backward(grad, expected_cache),
+        rtol=1e-6,
+        atol=0,
+    )

@@ -22,13 +22,16 @@ _GELU_CUBIC = 0.044715
 def swiglu(gate, up):
     r"""SwiGLU of one pair: :math:`\operatorname{silu}(x)\, u = x \sigma(x)\, u` at
     :math:`x` = gate, :math:`u` = up (Shazeer 2020)."""
-    return gate * (1 / (1 + math.exp(-gate))) * up
+    tail = math.exp(-abs(gate))  # e^{-|x|} <= 1: the logistic function never overflows
+    sigmoid = 1 / (1 + tail) if gate >= 0 else tail / (1 + tail)
+    return gate * sigmoid * up
 
 
 def swiglu_gradients(g, gate, up):
     r"""The gradients of :func:`swiglu` with respect to gate and up, times the incoming
     ``g``: :math:`g u \sigma (1 + x (1 - \sigma))` and :math:`g x \sigma`."""
-    sigmoid = 1 / (1 + math.exp(-gate))
+    tail = math.exp(-abs(gate))
+    sigmoid = 1 / (1 + tail) if gate >= 0 else tail / (1 + tail)
     return g * up * sigmoid * (1 + gate * (1 - sigmoid)), g * gate * sigmoid
 
 

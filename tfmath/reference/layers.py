@@ -99,8 +99,14 @@ def _gelu_tanh_inner(x):
     return math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)
 
 
+def _sigmoid(x):
+    """The logistic function, from e^{-|x|} <= 1 so that it never overflows."""
+    tail = np.exp(-np.abs(x))
+    return np.where(x >= 0, 1 / (1 + tail), tail / (1 + tail))
+
+
 def _silu(x):
-    return x / (1 + np.exp(-x))
+    return x * _sigmoid(x)
 
 
 def ffn_activation(h, code):
@@ -162,7 +168,7 @@ def ffn_activation_backward(grad_out, h, code):
         grad = grad_out * (0.5 * (1 + t) + 0.5 * h * (1 - t * t) * slope)
     else:
         gate, up = np.split(h, 2, axis=1)
-        sigmoid = 1 / (1 + np.exp(-gate))
+        sigmoid = _sigmoid(gate)
         grad_gate = grad_out * up * sigmoid * (1 + gate * (1 - sigmoid))
         grad = np.concatenate([grad_gate, grad_out * gate * sigmoid], axis=1)
     return grad.astype(h.dtype)

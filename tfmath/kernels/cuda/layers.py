@@ -47,6 +47,13 @@ class _Transfer:
         return tuple(_cuda.to_host(a) for a in arrays)
 
 
+@cuda.jit(device=True)
+def _reciprocal(s):
+    """1 / s, infinite at 0 (a constant row with ``eps=0``), as on the CPU: the simulator
+    runs this as Python, whose float division by zero raises."""
+    return math.inf if s == 0 else 1 / s
+
+
 @cuda.jit
 def _layer_norm_kernel(x, weight, bias, eps, y, mean, rstd):
     i = cuda.grid(1)
@@ -60,7 +67,7 @@ def _layer_norm_kernel(x, weight, bias, eps, y, mean, rstd):
     variance = mu * 0
     for j in range(n_features):
         variance += (x[i, j] - mu) * (x[i, j] - mu)
-    r = 1 / math.sqrt(variance / n_features + eps)
+    r = _reciprocal(math.sqrt(variance / n_features + eps))
     mean[i] = mu
     rstd[i] = r
     for j in range(n_features):
@@ -147,7 +154,7 @@ def _rms_norm_kernel(x, weight, eps, y, rstd):
     squares = x[i, 0] * 0
     for j in range(n_features):
         squares += x[i, j] * x[i, j]
-    r = 1 / math.sqrt(squares / n_features + eps)
+    r = _reciprocal(math.sqrt(squares / n_features + eps))
     rstd[i] = r
     for j in range(n_features):
         y[i, j] = x[i, j] * r * weight[j]
