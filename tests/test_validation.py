@@ -283,3 +283,27 @@ def test_a_call_refused_for_its_shapes_copies_nothing_first(call, arrays, words)
     finally:
         tracemalloc.stop()
     assert peak < 1 << 20, f"{peak} bytes allocated before the refusal"
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda q: tfmath.scaled_dot_product_attention(q, q, q, scale=1e39),
+        lambda q: tfmath.scaled_dot_product_attention(q, q, q, scale=-1e39, backend="reference"),
+        lambda q: tfmath.attention_grad(q, q, q, q, scale=1e39),
+        lambda q: tfmath.flash_attention(q[None], q[None], q[None], scale=1e39),
+        lambda q: tfmath.flex_attention(q[None], q[None], q[None], scale=1e39),
+    ],
+)
+def test_a_scale_beyond_the_scores_dtype_is_refused(kernels_must_not_run, call):
+    """A finite scale that is infinite in float32, the dtype float32 scores are computed
+    in, would make every score infinite or NaN (the CUDA naive kernel gave NaN where the
+    others gave 0): refused, before any kernel."""
+    query = np.ones((1, 2, 4), np.float32)
+    assert_refused(lambda: call(query), tfmath.ArgumentError, ["scale=", "float32"])
+
+
+def test_a_scale_within_float64_is_taken_by_float64_operands():
+    query = np.ones((1, 2, 4))
+    output = tfmath.scaled_dot_product_attention(query, query, query, scale=1e39)
+    np.testing.assert_array_equal(output, query)

@@ -195,7 +195,7 @@ def _flash_problem(query, key, value, options, backend, packed=None):
     dtype, operand_dtype = contract.compute_dtype_of(query, key, value)
     scale, left, right, softcap, slopes, sinks = contract.flash_options(
         options["scale"], options["causal"], options["window_size"], options["softcap"],
-        options["alibi_slopes"], options["sinks"], n_heads, n_outer, query.shape,
+        options["alibi_slopes"], options["sinks"], n_heads, n_outer, query.shape, dtype,
     )  # fmt: skip
     if packed is None:
         q_rows, k_rows = query.shape[-2], key.shape[-2]
@@ -727,7 +727,7 @@ def _flex_problem(query, key, value, score_mod, block_mask, scale, enable_gqa,
         )
     contract.head_groups(n_heads, n_kv_heads)
     dtype, operand_dtype = contract.compute_dtype_of(query, key, value)
-    scale = attention_scale(scale, query.shape)
+    scale = attention_scale(scale, query.shape, dtype)
     if block_mask is None:
         query_tile, key_tile = contract.tile_for(n_query), contract.tile_for(n_key)
         # At least one tile each way, as the kernels' padded operands have (no keys or

@@ -264,13 +264,13 @@ def attention_problem(
             f"key and value must have the same sequence length S (second-to-last "
             f"dimension), got key {key_shape} and value {value_shape}"
         )
-    scale = attention_scale(scale, query_shape)
     dtype = query.dtype
     if not dtype == key.dtype == value.dtype:
         dtype = result_dtype(query.dtype, key.dtype, value.dtype)
         for name, operand in (("query", query), ("key", key), ("value", value)):
             _check_castable(name, operand, dtype)
     accumulation = compute_dtype(dtype, accumulate, backend)
+    scale = attention_scale(scale, query_shape, accumulation)
     mask = _attention_mask(attn_mask, query_shape[-2], key_shape[-2], accumulation, backend)
     batch_shape = query_shape[:-2]
     if mask is not None or not batch_shape == key_shape[:-2] == value_shape[:-2]:
@@ -345,6 +345,9 @@ def _allocations(problem):
     return allocations
 
 
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
 def plain_layout(query, key, value, is_causal, scale):
     """What the checks of a possibly plain call depend on, or None when it cannot be
     one (an operand is not a NumPy array, ``is_causal`` not a bool, ``scale`` neither
@@ -405,8 +408,12 @@ def plain_attention_problem(query, key, value, is_causal, scale):
         return None
     if scale is None:
         scale = 1.0 / math.sqrt(n_features)
-    elif type(scale) is not float or not math.isfinite(scale):
-        return None
+    elif (
+        type(scale) is not float
+        or not math.isfinite(scale)
+        or (dtype == np.float32 and abs(scale) > _FLOAT32_MAX)
+    ):
+        return None  # the general checks refuse it
     return AttentionProblem(
         query, key, value, None, is_causal, scale, False, batch_shape, dtype, "cpu",
         False, n_query, n_key, n_features, value_dim, dtype,

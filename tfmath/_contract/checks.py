@@ -136,11 +136,21 @@ def real(name, value, *, above=None, at_least=None, below=None, allow_none=False
 BEYOND_ANY_SEQUENCE = 2**40
 
 
-def attention_scale(scale, query_shape):
+def attention_scale(scale, query_shape, dtype):
     r"""The scores' scale: ``scale`` checked, or :math:`1/\sqrt{E}` for None, which is
-    undefined, and refused, for queries of ``E = 0`` features."""
+    undefined, and refused, for queries of ``E = 0`` features. A scale beyond the range
+    of ``dtype``, the scores' dtype, is refused: it would be infinite there, and every
+    score infinite or NaN."""
     if scale is not None:
-        return real("scale", scale)
+        scale = real("scale", scale)
+        with np.errstate(over="ignore"):
+            overflows = np.isinf(np.asarray(scale).astype(dtype))
+        if overflows:
+            raise ArgumentError(
+                f"scale={scale:g} is beyond the range of {np.dtype(dtype)}, the dtype the "
+                "scores are computed in; scale the operands instead, or compute in float64"
+            )
+        return scale
     if query_shape[-1] == 0:
         raise ShapeError(
             f"query has E = 0 features (shape {tuple(query_shape)}), so the default "

@@ -242,10 +242,11 @@ def slopes_array(alibi_slopes):
 
 
 def flash_options(scale, causal, window_size, softcap, alibi_slopes, sinks, n_heads, n_slope_rows,
-                  query_shape):  # fmt: skip
-    """FlashAttention's keyword arguments checked: returns ``(scale, left, right,
-    softcap, slopes (rows, heads) float64 or None, sinks (heads,) float64 or None)``."""
-    scale = attention_scale(scale, query_shape)
+                  query_shape, dtype):  # fmt: skip
+    """FlashAttention's keyword arguments checked, for scores computed in ``dtype``:
+    returns ``(scale, left, right, softcap, slopes (rows, heads) float64 or None, sinks
+    (heads,) float64 or None)``."""
+    scale = attention_scale(scale, query_shape, dtype)
     causal = boolean_flag("causal", causal)
     try:
         left, right = window_size
