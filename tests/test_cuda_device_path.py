@@ -13,6 +13,7 @@ import contextlib
 import ml_dtypes
 import numpy as np
 import pytest
+from _errors import assert_refused
 from _tolerances import UNIT_ROUNDOFF, assert_close, attention_tolerance
 
 import tfmath
@@ -260,3 +261,24 @@ def test_tensors_are_read_without_waiting_for_their_stream(monkeypatch):
     _cuda.as_device_array(foreign)
     _cuda.as_device_array(foreign, sync=False)
     assert imported == [True, False]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("backend", ["cuda", "cpu", "reference"])
+@pytest.mark.parametrize(
+    ("scores", "scale", "words"),
+    [
+        ([[np.inf, 0.0], [np.nan, 1.0]], 1.0, ["finite"]),
+        ([[3e38, 0.0]], 10.0, ["scale * scores", "float32"]),
+    ],
+)
+def test_row_statistics_refuse_device_scores_as_host_ones(scores, scale, words, backend):
+    """Scores that are not finite, or that ``scale`` carries beyond their dtype's range,
+    are refused on the device as on the host (they were accepted there, and each backend
+    gave other garbage)."""
+    device_scores = _cuda.to_device(np.array(scores, np.float32))
+    assert_refused(
+        lambda: tfmath.softmax_row_statistics(device_scores, scale=scale, backend=backend),
+        tfmath.ArgumentError,
+        words,
+    )

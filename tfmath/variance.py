@@ -600,8 +600,8 @@ def softmax_row_statistics(scores, *, scale=1.0, backend="auto"):
     if n == 0:
         raise ShapeError(f"scores must have rows of length n >= 1, got shape {shape_of(scores)}")
     scale = real("scale", scale)
-    if not _cuda.is_device_array(scores):
-        _check_scaled_scores(scores, scale)
+    # Device scores are checked from a host copy: the same refusal on every backend.
+    _check_scaled_scores(_cuda.to_host(scores), scale)
     backend = resolve_backend(backend, scores)
     if _cuda.is_device_array(scores) and backend != "cuda":
         scores = _cuda.to_host(scores)
