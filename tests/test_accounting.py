@@ -283,6 +283,44 @@ def test_the_pooler_is_charged_to_no_token():
     assert A.flops_per_token("bert-base").step_forward == expected
 
 
+@pytest.mark.parametrize("name, d, d_ff", [("transformer-base", 512, 2048),
+                                          ("transformer-big", 1024, 4096)])  # fmt: skip
+@pytest.mark.parametrize("n_ctx", [512, 100])
+def test_encoder_decoder_steps_count_the_cross_attention(name, d, d_ff, n_ctx):
+    """Vaswani et al.'s model, n_ctx source and n_ctx target tokens, per token: the
+    6 encoder layers' self-attention (4 d^2 weights: Q, K, V, O) and FFN (2 d d_ff),
+    the 6 decoder layers' self-attention, cross-attention (4 d^2 more) and FFN, the
+    tied output head (V d), all times 2 FLOPs per multiply-add; and QK^T, PV (2 d
+    multiply-adds per key each) over all n_ctx keys in the encoder's self-attention
+    and the decoder's cross-attention, over (n_ctx + 1) / 2 keys on average under the
+    decoder's causal mask:
+
+        2 [(L_e + 2 L_d) 4 d^2 + (L_e + L_d) 2 d d_ff] + 2 V d
+        + 4 (L_e + L_d) d n_ctx + 2 L_d d (n_ctx + 1)
+
+    (141,703,168 for transformer-base at 512; leaving the cross-attention's weights
+    out gives 129,120,256). A training step is 3 forwards."""
+    encoder, decoder, vocab = 6, 6, 37000
+    weights = (encoder + 2 * decoder) * 4 * d * d + (encoder + decoder) * 2 * d * d_ff
+    products = 4 * (encoder + decoder) * d * n_ctx + 2 * decoder * d * (n_ctx + 1)
+    expected = 2 * weights + 2 * vocab * d + products
+    flops = A.flops_per_token(name, n_ctx=n_ctx)
+    assert flops.step_forward == expected
+    assert flops.step_training == 3 * expected
+
+
+@pytest.mark.parametrize("n_ctx", [1024, 7])
+def test_a_decoders_step_counts_each_query_against_the_keys_it_sees(n_ctx):
+    """GPT-2 (12 layers, d = 768, d_ff = 3072, tied head of 50257 tokens): query i of
+    a causal layer sees i + 1 keys, (n_ctx + 1) / 2 on average, each costing 2 d
+    multiply-adds (QK^T and PV), so 2 d (n_ctx + 1) FLOPs per token and layer beside
+    the weights' 2 (4 d^2 + 2 d d_ff) and the head's 2 V d."""
+    d, d_ff, layers, vocab = 768, 3072, 12, 50257
+    expected = 2 * layers * (4 * d * d + 2 * d * d_ff) + 2 * vocab * d
+    expected += 2 * layers * d * (n_ctx + 1)
+    assert A.flops_per_token("gpt2", n_ctx=n_ctx).step_forward == expected
+
+
 @pytest.mark.parametrize(
     ("call", "exception", "words"),
     [

@@ -274,6 +274,37 @@ def test_crossover_interval_reflects_timing_noise():
     assert low < result.length < high and low < 1000 < high and high / low < 1.5
 
 
+@pytest.mark.parametrize("confidence", [0.5, 0.9])
+def test_crossover_interval_leaves_equal_tails_of_the_resamples_outside(monkeypatch, confidence):
+    """The interval at confidence c leaves (1 - c) / 2 of the bootstrap crossovers
+    below it and as many above, with no interpolation (order statistics): with 201
+    resamples, k = floor(201 (1 - c) / 2) below (50 at c = 0.5, 10 at 0.9) and k
+    above, so the interval is (sorted[k], sorted[200 - k]). 201 keeps (1 - c) / 2 x
+    201 away from an integer, where an ulp of c could pick the neighbouring order
+    statistic. The resamples' crossovers are recorded as _crossing returns them."""
+    from tfmath.analysis.complexity import fits
+
+    found = []
+
+    def recording(lengths, medians):
+        length, status = crossing(lengths, medians)
+        found.append(length)
+        return length, status
+
+    crossing = fits._crossing
+    monkeypatch.setattr(fits, "_crossing", recording)
+    lengths = [256, 512, 1024, 2048, 4096, 8192]
+    data = _synthetic("local", lengths, lambda n: 1e-4 * n, noise=0.05, seed=1)
+    data += _synthetic("flash", lengths, lambda n: 1e-7 * n**2, noise=0.05, seed=2)
+    result = cx.crossover(data, "local", "flash", 64, confidence=confidence, n_boot=201, seed=3)
+    assert found[0] == result.length  # the estimate, then the 201 resamples
+    resampled = np.sort(found[1:])
+    # Resampling 5 repeats gives few distinct medians per length, so some crossovers tie.
+    assert resampled.size == 201 and np.unique(resampled).size > 100
+    k = math.floor(201 * (1 - confidence) / 2)
+    assert result.interval == (resampled[k], resampled[200 - k])
+
+
 def test_crossover_outside_the_grid_is_extrapolated_and_labelled():
     lengths = [256, 512, 1024]
     faster = _synthetic("a", lengths, lambda n: 1e-6 * n) + _synthetic(

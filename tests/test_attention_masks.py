@@ -404,3 +404,63 @@ def test_the_gradients_leak_what_the_forward_leaks_and_nothing_else(backend, dty
         assert_close(grads[0][~nan_rows], expected[0][~nan_rows], tolerance)
         assert_close(grads[1][~nan_keys], expected[1][~nan_keys], tolerance)
         assert_close(grads[2][~nan_keys], expected[2][~nan_keys], tolerance)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(2, 2, 64, 1), (64, 1)], ids=["B,H,L,1", "L,1"])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_the_tiled_forwards_log_sum_exp_takes_a_row_mask_once(dtype, shape, is_causal):
+    """A float mask of one value per query row, m_i for every key, adds m_i to the row's
+    log-sum-exp and leaves its softmax, so the output and a backward that reads its
+    own forward's log-sum-exp cannot show it added twice; only the log-sum-exp the
+    forward returns can. Above SERIAL_WORK (2 x 2 heads of 64 x 64, 32 features and
+    values) the tiled forward runs, which the other mask tests, below it, never reach.
+    Tolerance: a dot product of 16 features and a sum over 64 keys (tests._tolerances);
+    the row values m_i ~ 2 N(0, 1) are far above it."""
+    rng = np.random.default_rng(12)
+    query, key, value = (rng.standard_normal((2, 2, 64, 16)).astype(dtype) for _ in range(3))
+    mask = (2 * rng.standard_normal(shape)).astype(dtype)
+    assert not flash_attention._is_small(attention_problem(query, key, value, backend="cpu"))
+    output, log_sum_exp = tfmath.scaled_dot_product_attention(
+        query, key, value, mask, is_causal, method="flash", return_log_sum_exp=True,
+        backend="cpu",
+    )  # fmt: skip
+    expected, expected_lse = tfmath.scaled_dot_product_attention(
+        query, key, value, mask, is_causal, method="flash", return_log_sum_exp=True,
+        backend="reference",
+    )  # fmt: skip
+    tolerance = attention_tolerance(dtype, 16, 64)
+    assert_close(output, expected, tolerance)
+    assert_close(log_sum_exp, expected_lse, tolerance)
+
+
+GQA_MASKS = {
+    "none": None,
+    "per query head B,H,L,S": lambda rng: 2 * rng.standard_normal((2, 6, 20, 30)),
+    "key padding B,1,1,S": lambda rng: (
+        np.arange(30)[None, None, None, :] < np.array([30, 17])[:, None, None, None]
+    ),
+}
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+@pytest.mark.parametrize("mask", sorted(GQA_MASKS))
+def test_grouped_query_head_h_attends_key_value_head_h_over_the_group(backend, mask):
+    """enable_gqa=True with 6 query heads and 2 key/value heads: query head h attends
+    key/value head h // 3 (PyTorch's repeat_interleave), so the result equals
+    attention against the key/value heads each repeated 3 times, with a per-head mask
+    staying with its query head. group_query_heads, which every backend runs through,
+    decides the pairing; without torch no other test compares it with explicit copies
+    (h % 2 passed everything else). Same rows, same arithmetic: the plain tolerance."""
+    rng = np.random.default_rng(21)
+    query = rng.standard_normal((2, 6, 20, 8))
+    key, value = rng.standard_normal((2, 2, 30, 8)), rng.standard_normal((2, 2, 30, 5))
+    attn_mask = None if GQA_MASKS[mask] is None else GQA_MASKS[mask](rng)
+    grouped = tfmath.scaled_dot_product_attention(
+        query, key, value, attn_mask, enable_gqa=True, backend=backend
+    )
+    repeated = tfmath.scaled_dot_product_attention(
+        query, np.repeat(key, 3, axis=-3), np.repeat(value, 3, axis=-3), attn_mask,
+        backend=backend,
+    )  # fmt: skip
+    assert_close(grouped, repeated, attention_tolerance(np.float64, 8, 30))

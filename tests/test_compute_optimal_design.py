@@ -424,6 +424,27 @@ def test_loss_law_fits_return_on_very_noisy_runs():
         assert (name in kaplan.unidentified) == math.isnan(low) == math.isnan(high)
 
 
+def test_kaplan_intervals_cut_equal_tails_off_the_refits():
+    """As for approach 3: a percentile interval at confidence c leaves (1 - c) / 2 of
+    the refits on each side, so at c = 0.5 it is their inter-quartile range (of
+    positive width on noisy runs) and lies inside the one at 0.9 from the same refits
+    (same seed). Tails of 1 - c and c give the median twice at 0.5: zero width."""
+    rng = np.random.default_rng(1)
+    n, d = (g.ravel() for g in np.meshgrid(np.geomspace(1e3, 1e6, 6), np.geomspace(1e5, 1e8, 6)))
+    loss = ((8.8e13 / n) ** (0.076 / 0.095) + 5.4e13 / d) ** 0.095
+    loss *= np.exp(0.002 * rng.standard_normal(n.size))
+    middle, wide = (
+        fit_kaplan_loss(n, d, loss, confidence=c, n_bootstrap=30, seed=2) for c in (0.5, 0.9)
+    )
+    assert middle.unidentified == () and wide.unidentified == ()
+    for name in ("alpha_n", "alpha_d", "n_c", "d_c"):
+        low, high = middle.intervals[name]
+        wide_low, wide_high = wide.intervals[name]
+        # Refits to resamples of runs with 0.2 % noise differ far beyond rounding.
+        assert high - low > 1e-4 * abs(high), name
+        assert wide_low < low and high < wide_high, name
+
+
 def test_kaplan_terms_the_runs_do_not_determine_get_no_interval():
     """Losses with no D dependence: the solver can make the D term vanish in many ways
     (D_c small, alpha_D anywhere: its interval spanned 0.017 to 0.68, and D_c's 60

@@ -8,6 +8,7 @@ one parabola through every size misplaces their minima, a model of the valley's
 own shape does not. The optimum is N_opt = G (C/6)^a with a = beta/(alpha + beta).
 """
 
+import dataclasses
 import math
 import warnings
 
@@ -65,6 +66,33 @@ def test_intervals_are_calibrated_on_valleys_that_are_not_parabolas():
     coverage, width_ratio = _coverage("auto", 60)
     assert 0.90 <= coverage <= 0.99
     assert 0.5 <= width_ratio <= 1.5
+
+
+@pytest.mark.parametrize(("confidence", "low", "high"), [(0.9, 6, 96), (0.5, 26, 76)])
+def test_optimum_intervals_leave_equal_tails_of_the_resamples_outside(confidence, low, high):
+    """optimum_intervals are percentile intervals of the resampled optima with equal
+    tails: (1 - c) / 2 below and above. On 101 resamples whose N_opt are 1, 2, ...,
+    101 (shuffled per budget), D_opt twice that and L_opt 3 + k / 100, the 90 %
+    interval of N_opt is [6, 96] (the 5th and 95th percentiles) and the 50 % one
+    [26, 76]; tails of 10 % and 90 % gave [11, 91]. exp(log k) is k to a few ulp."""
+    fit = fit_isoflop(*planted(np.random.default_rng(1), 0.002), n_bootstrap=4)
+    curves = len(fit.curves)
+    rng = np.random.default_rng(2)
+    rank = np.stack([rng.permutation(101) for _ in range(curves)], axis=1)  # (101, curves)
+    other = np.stack([rng.permutation(101) for _ in range(curves)], axis=1)
+    optima = np.stack([np.log(1.0 + rank), np.log(2.0 + 2.0 * other), 3 + rank / 100], axis=-1)
+    intervals = dataclasses.replace(
+        fit, confidence=confidence, bootstrap_optima=optima
+    ).optimum_intervals()
+    np.testing.assert_allclose(intervals["n_opt"], [[low, high]] * curves, rtol=1e-13)
+    np.testing.assert_allclose(intervals["d_opt"], [[2 * low, 2 * high]] * curves, rtol=1e-13)
+    np.testing.assert_allclose(
+        intervals["loss_opt"], [[3 + (low - 1) / 100, 3 + (high - 1) / 100]] * curves, rtol=1e-13
+    )
+    ratio = (2.0 + 2.0 * other) / (1.0 + rank)
+    tail = (1 - confidence) / 2
+    expected = np.quantile(ratio, [tail, 1 - tail], axis=0).T
+    np.testing.assert_allclose(intervals["tokens_per_parameter"], expected, rtol=1e-13)
 
 
 def test_one_parabola_through_every_size_fails_the_same_calibration():

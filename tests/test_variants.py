@@ -325,6 +325,148 @@ def test_half_precision_comes_back_in_its_dtype(dtype):
                  half_tolerance(dtype, 40))  # fmt: skip
 
 
+# --- Window blocks, wide windows, grouped heads and per-batch slopes --------------------
+
+#: Window sides around, below, at and above the tiles: -1 (unbounded), 0, 1, 9, a
+#: tile less one, a tile, and wider than a tile (the cases a block-classification
+#: error by one row or one tile shows in).
+WINDOW_SIDES = [-1, 0, 1, 9, 63, 64, 70, 100, 200]
+
+
+def _window_pairs(n_query, n_key, left, right):
+    """Boolean (L, S): pair (i, j) inside the window, bottom-right aligned."""
+    rows, cols = np.arange(n_query)[:, None], np.arange(n_key)[None, :]
+    diagonal = rows + n_key - n_query
+    inside = np.ones((n_query, n_key), bool)
+    if left >= 0:
+        inside &= cols >= diagonal - left
+    if right >= 0:
+        inside &= cols <= diagonal + right
+    return inside
+
+
+def _block_table(blocks, m, n_query_tiles, n_key_tiles):
+    """(listed, partial) booleans of shape (query tiles, key tiles) of mask index m."""
+    listed = np.zeros((n_query_tiles, n_key_tiles), bool)
+    partial = np.zeros((n_query_tiles, n_key_tiles), bool)
+    for r in range(n_query_tiles):
+        tiles = blocks.index[m, r, : blocks.count[m, r]]
+        assert len(set(tiles.tolist())) == tiles.size  # each block listed once
+        listed[r, tiles] = True
+        partial[r, tiles] = blocks.partial[m, r, : blocks.count[m, r]]
+    return listed, partial
+
+
+@pytest.mark.parametrize("query_tile, key_tile", [(64, 64), (16, 16), (32, 64), (64, 16), (8, 32)])
+def test_window_blocks_are_the_blocks_the_dense_window_touches(query_tile, key_tile):
+    """window_blocks, which both the kernels and the reference run from, against a
+    brute-force classification of every (query, key) pair: a block is listed iff some
+    real pair in it (i < L, j < S) is inside the window, and a block listed as full
+    (not partial) has every real pair inside, since the kernels apply no mask there.
+    (Marking a block partial that is in fact full only costs time, so it is allowed.)
+    A full block whose last rows fall left of the window let keys in that those rows
+    must not see (0.3 to 1.1 off the definition for windows wider than a 64-row tile);
+    the fixed options of the kernel tests have windows narrower than a tile."""
+    from tfmath._contract.variants import window_blocks
+
+    rng = np.random.default_rng(query_tile * 1000 + key_tile)
+    fixed = [(1, 1), (64, 64), (65, 63), (63, 130), (130, 200), (200, 130), (200, 200), (0, 37)]
+    drawn = [tuple(int(n) for n in pair) for pair in rng.integers(1, 201, size=(4, 2))]
+    lengths = fixed + drawn
+    n_query_tiles = -(-max(n for n, _ in lengths) // query_tile)
+    n_key_tiles = -(-max(s for _, s in lengths) // key_tile)
+    padded = (n_query_tiles * query_tile, n_key_tiles * key_tile)
+    for left in WINDOW_SIDES:
+        for right in WINDOW_SIDES:
+            blocks = window_blocks(
+                lengths, n_query_tiles, n_key_tiles, left, right, query_tile, key_tile
+            )
+            for m, (n_query, n_key) in enumerate(lengths):
+                inside = np.zeros(padded, bool)
+                real = np.zeros(padded, bool)
+                inside[:n_query, :n_key] = _window_pairs(n_query, n_key, left, right)
+                real[:n_query, :n_key] = True
+                shape = (n_query_tiles, query_tile, n_key_tiles, key_tile)
+                touched = inside.reshape(shape).any(axis=(1, 3))
+                whole = (inside | ~real).reshape(shape).all(axis=(1, 3))
+                listed, partial = _block_table(blocks, m, n_query_tiles, n_key_tiles)
+                case = f"L={n_query} S={n_key} window=({left}, {right})"
+                np.testing.assert_array_equal(listed, touched, err_msg=case)
+                assert not (listed & ~partial & ~whole).any(), case
+
+
+#: Windows wider than a 64-row tile, so that whole tiles lie inside or outside them.
+WIDE_WINDOWS = {
+    "wide window": {"window_size": (100, 100)},
+    "causal wide window": {"causal": True, "window_size": (70, -1)},
+    "wide sliding window": {"window_size": (128, 0)},
+}
+
+
+@pytest.mark.parametrize("name", sorted(WIDE_WINDOWS))
+@pytest.mark.parametrize("n_query", [150, 200])
+def test_windows_wider_than_a_tile_match_the_definition(name, n_query):
+    """The cpu kernels against the reference, forward and gradients, with windows
+    wider than a tile at S = 200 keys (several 64-key tiles wholly inside, partly
+    inside and outside each row tile's window). Tolerances as in the test above."""
+    q, k, v = _operands((1, 2, n_query, 16), (1, 2, 200, 16), 8, seed=n_query)
+    options = WIDE_WINDOWS[name]
+    (out, lse), (ref_out, ref_lse) = _both(
+        variants.flash_attention, q, k, v, return_lse=True, **options
+    )
+    tolerance = attention_tolerance(np.float64, 16, 200)
+    assert_close(out, ref_out, tolerance)
+    assert_close(lse, ref_lse, tolerance)
+    grad_output = np.random.default_rng(1).standard_normal(out.shape)
+    grads, ref_grads = _both(variants.flash_attention_grad, q, k, v, grad_output, **options)
+    for grad, ref in zip(grads[:3], ref_grads[:3], strict=True):
+        scale = max(np.abs(ref).max(), 1.0)
+        assert_close(grad / scale, ref / scale, 4 * tolerance)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_query_head_h_reads_key_value_head_h_over_the_group(backend):
+    """Grouped-query attention (8 query heads, 2 key/value heads, groups of 4): query
+    head h attends key/value head h // 4, as FlashAttention and PyTorch's
+    repeat_interleave do, so it equals attention against the key/value heads repeated
+    4 times each; the key and value gradients are those of the repeated heads summed
+    over each group. The index both backends run from decides this, so a torch-free
+    comparison with explicit copies is needed (h % 2 instead gave other heads)."""
+    q, k, v = _operands((2, 8, 40, 8), (2, 2, 56, 8), 6, seed=11)
+    repeated = [np.repeat(x, 4, axis=-3) for x in (k, v)]
+    options = {"causal": True, "window_size": (20, -1), "alibi_slopes": np.linspace(0.1, 0.8, 8),
+               "sinks": np.linspace(-1, 1, 8)}  # fmt: skip
+    out = variants.flash_attention(q, k, v, backend=backend, **options)
+    expected = variants.flash_attention(q, *repeated, backend=backend, **options)
+    # The same arithmetic on the same rows: only the order of a few sums may differ.
+    tolerance = attention_tolerance(np.float64, 8, 56)
+    assert_close(out, expected, tolerance)
+    grad_output = np.random.default_rng(12).standard_normal(out.shape)
+    grads = variants.flash_attention_grad(q, k, v, grad_output, backend=backend, **options)
+    copies = variants.flash_attention_grad(q, *repeated, grad_output, backend=backend, **options)
+    assert_close(grads[0], copies[0], 4 * tolerance)
+    for grad, copy in zip(grads[1:3], copies[1:3], strict=True):
+        assert_close(grad, copy.reshape(2, 2, 4, *copy.shape[-2:]).sum(axis=2), 4 * tolerance)
+    assert_close(grads[3], copies[3], 4 * tolerance)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_per_batch_alibi_slopes_are_read_row_by_batch_entry(backend):
+    """alibi_slopes of shape (B, H): batch entry b, head h gets slopes[b, h]. Each
+    entry equals scaled_dot_product_attention with its own dense ALiBi bias
+    -slopes[b, h] |i + S - L - j| (and the causal mask), built here. Slopes distinct
+    in every entry, so that reading them transposed ((H, B) order) changes heads."""
+    q, k, v = _operands((3, 4, 30, 8), (3, 4, 45, 8), 5, seed=13)
+    slopes = np.random.default_rng(14).uniform(0.05, 1.0, (3, 4))
+    out = variants.flash_attention(q, k, v, causal=True, alibi_slopes=slopes, backend=backend)
+    for b in range(3):
+        bias = _dense_additive({"causal": True, "alibi_slopes": slopes[b]}, 4, 30, 45)
+        expected = tfmath.scaled_dot_product_attention(
+            q[b], k[b], v[b], attn_mask=bias, backend="reference"
+        )
+        assert_close(out[b], expected, attention_tolerance(np.float64, 8, 45))
+
+
 # --- Packed sequences -------------------------------------------------------------------
 
 
