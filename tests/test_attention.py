@@ -942,3 +942,39 @@ def test_a_row_that_attends_one_key_has_exactly_zero_score_gradients(backend, dt
                 assert not np.any(dq[1]) and not np.any(dk[1])
             else:
                 assert not np.any(dq[..., 7, :]) and np.all(dq[..., 8, :] != 0)
+
+
+@pytest.mark.parametrize("backend", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_a_row_whose_weights_its_log_sum_exp_cannot_give_back_is_refused(backend):
+    """A padding row masked with -1e9 in float32: its log-sum-exp rounds to -1e9 (float32's
+    numbers are 64 apart there), so the backward's weights e^(s - lse) would sum to the
+    4 keys, and its gradients be 4 times too large. Refused where the row's output
+    gradient is not zero; with a zero one (the row contributes nothing), every other
+    row's gradients are the reference's."""
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 4, 8)).astype(np.float32) for _ in range(3))
+    mask = np.zeros((4, 4), np.float32)
+    mask[0] = -1e9
+    grad = rng.standard_normal((1, 4, 8)).astype(np.float32)
+    for call in (
+        lambda g: tfmath.attention_grad(q, k, v, g, attn_mask=mask, backend=backend),
+        lambda g: tfmath.attention_grad(
+            q, k, v, g, attn_mask=mask, backend=backend,
+            output=tfmath.scaled_dot_product_attention(q, k, v, mask, backend=backend),
+            log_sum_exp=tfmath.scaled_dot_product_attention(
+                q, k, v, mask, return_log_sum_exp=True, backend=backend)[1],
+        ),
+    ):  # fmt: skip
+        assert_refused(lambda call=call: call(grad), tfmath.ArgumentError, ["row (0, 0)", "-1e+09"])
+        quiet = grad.copy()
+        quiet[0, 0] = 0
+        want = tfmath.attention_grad(
+            *(x.astype(np.float64) for x in (q, k, v, quiet)), attn_mask=mask.astype(np.float64),
+            backend="reference",
+        )  # fmt: skip
+        for got, expected in zip(call(quiet), want, strict=True):
+            # float32 attention of 4 keys and 8 features: rounding of a few ulps.
+            np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)
+    # float64 keeps -1e9 + log 4 to 1e-7: nothing refused.
+    tfmath.attention_grad(*(x.astype(np.float64) for x in (q, k, v, grad)),
+                          attn_mask=mask.astype(np.float64), backend=backend)  # fmt: skip

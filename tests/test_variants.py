@@ -1124,3 +1124,27 @@ def test_a_generous_max_seqlen_costs_nothing():
         empty, empty, empty, empty, no_sequences, no_sequences, 5, 5
     )
     assert [g.shape for g in grads[:3]] == [(0, 2, 4)] * 3
+
+
+def test_rows_whose_weights_the_log_sum_exp_cannot_give_back_are_refused():
+    """Scores near 8e5 in float32 (numbers 1/16 apart there): the log-sum-exp rounds by
+    up to 1/32, so the backward's weights e^(s - lse) would be off by up to 3 %; refused
+    where the row's upstream gradient (of the output, or of the log-sum-exp) is not
+    zero, as in scaled_dot_product_attention's backward."""
+    q = np.ones((1, 2, 3, 8), np.float32)
+    grad = np.ones_like(q)
+    assert_refused(
+        lambda: variants.flash_attention_grad(q, q, q, grad, scale=1e5, backend="cpu"),
+        tfmath.ArgumentError, ["log-sum-exp is 800001", "float64"],
+    )  # fmt: skip
+    assert_refused(
+        lambda: variants.flash_attention_grad(
+            q, q, q, np.zeros_like(q), scale=1e5, grad_lse=np.ones((1, 2, 3)), backend="cpu"
+        ),
+        tfmath.ArgumentError, ["log-sum-exp"],
+    )  # fmt: skip
+    quiet = variants.flash_attention_grad(q, q, q, np.zeros_like(q), scale=1e5, backend="cpu")
+    assert all(np.all(g == 0) for g in quiet[:3])
+    wide = variants.flash_attention_grad(*(x.astype(np.float64) for x in (q, q, q, grad)),
+                                         scale=1e5, backend="cpu")  # fmt: skip
+    assert all(np.isfinite(g).all() for g in wide[:3])

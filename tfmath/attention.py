@@ -20,6 +20,7 @@ from tfmath._contract.attention import (
     CUDA_SHARED_MEMORY_BYTES,
     attention_problem,
     check_cuda_flash_heads,
+    check_weights_recomputable,
     cuda_flash_takes,
     cuda_flash_takes_operands,
     cuda_naive_takes,
@@ -761,6 +762,12 @@ def gradients(problem, grad_output, saved=None):
     Gradients of broadcast operands are summed back to the operands' shapes.
     """
     check_cuda_flash_heads(problem)
+    if saved is None and problem.backend != "reference":
+        # The kernels recompute the weights from the log-sum-exp: checked first (the
+        # reference recomputes them from their definition).
+        saved = forward(problem, "flash", return_log_sum_exp=True)
+    if saved is not None:
+        check_weights_recomputable(problem.compute_dtype, saved[1], grad_output)
     grads = run("attention_grad", problem, grad_output, saved)
     sum_to_shape = implementation("sum_to_shape", problem.backend)
     return tuple(

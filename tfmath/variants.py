@@ -25,6 +25,7 @@ import numpy as np
 
 from tfmath import _dispatch
 from tfmath._contract import variants as contract
+from tfmath._contract.attention import check_weights_recomputable
 from tfmath._contract.backend import resolve_backend
 from tfmath._contract.checks import attention_scale, boolean_flag, integer
 from tfmath._contract.tensors import (
@@ -284,8 +285,10 @@ def _gradients(problem, layout, grad_output, grad_lse, has_sinks, saved=None):
     grad_lse_rows = _lse_rows(layout, problem, grad_lse)
     if problem.backend == "reference":
         saved = None
-    elif saved is None:
-        saved = _run_forward(problem)
+    else:
+        if saved is None:
+            saved = _run_forward(problem)
+        check_weights_recomputable(problem.dtype, saved[1], grad_output_rows, grad_lse_rows)
     grad_query, grad_key, grad_value, grad_sinks, grad_params = _run_backward(
         problem, grad_output_rows, grad_lse_rows, saved
     )

@@ -594,6 +594,40 @@ def saved_forward(problem, output, log_sum_exp):
     return tuple(saved)
 
 
+def check_weights_recomputable(dtype, log_sum_exp, grad_output, grad_log_sum_exp=None):
+    r"""Refuse, before the backward, a row whose weights its log-sum-exp cannot give back.
+
+    The backward recomputes each row's weights as :math:`e^{s_{ij} - \text{lse}_i}`
+    from the forward's log-sum-exp :math:`m_i + \log l_i`, stored in the compute dtype.
+    Where :math:`|\text{lse}_i| \ge 2^{p - 8}` (:math:`p` the dtype's significand bits:
+    65536 in float32) its rounding can exceed :math:`2^{-8}`, and at -1e9, where
+    float32's numbers are 64 apart, it loses :math:`\log l_i` altogether: a padding row
+    masked with a large finite number (-1e9, or ``finfo(float32).min``) has weights that
+    sum to the number of keys, not 1, and gradients that many times too large. Such
+    rows are refused where their upstream gradients (``grad_output``'s rows, and
+    ``grad_log_sum_exp`` where given) are not zero: zero ones contribute nothing
+    whatever the weights. ``dtype`` is the dtype the log-sum-exp was computed in.
+    """
+    limit = 2.0 ** (np.finfo(dtype).nmant - 7)
+    lse = np.asarray(_cuda.to_host(log_sum_exp))
+    far = np.isfinite(lse) & (np.abs(lse) >= limit)
+    if not far.any():
+        return
+    live = far & np.any(np.asarray(_cuda.to_host(grad_output)) != 0, axis=-1)
+    if grad_log_sum_exp is not None:
+        live |= far & (np.asarray(grad_log_sum_exp) != 0)
+    if live.any():
+        row = tuple(int(i) for i in np.argwhere(live)[0])
+        raise ArgumentError(
+            f"the attention weights of row {row} cannot be recomputed for its gradient: "
+            f"its log-sum-exp is {float(lse[row]):g}, beyond {limit:g}, where {dtype} "
+            "rounds it by more than the weights can bear (a padding row masked with a "
+            "large finite number, such as -1e9, has weights summing to the number of keys "
+            "there). Mask with -inf or a boolean mask (a masked row then has zero "
+            "gradients), give the row a zero output gradient, or compute in float64"
+        )
+
+
 class HeadGroups(NamedTuple):
     """How :func:`group_query_heads` reshaped a grouped-query call, to undo it on results."""
 
