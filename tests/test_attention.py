@@ -978,3 +978,18 @@ def test_a_row_whose_weights_its_log_sum_exp_cannot_give_back_is_refused(backend
     # float64 keeps -1e9 + log 4 to 1e-7: nothing refused.
     tfmath.attention_grad(*(x.astype(np.float64) for x in (q, k, v, grad)),
                           attn_mask=mask.astype(np.float64), backend=backend)  # fmt: skip
+
+
+def test_every_weight_of_a_nan_row_is_nan_under_the_causal_mask(any_backend):
+    """A NaN score makes every weight of its row NaN, those past the causal diagonal
+    included (docs/attention.rst), as PyTorch's softmax of the masked row gives; the
+    CPU kernel wrote 0 past the diagonal."""
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 5, 4)) for _ in range(3))
+    mask = np.zeros((5, 5))
+    mask[2, 1] = np.nan
+    _, weights = tfmath.scaled_dot_product_attention(
+        q, k, v, mask, is_causal=True, return_weights=True, backend=any_backend
+    )
+    assert np.isnan(weights[0, 2]).all()
+    assert not np.isnan(np.delete(weights[0], 2, axis=0)).any()

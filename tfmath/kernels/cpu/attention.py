@@ -153,7 +153,9 @@ def _attention_kernel(query, key, value, mask, index, is_causal, scale, out, wei
             _scores_row(query[q, i], key[k], mask_row, has_mask, scale, n_visible, scores)
             _softmax_inplace(scores[:n_visible])
             if keep_weights:
-                scores[n_visible:] = 0
+                # Keys past the diagonal weigh 0, or NaN in a row a NaN score made NaN
+                # (every weight of it is NaN, as in the reference and PyTorch).
+                scores[n_visible:] = 0 * scores[0]
             _weighted_sum(scores, value[v], n_visible, out[b, i])
 
 
