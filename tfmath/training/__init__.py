@@ -25,14 +25,6 @@ Submodules, from the bottom up:
     Resumable sweeps of training runs, here or on a Dask cluster.
 """
 
-from tfmath.training.loop import (
-    TrainingConfig,
-    TrainingResult,
-    language_model_config,
-    single_threaded,
-    train_language_model,
-)
-
 __all__ = [
     "TrainingConfig",
     "TrainingResult",
@@ -40,3 +32,18 @@ __all__ = [
     "single_threaded",
     "train_language_model",
 ]
+
+
+def __getattr__(name):
+    # The loop is imported on first use: ``import tfmath`` reaches this package for the
+    # layer functions it re-exports, and the loop would bring the models, the optimiser
+    # and the text sources with it (a third of tfmath's own import time).
+    if name in __all__:
+        from tfmath.training import loop
+
+        return getattr(loop, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted({*globals(), *__all__})
