@@ -81,10 +81,10 @@ def _thread_controls(libraries):
 
 
 class _SerialBlas:
-    """The context :func:`serial_blas` returns, a class rather than a generator. With
-    OpenBLAS's own functions (:func:`_thread_controls`), entering and leaving it took
-    1.3 µs against 4.7 alone, and about 15 against 35 inside a drop-in's training
-    step, where the model's other work has evicted this code from the caches."""
+    """The context :func:`serial_blas` returns, a class rather than a generator: it is
+    entered and left in a fraction of a generator-based context manager's time, most
+    of all inside a drop-in's training step, where the model's other work has evicted
+    this code from the caches (docs/benchmarks.rst, "Measurements behind constants")."""
 
     __slots__ = ("_changed",)
 

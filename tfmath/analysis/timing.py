@@ -44,8 +44,8 @@ def best_time(call, repeats):
 
     Worker threads of the previous contender's library (OpenBLAS, PyTorch's
     OpenMP pool) keep spinning for a while after its last call and would take
-    the cores from the next one: at L = 512 that tripled a 2.6 ms timing. The
-    pause lets them go to sleep first.
+    the cores from the next one (docs/benchmarks.rst, "Measurements behind
+    constants"). The pause lets them go to sleep first.
     """
     return interleaved_best_times({"call": call}, repeats, rounds=1)["call"]
 

@@ -180,8 +180,7 @@ def _torch_call(torch, dense, sinks, length):
 
 def _four_dimensional(mask):
     """``mask`` as ``(1, ..., L, S)``: PyTorch's CPU SDPA takes its flash path only for a
-    four-dimensional mask (a ``(H, L, S)`` float bias took 291 ms against 108 ms as
-    ``(1, H, L, S)``, for the ALiBi row)."""
+    four-dimensional mask (docs/benchmarks.rst, on the variants' table)."""
     return mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
 
 

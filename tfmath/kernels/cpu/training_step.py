@@ -276,7 +276,7 @@ def _softmax_by_columns(scores, n_keys, n_queries, first_query, row_max, total):
     Every loop runs along a row of ``scores``, across queries, elementwise, so LLVM
     vectorises it whole: a softmax along each query's own row of keys (the earlier
     layout) spent most of the forward pass in reductions of a few dozen numbers
-    and their remainders (1.1 of 1.8 ms at width 64 on one core). The sums add the
+    and their remainders (docs/benchmarks.rst). The sums add the
     keys in order whatever the vector width, so their bits do not depend on how
     the loop was compiled."""
     prefer_wide_vectors()
@@ -361,7 +361,7 @@ def causal_attention_backward(
     keys and values transposed once per pair; only :math:`dQ` does not. Each
     query's row is computed whole, its masked keys' probabilities set to 0 in the
     same loop: rows cut at the diagonal leave vector loops too short for LLVM's
-    vector code (3.85 against 3.55 ms on one thread, B = 32, T = 64, 16 heads).
+    vector code (docs/benchmarks.rst, "Measurements behind constants").
     """
     d_k = q.shape[1] // n_heads
     n_pairs = q.shape[0] // length * n_heads
@@ -526,7 +526,7 @@ def _adam_chunk(theta, grad, first, second, rate, beta1, beta2, eps, inverse_fir
     chunk's first element, as this kernel once did, left LLVM unable to prove the
     indices non-negative: Numba's wraparound of negative indices then kept the loop
     scalar, square root and division included, and the serial kernel (the one that
-    runs below the parallel threshold) spent 5.7 ns a parameter instead of 1.7. The
+    runs below the parallel threshold) several times slower (docs/benchmarks.rst). The
     arithmetic is elementwise, so the bits are the same either way."""
     prefer_wide_vectors()
     for i in range(theta.shape[0]):
