@@ -27,6 +27,14 @@ multiplication, an exponential or a comparison each count 1) and in array
 elements (multiply by the item size for bytes).
 """
 
+from tfmath.analysis.complexity.approximation import (
+    INPUT_KINDS,
+    ApproximationError,
+    approximation_error,
+    linear_attention_weights,
+    relative_error,
+    structured_inputs,
+)
 from tfmath.analysis.complexity.counts import (
     LOCAL_WINDOW,
     SOFTMAX_FLOPS_PER_SCORE,
@@ -37,14 +45,6 @@ from tfmath.analysis.complexity.counts import (
     attention_operation_costs,
     sequential_depth,
     variant_cost,
-)
-from tfmath.analysis.complexity.errors import (
-    INPUT_KINDS,
-    ApproximationError,
-    approximation_error,
-    linear_attention_weights,
-    relative_error,
-    structured_inputs,
 )
 from tfmath.analysis.complexity.fits import Crossover, ScalingFit, crossover, fit_scaling
 from tfmath.analysis.complexity.sweeps import (
