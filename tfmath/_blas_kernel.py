@@ -12,7 +12,13 @@ headers of ``tfmath bench`` print :func:`describe_blas`, so a slow run says why.
 import os
 from dataclasses import dataclass
 
-__all__ = ["BlasKernel", "blas_kernels", "cpu_vector_level", "describe_blas"]
+__all__ = [
+    "BlasKernel",
+    "blas_kernels",
+    "cpu_vector_level",
+    "describe_blas",
+    "describe_half_precision",
+]
 
 #: Vector instruction sets in increasing order, as :func:`cpu_vector_level` and
 #: :data:`OPENBLAS_KERNEL_LEVELS` name them.
