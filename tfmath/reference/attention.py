@@ -20,16 +20,19 @@ def softmax(x):
         return x.copy()
     row_max = np.max(x, axis=-1, keepdims=True)
     nothing_to_attend = row_max == -np.inf
+    # A zero of the operands' dtype, not the literal 0: NumPy before 2.0 makes a literal
+    # an int64 array, which bfloat16 (ml_dtypes) cannot be promoted with.
+    zero = np.zeros((), x.dtype)
     # inf - inf and NaN arithmetic are meant to give NaN here, quietly.
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
-        shifted = x - np.where(nothing_to_attend, 0, row_max).astype(x.dtype)
+        shifted = x - np.where(nothing_to_attend, zero, row_max).astype(x.dtype)
         exponentials = np.exp(shifted)
         if is_half(x.dtype):
             total = sequential_sum(exponentials, axis=-1)[..., None]
         else:
             total = np.sum(exponentials, axis=-1, keepdims=True)
         probabilities = exponentials / total
-    return np.where(nothing_to_attend, 0, probabilities).astype(x.dtype, copy=False)
+    return np.where(nothing_to_attend, zero, probabilities).astype(x.dtype, copy=False)
 
 
 def naive_attention(problem):
