@@ -29,6 +29,7 @@ from tfmath._contract.attention import (
     plain_attention_problem,
     plain_layout,
     saved_forward,
+    scores_may_reach_log_sum_exp_limit,
 )
 from tfmath._contract.backend import auto_stays_on_host, resolve_backend
 from tfmath._contract.checks import (
@@ -762,12 +763,15 @@ def gradients(problem, grad_output, saved=None):
     Gradients of broadcast operands are summed back to the operands' shapes.
     """
     check_cuda_flash_heads(problem)
-    if saved is None and problem.backend != "reference":
-        # The kernels recompute the weights from the log-sum-exp: checked first (the
-        # reference recomputes them from their definition).
-        saved = forward(problem, "flash", return_log_sum_exp=True)
+    # The kernels recompute the weights from the forward's log-sum-exp, checked first.
+    # Without a saved one, a forward gives it only where a bound on the scores cannot
+    # rule the limit out, and the kernels still run their own (the reference recomputes
+    # the weights from their definition).
     if saved is not None:
         check_weights_recomputable(problem.compute_dtype, saved[1], grad_output)
+    elif problem.backend != "reference" and scores_may_reach_log_sum_exp_limit(problem):
+        log_sum_exp = forward(problem, "flash", return_log_sum_exp=True)[1]
+        check_weights_recomputable(problem.compute_dtype, log_sum_exp, grad_output)
     grads = run("attention_grad", problem, grad_output, saved)
     sum_to_shape = implementation("sum_to_shape", problem.backend)
     return tuple(

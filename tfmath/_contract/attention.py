@@ -594,6 +594,33 @@ def saved_forward(problem, output, log_sum_exp):
     return tuple(saved)
 
 
+def log_sum_exp_limit(dtype):
+    """The magnitude from which a log-sum-exp in ``dtype`` is rounded by more than
+    :math:`2^{-8}` (:func:`check_weights_recomputable`): 65536 in float32."""
+    return 2.0 ** (np.finfo(dtype).nmant - 7)
+
+
+def scores_may_reach_log_sum_exp_limit(problem):
+    r"""Whether some row's log-sum-exp may reach :func:`log_sum_exp_limit`, from a bound on
+    the scores (:math:`|s| \le |\text{scale}|\, E \max|q| \max|k| + \max|M|` over the
+    mask's finite entries) that costs a pass over the operands; True on the device,
+    where the bound is not taken."""
+    if problem.on_device:
+        return True
+    limit = log_sum_exp_limit(problem.compute_dtype)
+
+    def largest(array):
+        return float(np.max(np.abs(array), initial=0.0))
+
+    bound = abs(problem.scale) * problem.n_features * largest(problem.query) * largest(problem.key)
+    mask = problem.attn_mask
+    if mask is not None and mask.dtype != np.bool_:
+        finite = np.isfinite(mask)
+        bound += float(np.max(np.abs(mask), where=finite, initial=0.0))
+    # log S <= 64 beside any bound that matters; NaN bounds (NaN operands) count as far.
+    return not bound + 64 < limit
+
+
 def check_weights_recomputable(dtype, log_sum_exp, grad_output, grad_log_sum_exp=None):
     r"""Refuse, before the backward, a row whose weights its log-sum-exp cannot give back.
 
@@ -608,7 +635,7 @@ def check_weights_recomputable(dtype, log_sum_exp, grad_output, grad_log_sum_exp
     ``grad_log_sum_exp`` where given) are not zero: zero ones contribute nothing
     whatever the weights. ``dtype`` is the dtype the log-sum-exp was computed in.
     """
-    limit = 2.0 ** (np.finfo(dtype).nmant - 7)
+    limit = log_sum_exp_limit(dtype)
     lse = np.asarray(_cuda.to_host(log_sum_exp))
     far = np.isfinite(lse) & (np.abs(lse) >= limit)
     if not far.any():
