@@ -251,3 +251,35 @@ def test_isoflop_curves_draw_a_left_out_budgets_runs_apart():
         dots = lines[f"C = {curve.compute:.1e}"]
         assert np.allclose(dots.get_ydata(), loss[compute == curve.compute])
     plt.close(fig)
+
+
+def test_learning_curves_mark_the_step_each_fit_reads():
+    """One line per run above the entropy rate, and a dot at the step whose loss the fit
+    uses (the best step of an early-stopped run, the last of the others)."""
+    from tfmath.plotting import learning_curves
+
+    steps = [1, 2, 4, 8]
+    groups = (
+        ([("N = 10", steps, [3.0, 2.0, 1.5, 1.2], 8)], "sizes"),
+        ([("D = 5", steps, [3.0, 2.0, 1.8, 1.9], 4), ("D = 9", steps, [3.0, 2.5, 1.9, 1.6], 8)],
+         "data"),
+    )  # fmt: skip
+    figure = learning_curves(groups, entropy=1.0)
+    sizes, data = figure.axes
+    assert [line.get_label() for line in data.lines[::2]] == ["D = 5", "D = 9"]
+    dot_x, dot_y = data.lines[1].get_data()
+    assert (dot_x[0], dot_y[0]) == (4, pytest.approx(0.8))
+    assert sizes.get_title().startswith("sizes") and sizes.get_xscale() == "log"
+
+
+def test_kaplan_laws_title_each_panel_with_its_law():
+    from tfmath.formulas.scaling import CRITICAL_BATCH, critical_batch_size
+    from tfmath.plotting import kaplan_laws
+
+    x = np.geomspace(1e3, 1e9, 20)
+    curves = {name: (x, KAPLAN_LAWS[name](x)) for name in ("N", "D", "C_min")}
+    loss = np.linspace(2.0, 6.0, 20)
+    figure = kaplan_laws(curves, KAPLAN_LAWS, (loss, critical_batch_size(loss), CRITICAL_BATCH))
+    titles = [ax.get_title() for ax in figure.axes]
+    assert titles[0] == rf"$L = (8.8 \times 10^{{13}} / N)^{{{KAPLAN_LAWS['N'].exponent}}}$"
+    assert "B_{crit}" in titles[3] and figure.axes[3].xaxis_inverted()

@@ -46,7 +46,12 @@ from tfmath.formulas.scaling import (
     kaplan_compute_efficient,
     kaplan_loss,
 )
-from tfmath.plotting import new_figure
+from tfmath.plotting.scaling import (
+    chinchilla_plane,
+    kaplan_laws,
+    learning_curves,
+    reproduction_fits,
+)
 from tfmath.report import ExperimentResult, Table, experiment
 from tfmath.training import TrainingConfig, language_model_config
 from tfmath.training.sweep import TrainingRun, run_sweep
@@ -58,12 +63,6 @@ CONFIDENCE = 0.95
 #: parameters and D from 22 million to 23 billion tokens (section 3), and the
 #: compute axis of their figure 1, 1e-9 to 10 PF-days.
 KAPLAN_RANGES = {"N": (768.0, 1.5e9), "D": (2.2e7, 2.3e10), "C_min": (1e-9, 1e1)}
-
-_AXIS_LABELS = {
-    "N": "non-embedding parameters N",
-    "D": "dataset size D (tokens)",
-    "C_min": "compute C_min (PF-days, non-embedding)",
-}
 
 #: The models Hoffmann et al. (2022) compare at one budget, 5.76e23 FLOPs:
 #: (name, parameters, training tokens).
@@ -77,35 +76,13 @@ HOFFMANN_MODELS = (("Chinchilla", 70e9, 1.4e12), ("Gopher", 280e9, 300e9))
 def kaplan_scaling_laws(settings):
     """The three single-variable laws over their published ranges, and B_crit(L)."""
     points = 200 if settings.quick else 1000
-    figure, axes = new_figure(11, 8, ncols=2, nrows=2)
     curves = {}
-    for ax, name in zip(axes.flat, ("N", "D", "C_min"), strict=False):
-        law = KAPLAN_LAWS[name]
+    for name in ("N", "D", "C_min"):
         x = np.geomspace(*KAPLAN_RANGES[name], points)
-        loss = kaplan_loss(name, x)
-        curves[name] = {"x": x.tolist(), "loss": loss.tolist()}
-        ax.loglog(x, loss, color="C0")
-        ax.set_xlabel(_AXIS_LABELS[name])
-        ax.set_ylabel("test loss (nats per token)")
-        ax.set_title(
-            rf"$L = ({_tex_number(law.scale)} / {_symbol(name)})^{{{law.exponent}}}$", fontsize=10
-        )
-        ax.grid(True, which="major", alpha=0.3)
-        _label_loss_ticks(ax, loss)
+        curves[name] = (x, kaplan_loss(name, x))
     loss_axis = np.linspace(2.0, 6.0, points)
     batch = critical_batch_size(loss_axis)
-    curves["B_crit"] = {"loss": loss_axis.tolist(), "tokens": batch.tolist()}
-    ax = axes[1, 1]
-    ax.semilogy(loss_axis, batch, color="C3")
-    ax.set_xlabel("loss L (nats per token)")
-    ax.set_ylabel("critical batch size (tokens)")
-    ax.set_title(
-        rf"$B_{{crit}} = {_tex_number(CRITICAL_BATCH.b_star)} / L^{{1/{CRITICAL_BATCH.alpha_b}}}$",
-        fontsize=10,
-    )
-    ax.invert_xaxis()
-    ax.grid(True, which="both", alpha=0.3)
-    figure.suptitle("Kaplan et al. (2020), equations (1.1)-(1.4), over the ranges they measured")
+    figure = kaplan_laws(curves, KAPLAN_LAWS, (loss_axis, batch, CRITICAL_BATCH))
 
     table = _kaplan_table()
     n_low, n_high = KAPLAN_RANGES["N"]
@@ -124,7 +101,18 @@ def kaplan_scaling_laws(settings):
         caption=caption,
         figures={"kaplan_laws": figure},
         tables={"kaplan_constants": table},
-        data={"kaplan_curves": {"ranges": KAPLAN_RANGES, "curves": curves}},
+        data={
+            "kaplan_curves": {
+                "ranges": KAPLAN_RANGES,
+                "curves": {
+                    **{
+                        name: {"x": x.tolist(), "loss": loss.tolist()}
+                        for name, (x, loss) in curves.items()
+                    },
+                    "B_crit": {"loss": loss_axis.tolist(), "tokens": batch.tolist()},
+                },
+            }
+        },
     )
 
 
@@ -176,56 +164,22 @@ def chinchilla_scaling_law(settings):
     c_grid, n_grid = np.meshgrid(compute, params)
     loss = chinchilla_loss(n_grid, c_grid / (6 * n_grid))
     frontier = chinchilla_optimal(compute)
-
-    figure, axes = new_figure(12, 5, ncols=2)
-    ax = axes[0, 0]
-    levels = np.array([1.9, 2.0, 2.1, 2.2, 2.4, 2.6, 2.8, 3.0, 3.5, 4.0])
-    # Log axes before the contours: clabel cuts each line around its label where it is
-    # drawn, and on linear axes switched to log afterwards the cuts grew to decades.
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    contours = ax.contour(c_grid, n_grid, loss, levels=levels, cmap="viridis")
-    ax.clabel(contours, fmt="%.1f", fontsize=8)
-    ax.loglog(compute, frontier.n, color="C3", lw=2, label=r"$N_{opt}(C) = G\,(C/6)^{a}$")
     kaplan = kaplan_compute_efficient(compute / PF_DAY)
-    ax.loglog(
-        compute,
-        kaplan.n,
-        color="C7",
-        ls="--",
-        label=r"Kaplan et al. table 6: $1.3\times10^9\, C_{min}^{0.73}$",
-    )
-    for name, n, d in HOFFMANN_MODELS:
-        ax.plot(6 * n * d, n, "o", color="k")
-        ax.annotate(name, (6 * n * d, n), textcoords="offset points", xytext=(6, -4), fontsize=9)
-    ax.set_ylim(params[0], params[-1])
-    ax.set_xlabel("training compute C = 6ND (FLOPs)")
-    ax.set_ylabel("parameters N")
-    ax.set_title(
-        r"iso-loss contours of $E + A/N^{\alpha} + B/D^{\beta}$, $D = C/(6N)$", fontsize=10
-    )
-    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2)
-
-    ax = axes[0, 1]
-    budgets = (1e19, 1e21, 1e23, 5.76e23, 1e25)
     profiles = {}
-    for i, budget in enumerate(budgets):
+    for budget in (1e19, 1e21, 1e23, 5.76e23, 1e25):
         n = np.geomspace(1e7, 1e12, grid)
-        profile = chinchilla_loss(n, budget / (6 * n))
         best = chinchilla_optimal(budget)
-        ax.semilogx(n, profile, color=f"C{i}", label=f"C = {budget:.3g} FLOPs")
-        ax.plot(best.n, best.loss, "o", color=f"C{i}")
         profiles[f"{budget:.3g}"] = {
-            "n": n.tolist(),
-            "loss": profile.tolist(),
+            "budget": budget,
+            "n": n,
+            "loss": chinchilla_loss(n, budget / (6 * n)),
             "n_opt": best.n,
             "loss_opt": best.loss,
         }
-    ax.set_ylim(1.8, 4.5)
-    ax.set_xlabel("parameters N (tokens D = C / 6N)")
-    ax.set_ylabel("loss (nats per token)")
-    ax.set_title("iso-FLOP profiles; dots: the closed-form optimum", fontsize=10)
-    ax.legend(fontsize=8)
+    figure = chinchilla_plane(
+        compute, params, loss, frontier.n, kaplan.n, HOFFMANN_MODELS,
+        [(p["budget"], p["n"], p["loss"], p["n_opt"], p["loss_opt"]) for p in profiles.values()],
+    )  # fmt: skip
 
     table = _chinchilla_table()
     at_budget = chinchilla_optimal(5.76e23)
@@ -267,7 +221,15 @@ def chinchilla_scaling_law(settings):
                     "n_opt": frontier.n.tolist(),
                     "d_opt": frontier.d.tolist(),
                 },
-                "iso_flop_profiles": profiles,
+                "iso_flop_profiles": {
+                    key: {
+                        "n": p["n"].tolist(),
+                        "loss": p["loss"].tolist(),
+                        "n_opt": p["n_opt"],
+                        "loss_opt": p["loss_opt"],
+                    }
+                    for key, p in profiles.items()
+                },
             }
         },
     )
@@ -294,28 +256,6 @@ def _chinchilla_table():
 def _table(rows):
     """A :class:`Table` from a list of rows, each a dict from column to value."""
     return Table({column: [row[column] for row in rows] for column in rows[0]})
-
-
-def _symbol(name):
-    return {"N": "N", "D": "D", "C_min": "C_{min}", "C": "C"}[name]
-
-
-def _tex_number(value):
-    exponent = math.floor(math.log10(value))
-    mantissa = value / 10**exponent
-    return rf"{mantissa:g} \times 10^{{{exponent}}}"
-
-
-def _label_loss_ticks(ax, loss):
-    """Round-number ticks on a log loss axis that spans less than a decade."""
-    from matplotlib.ticker import FixedLocator, FormatStrFormatter, NullLocator
-
-    ticks = [
-        t for t in (2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 7.0, 8.0) if loss.min() <= t <= loss.max()
-    ]
-    ax.yaxis.set_major_locator(FixedLocator(ticks))
-    ax.yaxis.set_major_formatter(FormatStrFormatter("%.1f"))
-    ax.yaxis.set_minor_locator(NullLocator())
 
 
 # -- the reproduction -----------------------------------------------------------------------
@@ -496,101 +436,37 @@ def scaling_reproduction(settings):
 
 
 def _reproduction_figure(n, loss_n, fit_n, d, loss_d, fit_d, entropy, data_run):
-    from matplotlib.ticker import NullFormatter
-
-    figure, axes = new_figure(11, 8.5, ncols=2, nrows=2)
     model = data_run.model
     data_n = count_parameters(model, include_embeddings=False)
     panels = (
-        (axes[0], n, loss_n, fit_n, "N", "non-embedding parameters N", "trained on unlimited data"),
-        (
-            axes[1],
-            d,
-            loss_d,
-            fit_d,
-            "D",
-            "training tokens D",
-            f"N = {data_n} (d_model = {model.d_model}), early stopping",
-        ),
-    )
-    for (ax_loss, ax_excess), x, y, fit, name, label, note in panels:
-        grid = np.geomspace(x.min() / 1.3, x.max() * 1.3, 200)
-        alpha, (low, high) = fit.exponent, fit.exponent_interval
-        ax_loss.semilogx(x, y, "o", color="C0", label="measured (validation)")
-        ax_loss.semilogx(
-            grid,
-            fit(grid),
-            color="C0",
-            label=rf"$E + ({name}_c/{name})^{{\alpha}}$, $\alpha$ = {alpha:.3f}",
-        )
-        ax_loss.axhline(entropy, color="k", ls=":", label=f"E = {entropy:.4f} (entropy rate)")
-        ax_loss.set_xlabel(label)
-        ax_loss.set_ylabel("loss (nats per token)")
-        ax_loss.set_title(f"L({name}), {note}", fontsize=10)
-        ax_loss.legend(fontsize=8)
-
-        excess = y - entropy
-        centre_x = math.exp(np.mean(np.log(x)))
-        centre_y = math.exp(np.mean(np.log(excess)))
-        ax_excess.loglog(x, excess, "o", color="C0", label="measured L - E")
-        ax_excess.loglog(
-            grid,
-            fit(grid) - entropy,
-            color="C0",
-            label=rf"fit: $\alpha_{name}$ = {alpha:.3f} [{low:.3f}, {high:.3f}]",
-        )
-        for bound in (low, high):
-            ax_excess.loglog(
-                grid, centre_y * (grid / centre_x) ** -bound, color="C0", lw=0.6, ls="--"
-            )
-        kaplan = KAPLAN_LAWS[name].exponent
-        ax_excess.loglog(
-            grid,
-            centre_y * (grid / centre_x) ** -kaplan,
-            color="C3",
-            label=rf"Kaplan et al.: $\alpha_{name}$ = {kaplan}",
-        )
-        ax_excess.set_xlabel(label)
-        ax_excess.set_ylabel("reducible loss L - E (nats per token)")
-        ax_excess.set_title(
-            rf"L - E: slope $-\alpha_{name}$; dashed: its {100 * fit.confidence:.0f}% interval",
-            fontsize=10,
-        )
-        ax_excess.legend(fontsize=8)
-        ax_excess.grid(True, which="both", alpha=0.3)
-        for ax in (ax_loss, ax_excess):
-            ax.xaxis.set_minor_formatter(NullFormatter())
-    return figure
+        (n, loss_n, fit_n, "N", "non-embedding parameters N", "trained on unlimited data"),
+        (d, loss_d, fit_d, "D", "training tokens D",
+         f"N = {data_n} (d_model = {model.d_model}), early stopping"),
+    )  # fmt: skip
+    published = {name: KAPLAN_LAWS[name].exponent for name in ("N", "D")}
+    return reproduction_fits(panels, entropy, published)
 
 
 def _learning_curves(size_runs, size_results, data_runs, data_results, entropy):
-    from matplotlib.ticker import NullFormatter
-
-    figure, axes = new_figure(11, 4.5, ncols=2)
-    groups = (
-        (axes[0, 0], size_runs, size_results, "model-size sweep (unlimited data)", False),
-        (axes[0, 1], data_runs, data_results, "data-size sweep (early stopping)", True),
-    )
-    for ax, runs, results, title, early_stopped in groups:
-        for i, (run, result) in enumerate(zip(runs, results, strict=True)):
-            excess = np.array(result.curve_losses) - entropy
-            label = (
+    def curves(runs, results, early_stopped):
+        # The dot is the loss the fit uses: the best one, or the last.
+        return [
+            (
                 f"D = {run.training.dataset_tokens}"
                 if early_stopped
-                else f"N = {result.non_embedding_parameters}"
+                else f"N = {result.non_embedding_parameters}",
+                result.curve_steps,
+                result.curve_losses,
+                result.best_step if early_stopped else result.curve_steps[-1],
             )
-            ax.loglog(result.curve_steps, excess, color=f"C{i}", label=label)
-            # The dot is the loss the fit uses: the best one, or the last.
-            step = result.best_step if early_stopped else result.curve_steps[-1]
-            ax.plot(step, excess[result.curve_steps.index(step)], "o", color=f"C{i}", ms=4)
-        title += "; dots: the losses fitted"
-        ax.set_xlabel("training step")
-        ax.set_ylabel("validation loss - E (nats per token)")
-        ax.set_title(title, fontsize=10)
-        ax.legend(fontsize=8)
-        ax.grid(True, which="both", alpha=0.3)
-        ax.xaxis.set_minor_formatter(NullFormatter())
-    return figure
+            for run, result in zip(runs, results, strict=True)
+        ]
+
+    groups = (
+        (curves(size_runs, size_results, False), "model-size sweep (unlimited data)"),
+        (curves(data_runs, data_results, True), "data-size sweep (early stopping)"),
+    )
+    return learning_curves(groups, entropy)
 
 
 def _fit_data(fit):

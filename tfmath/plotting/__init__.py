@@ -35,7 +35,14 @@ from tfmath.plotting.positional import (
     wavelengths,
 )
 from tfmath.plotting.precision import accumulation_error, score_overflow, softmax_overflow
-from tfmath.plotting.scaling import power_law, sweep_results
+from tfmath.plotting.scaling import (
+    chinchilla_plane,
+    kaplan_laws,
+    learning_curves,
+    power_law,
+    reproduction_fits,
+    sweep_results,
+)
 from tfmath.plotting.training import training_curves
 from tfmath.plotting.variance import (
     gradient_flow,
@@ -49,6 +56,7 @@ __all__ = [
     "accumulation_error",
     "attention_heatmap",
     "axes_or_new",
+    "chinchilla_plane",
     "cost_against_length",
     "encoding_columns",
     "encoding_heatmap",
@@ -57,10 +65,13 @@ __all__ = [
     "frontier_prediction",
     "gradient_flow",
     "isoflop_curves",
+    "kaplan_laws",
+    "learning_curves",
     "new_figure",
     "optimal_allocation",
     "power_law",
     "published_refits",
+    "reproduction_fits",
     "saturation",
     "scaled_variance",
     "score_overflow",
