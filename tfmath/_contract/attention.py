@@ -609,14 +609,16 @@ def scores_may_reach_log_sum_exp_limit(problem):
         return True
     limit = log_sum_exp_limit(problem.compute_dtype)
 
-    def largest(array):
-        return float(np.max(np.abs(array), initial=0.0))
+    def largest(array, where=True):
+        # Two reductions rather than np.abs, which would copy the array.
+        high = float(np.max(array, where=where, initial=0.0))
+        low = float(np.min(array, where=where, initial=0.0))
+        return max(high, -low)
 
     bound = abs(problem.scale) * problem.n_features * largest(problem.query) * largest(problem.key)
     mask = problem.attn_mask
     if mask is not None and mask.dtype != np.bool_:
-        finite = np.isfinite(mask)
-        bound += float(np.max(np.abs(mask), where=finite, initial=0.0))
+        bound += largest(mask, np.isfinite(mask))
     # log S <= 64 beside any bound that matters; NaN bounds (NaN operands) count as far.
     return not bound + 64 < limit
 
