@@ -283,3 +283,33 @@ def test_kaplan_laws_title_each_panel_with_its_law():
     titles = [ax.get_title() for ax in figure.axes]
     assert titles[0] == rf"$L = (8.8 \times 10^{{13}} / N)^{{{KAPLAN_LAWS['N'].exponent}}}$"
     assert "B_{crit}" in titles[3] and figure.axes[3].xaxis_inverted()
+
+
+def test_the_reports_panels_draw_on_the_axes_they_are_given():
+    """The axes-level helpers the report composes its figures from draw on the ``ax``
+    given and return it, as every helper of one panel does."""
+    from tfmath.plotting import (
+        closest_pairs,
+        context_shares,
+        distance_by_offset,
+        losses_by_budget,
+        new_figure,
+        parameter_shares,
+        permutation_checks,
+    )
+
+    parts = ("attention", "feed-forward", "embeddings and head", "norms and pooler")
+    _, axes = new_figure(ncols=6)
+    calls = (
+        lambda ax: parameter_shares({"m": dict.fromkeys(parts, 0.25)}, {"m": "1M"}, ax=ax),
+        lambda ax: context_shares({"m": ([128, 256], [0.1, 0.2], 128, 0.1)}, ax=ax),
+        lambda ax: closest_pairs({8: np.array([1.0, 0.5, 0.5])}, ax=ax),
+        lambda ax: distance_by_offset(np.array([0.3, 0.7, 1.1]), 0.3, 8, ax=ax),
+        lambda ax: permutation_checks(["none", "sinusoidal"], [1e-16, 0.5], [0.9, 0.8], ax=ax),
+        lambda ax: losses_by_budget(
+            np.array([1e3, 1e4]), np.array([3.0, 2.5]), np.full(2, 1e12), ax=ax
+        ),
+    )
+    for ax, call in zip(axes[0], calls, strict=True):
+        assert call(ax) is ax
+        assert ax.has_data()

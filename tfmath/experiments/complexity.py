@@ -9,15 +9,16 @@ variant overtakes exact (flash) attention, measure what the approximations
 cost in accuracy, and count the RNN's sequential depth against attention's.
 """
 
-import math
-
 import numpy as np
 
 from tfmath._contract.backend import resolve_backend
 from tfmath.analysis import complexity as cx
 from tfmath.analysis.claims import Claim
-from tfmath.plotting import new_figure
-from tfmath.plotting.complexity import VARIANT_COLOURS, cost_against_length
+from tfmath.plotting.complexity import (
+    approximation_errors,
+    cost_against_length,
+    work_and_depth,
+)
 from tfmath.report import ExperimentResult, Table, experiment
 
 #: The crossover is measured against exact attention in tiles.
@@ -395,23 +396,17 @@ def complexity_error(settings):
                     with_weights=n <= max_weights_n, backend=backend,
                 )  # fmt: skip
                 rows.append((kind, n, variant, error.output, error.weights))
-    figure, axes = new_figure(15, 4.6, ncols=len(cx.INPUT_KINDS))
-    for ax, kind in zip(axes[0], cx.INPUT_KINDS, strict=True):
-        for variant in ERROR_VARIANTS:
-            mine = [r for r in rows if r[0] == kind and r[2] == variant]
-            n = [r[1] for r in mine]
-            colour = VARIANT_COLOURS[variant]
-            ax.plot(n, [r[3] for r in mine], "o-", color=colour, label=f"{variant}: output")
-            weighted = [(r[1], r[4]) for r in mine if r[4] is not None]
-            ax.plot(*zip(*weighted, strict=True), "s--", color=colour, label=f"{variant}: weights")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("sequence length n")
-        ax.set_ylabel("relative Frobenius error")
-        ax.set_title(f"{kind} inputs (d = {d})")
-        ax.grid(True, which="both", alpha=0.3)
-    # In the local panel's empty middle decades: on the random panel it covered points.
-    axes[0, 1].legend(fontsize=7, loc="center", ncol=2)
+    errors = {
+        kind: {
+            variant: tuple(
+                zip(*((r[1], r[3], r[4]) for r in rows if r[0] == kind and r[2] == variant),
+                    strict=True)
+            )
+            for variant in ERROR_VARIANTS
+        }
+        for kind in cx.INPUT_KINDS
+    }  # fmt: skip
+    figure = approximation_errors(errors, d)
     at = {(r[0], r[2]): r for r in rows if r[1] == lengths[-1]}
     caption = (
         f"Error of each approximation against exact softmax attention (d = {d}, float64; "
@@ -492,32 +487,19 @@ def complexity_sequential(settings):
         ]
         for name in names
     }
-    figure, axes = new_figure(15, 4.6, ncols=3)
-    work, path, rate = axes[0]
-    for name, label in names.items():
-        colour = VARIANT_COLOURS[name]
-        work.plot(lengths, [c.flops for c in counted[name]], "o-", color=colour, label=label)
-        critical = [s.critical_path for s in depth[name]]
-        path.plot(lengths, critical, "o-", color=colour, label=f"{label}: critical path")
-        steps = [s.steps for s in depth[name]]
-        path.plot(lengths, steps, "s--", color=colour, label=f"{label}: dependent steps")
-        rate.plot(lengths, rates[name], "o-", color=colour, label=label)
-    for ax, title, axis_label in (
-        (work, "Total work: n (4d^2 + 2d) against n^2 (4d + 5)", "FLOPs per call"),
-        (path, "Sequential depth (unboundedly many processors)", "operations in sequence"),
-        (rate, "Measured rate on one core (CPU time)", "GFLOP/s"),
-    ):
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("sequence length n")
-        ax.set_ylabel(axis_label)
-        ax.set_title(title)
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
-    # The rates span one decade or less: from the power of ten below the slowest, so that a
-    # labelled tick lies under every point.
-    slowest = min(min(values) for values in rates.values())
-    rate.set_ylim(bottom=10 ** math.floor(math.log10(slowest)))
+    figure = work_and_depth(
+        lengths,
+        {
+            name: (
+                label,
+                [c.flops for c in counted[name]],
+                [s.critical_path for s in depth[name]],
+                [s.steps for s in depth[name]],
+                rates[name],
+            )
+            for name, label in names.items()
+        },
+    )
     last = lengths[-1]
     work_ratio = counted["flash"][-1].flops / counted["rnn"][-1].flops
     caption = (

@@ -68,7 +68,9 @@ from tfmath.plotting.compute_optimal import (
     envelope_sizes,
     frontier_prediction,
     isoflop_curves,
+    losses_by_budget,
     optimal_allocation,
+    parametric_fit,
     tokens_per_parameter,
     training_envelope,
 )
@@ -621,11 +623,7 @@ def _runs_table(budgets, spent, runs, results):
 
 def _raw_figure(n, loss, compute):
     figure, axes = new_figure(6.5, 5)
-    for k, budget in enumerate(np.unique(compute)):
-        rows = compute == budget
-        axes[0, 0].semilogx(n[rows], loss[rows], "o", color=f"C{k}", label=f"C = {budget:.1e}")
-    axes[0, 0].set(xlabel="non-embedding parameters N", ylabel="validation loss (nats/token)")
-    axes[0, 0].legend(fontsize=9)
+    losses_by_budget(n, loss, compute, ax=axes[0, 0])
     return figure
 
 
@@ -713,17 +711,7 @@ def _approaches_table(envelope, isoflop, parametric):
 
 def _parametric_figure(fit, n, d, loss):
     figure, axes = new_figure(6.5, 5)
-    ax = axes[0, 0]
-    predicted = fit.law.loss(n, d)
-    ax.plot(loss, predicted, "o")
-    low, high = min(loss.min(), predicted.min()), max(loss.max(), predicted.max())
-    ax.plot([low, high], [low, high], "k:", label="predicted = measured")
-    ax.set(xlabel="measured loss", ylabel=r"$E + A/N^\alpha + B/D^\beta$")
-    law = fit.law
-    ax.set_title(
-        rf"Approach 3: $\alpha$ = {law.alpha:.2f}, $\beta$ = {law.beta:.2f}, E = {law.e:.3f}"
-    )
-    ax.legend(fontsize=9)
+    parametric_fit(fit, n, d, loss, ax=axes[0, 0])
     return figure
 
 

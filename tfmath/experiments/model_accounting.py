@@ -14,6 +14,7 @@ from tfmath.formulas.accounting import (
     measure_flop_rate,
     parameter_breakdown,
 )
+from tfmath.plotting import accounting as plots
 from tfmath.plotting import new_figure
 from tfmath.report import ExperimentResult, Table, experiment
 
@@ -145,46 +146,6 @@ def _breakdown_table():
     return Table(columns)
 
 
-_COLOURS = {
-    "attention": "#4c72b0",
-    "feed-forward": "#dd8452",
-    "embeddings and head": "#55a868",
-    "norms and pooler": "#8c8c8c",
-}
-
-
-def _share_axes(axes):
-    presets = list(PRESETS)
-    left = np.zeros(len(presets))
-    for part, colour in _COLOURS.items():
-        values = np.array([_shares(p)[part] for p in presets])
-        axes.barh(presets, values, left=left, color=colour, label=part)
-        left += values
-    for y, preset in enumerate(presets):
-        axes.text(1.01, y, _short(count_parameters(preset)), va="center", fontsize=8)
-    axes.set_xlim(0, 1.12)
-    axes.invert_yaxis()
-    axes.set_xlabel("share of parameters")
-    axes.set_title("Where the parameters are")
-    axes.legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2, fontsize=8)
-
-
-def _context_axes(axes):
-    contexts = np.logspace(7, 20, 200, base=2)
-    styles = ("-", "--", "-.", ":")
-    for number, preset in enumerate(PRESETS):
-        fractions = [_context_share(preset, int(n)) for n in contexts]
-        (line,) = axes.plot(contexts, fractions, styles[number % 4], label=preset)
-        own = PRESETS[preset].n_ctx
-        axes.plot(own, _context_share(preset, own), "o", color=line.get_color())
-    axes.set_xscale("log", base=2)
-    axes.set_xlabel("context length $n_{ctx}$ (tokens)")
-    axes.set_ylabel(r"$2\,n_{layer} n_{ctx} d_{attn}$ / forward FLOPs per token")
-    axes.set_title("Attention's context term (dots: each model's own $n_{ctx}$)")
-    axes.legend(fontsize=7)
-    axes.grid(True, alpha=0.3)
-
-
 def _context_share(preset, n_ctx=None):
     flops = flops_per_token(preset, n_ctx=n_ctx)
     return flops.attention_context / flops.forward
@@ -208,8 +169,24 @@ def model_accounting(settings):
     flop_rate = measure_flop_rate(size=size, repeats=repeats)
     table = _seed_table(flop_rate)
     figure, axes = new_figure(13, 4.8, ncols=2)
-    _share_axes(axes[0, 0])
-    _context_axes(axes[0, 1])
+    plots.parameter_shares(
+        {preset: _shares(preset) for preset in PRESETS},
+        {preset: _short(count_parameters(preset)) for preset in PRESETS},
+        ax=axes[0, 0],
+    )
+    contexts = np.logspace(7, 20, 200, base=2)
+    plots.context_shares(
+        {
+            preset: (
+                contexts,
+                [_context_share(preset, int(n)) for n in contexts],
+                PRESETS[preset].n_ctx,
+                _context_share(preset, PRESETS[preset].n_ctx),
+            )
+            for preset in PRESETS
+        },
+        ax=axes[0, 1],
+    )
     counts = {preset: count_parameters(preset) for preset in PRESETS}
     context_share = {p: _context_share(p) for p in PRESETS}
     low, high = min(context_share, key=context_share.get), max(context_share, key=context_share.get)

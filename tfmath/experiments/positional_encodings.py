@@ -290,37 +290,12 @@ def positional_uniqueness(settings):
     cross_checks = _direct_cross_checks(checked_sizes, d_models, settings.backend)
     collisions = _collision_table(settings)
 
-    figure, axes = new_figure(11, 4.4, ncols=2)
-    left, right = axes[0]
-    n_values = np.arange(2, N_POSITIONS + 1)
-    for d_model in d_models:
-        (line,) = left.loglog(n_values, prefix_minima[d_model], label=f"d_model = {d_model}")
-        checked = [row for row in cross_checks if row["d_model"] == d_model]
-        left.plot(
-            [row["n_positions"] for row in checked],
-            [row["direct"] for row in checked],
-            "x",
-            color=line.get_color(),
-            ms=7,
-        )
-    left.plot([], [], "kx", label="direct blocked search (any encoding)")
-    left.set_xlabel("number of positions N")
-    left.set_ylabel("min over p < q < N of ||PE[p] - PE[q]|| (log scale)")
-    left.set_title("Closest pair among positions 0..N-1")
-    left.legend(fontsize=8, ncols=2, loc="lower left")
-    offsets = np.arange(1, N_POSITIONS)
     distances = analysis.offset_distances(
         N_POSITIONS - 1, D_MODEL, base=BASE, first_offset=1, backend=settings.backend
     )
-    right.semilogx(offsets, distances, lw=0.6)
-    right.axhline(
-        closest.distance, color="red", ls="--", lw=1, label=f"minimum D(1) = {closest.distance:.4f}"
-    )
-    right.set_xlabel("offset k = q - p (positions)")
-    right.set_ylabel("D(k) = ||PE[p+k] - PE[p]||")
-    right.set_title(f"Distance by offset, d_model = {D_MODEL}")
-    right.set_ylim(bottom=0)
-    right.legend()
+    figure, axes = new_figure(11, 4.4, ncols=2)
+    plots.closest_pairs(prefix_minima, cross_checks, ax=axes[0, 0])
+    plots.distance_by_offset(distances, closest.distance, D_MODEL, ax=axes[0, 1])
 
     worst_disagreement = max(row["abs_difference"] for row in cross_checks)
     two_dimensional = next(
@@ -453,18 +428,10 @@ def positional_permutation(settings):
         rows["invariance_gap"].append(max(c.invariance_gap / c.output_scale for c in checks))
 
     figure, axes = new_figure(8, 4.4)
-    ax = axes[0, 0]
-    x = np.arange(len(_SCHEMES))
-    ax.bar(x - 0.2, rows["equivariance_residual"], 0.4, label="max |f(PX) - P f(X)| (equivariance)")
-    ax.bar(x + 0.2, rows["invariance_gap"], 0.4, label="max |f(PX) - f(X)| (invariance)")
-    ax.axhline(np.finfo(np.float64).eps, color="grey", ls="--", lw=1, label="float64 eps")
-    ax.set_yscale("log")
-    ax.set_xticks(x, labels=rows["positional"])
-    ax.set_xlabel("positional information")
-    ax.set_ylabel("difference / max |f(X)| (log scale)")
-    ax.set_title(f"Self-attention of 16 tokens, d = 32, {len(seeds)} random draws")
-    ax.set_ylim(1e-17, 1e5)  # headroom above the bars for the legend
-    ax.legend(fontsize=8, loc="upper left")
+    plots.permutation_checks(
+        rows["positional"], rows["equivariance_residual"], rows["invariance_gap"],
+        title=f"Self-attention of 16 tokens, d = 32, {len(seeds)} random draws", ax=axes[0, 0],
+    )  # fmt: skip
 
     plain = rows["equivariance_residual"][0]
     smallest_broken = min(rows["equivariance_residual"][1:])

@@ -16,21 +16,27 @@ these helpers, so that no figure is written twice.
 """
 
 from tfmath.plotting._figure import axes_or_new, new_figure
+from tfmath.plotting.accounting import context_shares, parameter_shares
 from tfmath.plotting.attention import attention_heatmap
-from tfmath.plotting.complexity import cost_against_length
+from tfmath.plotting.complexity import approximation_errors, cost_against_length, work_and_depth
 from tfmath.plotting.compute_optimal import (
     envelope_sizes,
     exponent_ladder,
     frontier_prediction,
     isoflop_curves,
+    losses_by_budget,
     optimal_allocation,
+    parametric_fit,
     published_refits,
     tokens_per_parameter,
     training_envelope,
 )
 from tfmath.plotting.positional import (
+    closest_pairs,
+    distance_by_offset,
     encoding_columns,
     encoding_heatmap,
+    permutation_checks,
     similarity_by_offset,
     wavelengths,
 )
@@ -54,10 +60,14 @@ from tfmath.plotting.variance import (
 
 __all__ = [
     "accumulation_error",
+    "approximation_errors",
     "attention_heatmap",
     "axes_or_new",
     "chinchilla_plane",
+    "closest_pairs",
+    "context_shares",
     "cost_against_length",
+    "distance_by_offset",
     "encoding_columns",
     "encoding_heatmap",
     "envelope_sizes",
@@ -67,8 +77,12 @@ __all__ = [
     "isoflop_curves",
     "kaplan_laws",
     "learning_curves",
+    "losses_by_budget",
     "new_figure",
     "optimal_allocation",
+    "parameter_shares",
+    "parametric_fit",
+    "permutation_checks",
     "power_law",
     "published_refits",
     "reproduction_fits",
@@ -84,4 +98,5 @@ __all__ = [
     "training_envelope",
     "variance_against_dk",
     "wavelengths",
+    "work_and_depth",
 ]

@@ -1,10 +1,12 @@
 """The cost of attention drawn: measured time or memory against the sequence length."""
 
+import math
+
 import numpy as np
 
 from tfmath.plotting._figure import new_figure
 
-__all__ = ["VARIANT_COLOURS", "cost_against_length"]
+__all__ = ["VARIANT_COLOURS", "approximation_errors", "cost_against_length", "work_and_depth"]
 
 #: One colour per attention variant (and the RNN), the same in every figure.
 VARIANT_COLOURS = {
@@ -92,3 +94,79 @@ def _legend(name, fits, theory):
     if "d" in fit.exponents:
         text += f" {fit.describe('d')}"
     return text + theory_text
+
+
+def approximation_errors(errors, d):
+    """Each approximation's relative error against exact attention, against the sequence
+    length, a panel per kind of input.
+
+    Parameters
+    ----------
+    errors : dict
+        ``{input_kind: {variant: (lengths, output_errors, weight_errors)}}``, the weights'
+        errors None where they were not formed.
+    d : int
+        The head width, for the titles.
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+    """
+    figure, axes = new_figure(15, 4.6, ncols=len(errors))
+    for ax, (kind, variants) in zip(axes[0], errors.items(), strict=True):
+        for variant, (lengths, output, weights) in variants.items():
+            colour = VARIANT_COLOURS[variant]
+            ax.plot(lengths, output, "o-", color=colour, label=f"{variant}: output")
+            weighted = [(n, w) for n, w in zip(lengths, weights, strict=True) if w is not None]
+            ax.plot(*zip(*weighted, strict=True), "s--", color=colour, label=f"{variant}: weights")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("sequence length n")
+        ax.set_ylabel("relative Frobenius error")
+        ax.set_title(f"{kind} inputs (d = {d})")
+        ax.grid(True, which="both", alpha=0.3)
+    # In the local panel's empty middle decades: on the random panel it covered points.
+    axes[0, 1].legend(fontsize=7, loc="center", ncol=2)
+    return figure
+
+
+def work_and_depth(lengths, routines):
+    """Counted work, sequential depth and measured rate of routines against the sequence
+    length, three panels.
+
+    Parameters
+    ----------
+    lengths : sequence of int
+    routines : dict
+        ``{routine: (label, flops, critical_path, steps, gflops_per_second)}``, each a
+        sequence over ``lengths``; ``routine`` picks the colour of :data:`VARIANT_COLOURS`.
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+    """
+    figure, axes = new_figure(15, 4.6, ncols=3)
+    work, path, rate = axes[0]
+    for name, (label, flops, critical, steps, rates) in routines.items():
+        colour = VARIANT_COLOURS[name]
+        work.plot(lengths, flops, "o-", color=colour, label=label)
+        path.plot(lengths, critical, "o-", color=colour, label=f"{label}: critical path")
+        path.plot(lengths, steps, "s--", color=colour, label=f"{label}: dependent steps")
+        rate.plot(lengths, rates, "o-", color=colour, label=label)
+    for ax, title, axis_label in (
+        (work, "Total work: n (4d^2 + 2d) against n^2 (4d + 5)", "FLOPs per call"),
+        (path, "Sequential depth (unboundedly many processors)", "operations in sequence"),
+        (rate, "Measured rate on one core (CPU time)", "GFLOP/s"),
+    ):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("sequence length n")
+        ax.set_ylabel(axis_label)
+        ax.set_title(title)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    # The rates span one decade or less: from the power of ten below the slowest, so that a
+    # labelled tick lies under every point.
+    slowest = min(min(routine[4]) for routine in routines.values())
+    rate.set_ylim(bottom=10 ** math.floor(math.log10(slowest)))
+    return figure

@@ -15,7 +15,9 @@ __all__ = [
     "exponent_ladder",
     "frontier_prediction",
     "isoflop_curves",
+    "losses_by_budget",
     "optimal_allocation",
+    "parametric_fit",
     "published_refits",
     "tokens_per_parameter",
     "training_envelope",
@@ -312,4 +314,55 @@ def envelope_sizes(fit, *, isoflop=None, ax=None):
     ax.set(xlabel="compute C (FLOPs)", ylabel="N_opt (non-embedding parameters)")
     ax.set_title("N_opt: the envelope's switches and the IsoFLOP minima", fontsize=10)
     ax.legend(fontsize=8)
+    return ax
+
+
+def losses_by_budget(n, loss, compute, *, ax=None):
+    """Draw each run's final loss against its parameters, a colour per compute budget.
+
+    Parameters
+    ----------
+    n, loss, compute : numpy.ndarray, 1-D
+        Each run's non-embedding parameters, validation loss and training FLOPs.
+    ax : matplotlib.axes.Axes, optional
+
+    Returns
+    -------
+    matplotlib.axes.Axes
+    """
+    ax = axes_or_new(ax, 6.5, 5)
+    for k, budget in enumerate(np.unique(compute)):
+        rows = compute == budget
+        ax.semilogx(n[rows], loss[rows], "o", color=f"C{k}", label=f"C = {budget:.1e}")
+    ax.set(xlabel="non-embedding parameters N", ylabel="validation loss (nats/token)")
+    ax.legend(fontsize=9)
+    return ax
+
+
+def parametric_fit(fit, n, d, loss, *, ax=None):
+    r"""Draw the losses approach 3's law predicts against those measured.
+
+    Parameters
+    ----------
+    fit : ParametricFit
+        :func:`tfmath.analysis.compute_optimal.fit_parametric_loss`'s result.
+    n, d, loss : numpy.ndarray, 1-D
+        Each run's parameters, tokens and measured loss.
+    ax : matplotlib.axes.Axes, optional
+
+    Returns
+    -------
+    matplotlib.axes.Axes
+    """
+    ax = axes_or_new(ax, 6.5, 5)
+    predicted = fit.law.loss(n, d)
+    ax.plot(loss, predicted, "o")
+    low, high = min(loss.min(), predicted.min()), max(loss.max(), predicted.max())
+    ax.plot([low, high], [low, high], "k:", label="predicted = measured")
+    ax.set(xlabel="measured loss", ylabel=r"$E + A/N^\alpha + B/D^\beta$")
+    law = fit.law
+    ax.set_title(
+        rf"Approach 3: $\alpha$ = {law.alpha:.2f}, $\beta$ = {law.beta:.2f}, E = {law.e:.3f}"
+    )
+    ax.legend(fontsize=9)
     return ax

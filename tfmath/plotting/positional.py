@@ -1,10 +1,19 @@
-"""Positional encodings drawn: the encoding matrix, its columns, and their wavelengths."""
+"""Positional encodings drawn: the encoding matrix, its columns, their wavelengths, how close
+two positions' encodings come, and self-attention's permutation symmetry."""
 
 import numpy as np
 
 from tfmath.plotting._figure import axes_or_new
 
-__all__ = ["encoding_columns", "encoding_heatmap", "similarity_by_offset", "wavelengths"]
+__all__ = [
+    "closest_pairs",
+    "distance_by_offset",
+    "encoding_columns",
+    "encoding_heatmap",
+    "permutation_checks",
+    "similarity_by_offset",
+    "wavelengths",
+]
 
 
 def encoding_heatmap(encoding, *, title=None, colorbar=True, ax=None):
@@ -138,6 +147,107 @@ def similarity_by_offset(curves, checks=None, *, n_starts=None, ax=None):
     ax.set_ylabel("PE[p]·PE[p+k] / (d_model/2)")
     ax.set_title(r"$\mathrm{PE}_p\cdot\mathrm{PE}_{p+k} = \sum_i \cos(\omega_i k)$, normalised")
     ax.legend(fontsize=8)
+    return ax
+
+
+def closest_pairs(minima, checks=(), *, ax=None):
+    """Draw the closest pair's distance among the first N positions against N.
+
+    Parameters
+    ----------
+    minima : dict
+        ``{d_model: distances}``: for each width, the smallest distance between the
+        encodings of two of the first N positions, for N = 2, 3, ...
+    checks : sequence of dict, optional
+        Direct searches to mark with crosses, each with ``"d_model"``,
+        ``"n_positions"`` and ``"direct"`` (the distance it found).
+    ax : matplotlib.axes.Axes, optional
+
+    Returns
+    -------
+    matplotlib.axes.Axes
+    """
+    ax = axes_or_new(ax)
+    for d_model, prefix_minima in minima.items():
+        n_values = np.arange(2, len(prefix_minima) + 2)
+        (line,) = ax.loglog(n_values, prefix_minima, label=f"d_model = {d_model}")
+        checked = [row for row in checks if row["d_model"] == d_model]
+        ax.plot(
+            [row["n_positions"] for row in checked],
+            [row["direct"] for row in checked],
+            "x",
+            color=line.get_color(),
+            ms=7,
+        )
+    ax.plot([], [], "kx", label="direct blocked search (any encoding)")
+    ax.set_xlabel("number of positions N")
+    ax.set_ylabel("min over p < q < N of ||PE[p] - PE[q]|| (log scale)")
+    ax.set_title("Closest pair among positions 0..N-1")
+    ax.legend(fontsize=8, ncols=2, loc="lower left")
+    return ax
+
+
+def distance_by_offset(distances, minimum, d_model, *, ax=None):
+    """Draw the distance :math:`D(k)` between encodings ``k`` positions apart, and its
+    minimum.
+
+    Parameters
+    ----------
+    distances : array_like
+        :math:`D(k)` for the offsets k = 1, 2, ...
+    minimum : float
+        The smallest distance, drawn as a line.
+    d_model : int
+        The encoding's width, for the title.
+    ax : matplotlib.axes.Axes, optional
+
+    Returns
+    -------
+    matplotlib.axes.Axes
+    """
+    ax = axes_or_new(ax)
+    offsets = np.arange(1, len(distances) + 1)
+    ax.semilogx(offsets, distances, lw=0.6)
+    ax.axhline(minimum, color="red", ls="--", lw=1, label=f"minimum D(1) = {minimum:.4f}")
+    ax.set_xlabel("offset k = q - p (positions)")
+    ax.set_ylabel("D(k) = ||PE[p+k] - PE[p]||")
+    ax.set_title(f"Distance by offset, d_model = {d_model}")
+    ax.set_ylim(bottom=0)
+    ax.legend()
+    return ax
+
+
+def permutation_checks(labels, equivariance, invariance, *, title=None, ax=None):
+    """Draw, per kind of positional information, how far self-attention is from
+    permutation equivariance and from invariance.
+
+    Parameters
+    ----------
+    labels : sequence of str
+        The kinds of positional information.
+    equivariance, invariance : sequence of float
+        Each kind's largest :math:`|f(PX) - P f(X)|` and :math:`|f(PX) - f(X)|`, relative
+        to the output's scale.
+    title : str, optional
+    ax : matplotlib.axes.Axes, optional
+
+    Returns
+    -------
+    matplotlib.axes.Axes
+    """
+    ax = axes_or_new(ax)
+    x = np.arange(len(labels))
+    ax.bar(x - 0.2, equivariance, 0.4, label="max |f(PX) - P f(X)| (equivariance)")
+    ax.bar(x + 0.2, invariance, 0.4, label="max |f(PX) - f(X)| (invariance)")
+    ax.axhline(np.finfo(np.float64).eps, color="grey", ls="--", lw=1, label="float64 eps")
+    ax.set_yscale("log")
+    ax.set_xticks(x, labels=labels)
+    ax.set_xlabel("positional information")
+    ax.set_ylabel("difference / max |f(X)| (log scale)")
+    if title is not None:
+        ax.set_title(title)
+    ax.set_ylim(1e-17, 1e5)  # headroom above the bars for the legend
+    ax.legend(fontsize=8, loc="upper left")
     return ax
 
 
