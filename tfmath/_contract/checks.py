@@ -136,6 +136,10 @@ def real(name, value, *, above=None, at_least=None, below=None, allow_none=False
 BEYOND_ANY_SEQUENCE = 2**40
 
 
+#: float16's largest number, the smallest of any dtype's largest.
+_LARGEST_HALF = 65504.0
+
+
 def attention_scale(scale, query_shape, dtype):
     r"""The scores' scale: ``scale`` checked, or :math:`1/\sqrt{E}` for None, which is
     undefined, and refused, for queries of ``E = 0`` features. A scale beyond the range
@@ -143,6 +147,8 @@ def attention_scale(scale, query_shape, dtype):
     score infinite or NaN."""
     if scale is not None:
         scale = real("scale", scale)
+        if abs(scale) <= _LARGEST_HALF:
+            return scale  # within every dtype's range, without a NumPy call
         with np.errstate(over="ignore"):
             overflows = np.isinf(np.asarray(scale).astype(dtype))
         if overflows:
