@@ -7,7 +7,7 @@ import pytest
 from _errors import assert_refused
 from _gradients import central_differences
 from _tolerances import assert_close, attention_tolerance
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import mutually_broadcastable_shapes
 
@@ -993,3 +993,81 @@ def test_every_weight_of_a_nan_row_is_nan_under_the_causal_mask(any_backend):
     )
     assert np.isnan(weights[0, 2]).all()
     assert not np.isnan(np.delete(weights[0], 2, axis=0)).any()
+
+
+# --- CUDA flash, naive and backward kernels across key tiles, on random problems --------
+
+
+@pytest.mark.cuda
+@settings(
+    max_examples=12,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(inputs=attention_inputs(max_batch_side=2, max_len=9), seed=st.integers(0, 2**32 - 1))
+def test_cuda_kernels_match_the_reference_across_key_tiles_on_random_problems(
+    inputs,
+    seed,
+    small_cuda_tiles,
+):
+    """Rule: the CUDA forward (naive and flash), its log-sum-exp and the backward equal
+    the reference on random shapes, masks, broadcast batches, causal and scale, when
+    rows and keys span several tiles. Reason: the random CUDA tests draw at most 5 or 6
+    keys, and a block holds 32 key columns, so the flash kernels' rescaling of the
+    running maximum and sum from one key tile to the next (and the backward's sweep
+    over key tiles) ran on random inputs never; one fixed 5 x 7 case covered it. Tiles
+    of 2 rows x 4 keys (the suite's small_cuda_tiles) make up to 9 keys three tiles.
+    Tolerance: attention_tolerance (a dot product of E terms and a sum of S), 4 times
+    it for gradients (two more products of the same lengths), as the suite's own."""
+    _check_against_reference(inputs, "cuda")
+    _check_flash_against_reference(inputs, "cuda")
+    output = tfmath.scaled_dot_product_attention(**inputs, backend="reference")
+    rng = np.random.default_rng(seed)
+    grad_output = rng.standard_normal(output.shape).astype(output.dtype)
+    _check_grad_against_reference({**inputs, "grad_output": grad_output}, "cuda")
+
+
+# --- the plain short path (plain_plan) on random shapes -------------------------------------
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    dtype=st.sampled_from(DTYPES),
+    batch=st.lists(st.integers(1, 3), max_size=2).map(tuple),
+    n_query=st.integers(1, 80),
+    n_key=st.integers(1, 140),
+    n_features=st.sampled_from([1, 3, 8, 16, 32]),
+    n_values=st.sampled_from([1, 5, 16, 32]),
+    is_causal=st.booleans(),
+    scale=st.one_of(st.none(), st.floats(-2, 2, allow_nan=False)),
+    layout=st.sampled_from(["C", "Fortran query", "strided key"]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_plain_calls_match_the_reference_and_the_general_path_on_random_shapes(
+    dtype, batch, n_query, n_key, n_features, n_values, is_causal, scale, layout, seed
+):
+    """Rule: a plain call (no backend, mask or options: the short path planned once per
+    layout by _dispatch.layout_plan and the DIRECT plain_plan) gives the bits of
+    backend="cpu" and the reference's values to attention_tolerance. Reason: the short
+    path is what most calls take, and its numbers were checked on five fixed shapes
+    only; the random test of the short path compares the problem records it builds,
+    never a result. Shapes here straddle the SERIAL_WORK threshold and the tiles,
+    with C, Fortran-ordered and strided operands (other layouts, other plans)."""
+    rng = np.random.default_rng(seed)
+    query = rng.standard_normal((*batch, n_query, n_features)).astype(dtype)
+    key = rng.standard_normal((*batch, n_key, n_features)).astype(dtype)
+    value = rng.standard_normal((*batch, n_key, n_values)).astype(dtype)
+    if layout == "Fortran query":
+        query = np.asfortranarray(query)
+    elif layout == "strided key":
+        key = np.repeat(key, 2, axis=-1)[..., ::2]
+    short = tfmath.scaled_dot_product_attention(query, key, value, None, is_causal, scale)
+    general = tfmath.scaled_dot_product_attention(
+        query, key, value, None, is_causal, scale, backend="cpu"
+    )
+    assert short.dtype == general.dtype == np.dtype(dtype)
+    np.testing.assert_array_equal(short, general)
+    expected = tfmath.scaled_dot_product_attention(
+        query, key, value, None, is_causal, scale, backend="reference"
+    )
+    assert_close(short, expected, attention_tolerance(np.dtype(dtype), n_features, n_key))

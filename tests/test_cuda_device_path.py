@@ -9,12 +9,16 @@ here as it would cost on a GPU.
 """
 
 import contextlib
+import math
 
 import ml_dtypes
 import numpy as np
 import pytest
 from _errors import assert_refused
 from _tolerances import UNIT_ROUNDOFF, assert_close, attention_tolerance
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import mutually_broadcastable_shapes
 
 import tfmath
 from tfmath import _cuda
@@ -282,3 +286,41 @@ def test_row_statistics_refuse_device_scores_as_host_ones(scores, scale, words, 
         tfmath.ArgumentError,
         words,
     )
+
+
+# --- the CUDA sum_to_shape on device arrays, random broadcasts, both dtypes -----------------
+
+
+@pytest.mark.cuda
+@settings(max_examples=20, deadline=None)
+@given(
+    dtype=st.sampled_from([np.float32, np.float64]),
+    shapes=mutually_broadcastable_shapes(num_shapes=2, max_dims=3, max_side=3),
+    rows=st.integers(1, 3),
+    columns=st.integers(1, 3),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_cuda_sum_to_shape_of_device_arrays_is_numpys_sum_on_random_broadcasts(
+    dtype, shapes, rows, columns, seed
+):
+    """Rule: the CUDA sum_to_shape of a device gradient equals NumPy's sum over the
+    broadcast batch dimensions, for any operand batch that broadcasts to the result's,
+    float32 and float64. Reason: the device path (the only code of ("sum_to_shape",
+    "cuda"); host arrays take NumPy's) was tested on five fixed float64 shapes.
+    Tolerance: each result is a sum of n terms, added in order on the device and
+    pairwise by NumPy; both are within (n - 1) eps sum|terms| of exact (Higham 4.2),
+    so they differ by at most 2 n eps times the sum of the terms' magnitudes."""
+    from tfmath import _cuda
+    from tfmath._contract.layout import sum_to_shape
+    from tfmath.kernels.cuda import broadcast
+
+    operand_batch, batch = shapes.input_shapes[0], shapes.result_shape
+    rng = np.random.default_rng(seed)
+    grad = rng.standard_normal((*batch, rows, columns)).astype(dtype)
+    shape = (*operand_batch, rows, columns)
+    summed = broadcast.sum_to_shape(_cuda.to_device(grad), shape)
+    assert _cuda.is_device_array(summed) and summed.shape == shape and summed.dtype == dtype
+    expected = sum_to_shape(grad, shape)
+    n_terms = max(1, grad.size // max(1, math.prod(shape)))
+    bound = 2 * n_terms * np.finfo(dtype).eps * sum_to_shape(np.abs(grad), shape)
+    assert np.all(np.abs(summed.copy_to_host() - expected) <= bound)

@@ -258,3 +258,36 @@ def test_float16_with_bfloat16_computes_in_float32():
     q = np.ones((3, 4), dtype=np.float16)
     k = np.ones((3, 4), dtype=ml_dtypes.bfloat16)
     assert tfmath.scaled_dot_product_attention(q, k, k).dtype == np.float32
+
+
+# --- the CPU's rounding to half precision, bit for bit, on every kind of float32 -------------
+
+
+@pytest.mark.parametrize("dtype", [np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)], ids=str)
+def test_cpu_narrowing_rounds_every_float32_bit_pattern_as_numpy_does(dtype):
+    """Rule: the CPU narrow (("narrow", "cpu"), which every half-precision result goes
+    through) gives NumPy's and ml_dtypes' bits for any float32: ties to even,
+    subnormals, overflow to infinity, the largest finite numbers; any NaN stays a NaN
+    of the same sign. Reason: its test draws 300 N(0, 1) plus a dozen specials, among
+    which a bfloat16 tie (low 16 bits exactly 0x8000) or a float16 tie essentially
+    never occurs; the CUDA conversion is tested on random bit patterns and ties, the
+    CPU one was not. Exact: conversions are correctly rounded, so no tolerance."""
+    from tfmath.kernels.cpu import half
+
+    rng = np.random.default_rng(16)
+    patterns = rng.integers(0, 2**32, 100_000, dtype=np.uint64).astype(np.uint32)
+    # Ties of bfloat16 (half of the dropped 16 bits) and of float16 normals (13 bits).
+    patterns[:20_000] = (patterns[:20_000] & np.uint32(0xFFFF0000)) | np.uint32(0x8000)
+    patterns[20_000:40_000] = (patterns[20_000:40_000] & np.uint32(0xFFFFE000)) | np.uint32(0x1000)
+    # Exponents around float16's range: subnormals, the smallest normals, overflow.
+    exponents = rng.integers(100, 145, 20_000).astype(np.uint32) << np.uint32(23)
+    patterns[40_000:60_000] = (patterns[40_000:60_000] & np.uint32(0x807FFFFF)) | exponents
+    values = patterns.view(np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        expected = values.astype(dtype)
+    narrowed = half.narrow(values, dtype)
+    nan = np.isnan(values)
+    np.testing.assert_array_equal(narrowed.view(np.uint16)[~nan], expected.view(np.uint16)[~nan])
+    wide = narrowed[nan].astype(np.float32)
+    assert np.isnan(wide).all()
+    np.testing.assert_array_equal(np.signbit(wide), np.signbit(values[nan]))

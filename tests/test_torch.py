@@ -78,7 +78,7 @@ def make_mask(rng, kind, batch, n_query, n_key, dtype):
         return torch.from_numpy(keep)
     if kind == "bool":
         keep = rng.random((n_query, n_key)) < 0.7
-        keep[:, 0] = True  # no row with nothing to attend: PyTorch gives NaN there, tfmath 0
+        keep[:, 0] = True  # every row attends a key (a row with none gives 0 on both)
         return torch.from_numpy(keep)
     # An additive mask in the operands' own dtype, as PyTorch requires.
     return torch.from_numpy(rng.standard_normal((n_query, n_key))).to(DTYPES[dtype])

@@ -1098,7 +1098,7 @@ def test_pytorch_calls_port_unchanged():
     )
 
 
-def test_a_mask_reading_a_torch_tensor_says_what_to_pass_instead():
+def test_a_mask_or_score_mod_reading_a_torch_tensor_says_what_to_pass_instead():
     torch = pytest.importorskip("torch")
     ids = torch.repeat_interleave(torch.arange(2), 8)
 
@@ -1107,6 +1107,17 @@ def test_a_mask_reading_a_torch_tensor_says_what_to_pass_instead():
 
     assert_refused(
         lambda: variants.create_block_mask(same, None, None, 16, 16, BLOCK_SIZE=8),
+        TypeError,
+        ["could not be compiled with Numba", "tensor.numpy()"],
+    )
+    bias = torch.ones(16, 16)
+
+    def biased(score, b, h, q_idx, kv_idx):
+        return score + bias[q_idx, kv_idx]
+
+    q = np.ones((1, 1, 16, 4))
+    assert_refused(
+        lambda: variants.flex_attention(q, q, q, score_mod=biased, backend="cpu"),
         TypeError,
         ["could not be compiled with Numba", "tensor.numpy()"],
     )
@@ -1148,3 +1159,166 @@ def test_rows_whose_weights_the_log_sum_exp_cannot_give_back_are_refused():
     wide = variants.flash_attention_grad(*(x.astype(np.float64) for x in (q, q, q, grad)),
                                          scale=1e5, backend="cpu")  # fmt: skip
     assert all(np.isfinite(g).all() for g in wide[:3])
+
+
+# --- variant_weights: the CPU kernels' weights against the reference's --------------------
+
+
+@st.composite
+def variant_problems(draw, max_len=70):
+    dtype = draw(st.sampled_from([np.float32, np.float64]))
+    heads, kv_heads = draw(st.sampled_from([(1, 1), (2, 1), (4, 2)]))
+    n_batch = draw(st.integers(1, 2))
+    n_query, n_key = draw(st.integers(1, max_len)), draw(st.integers(1, max_len))
+    features = draw(st.integers(1, 9))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    q = rng.standard_normal((n_batch, heads, n_query, features)).astype(dtype)
+    k = rng.standard_normal((n_batch, kv_heads, n_key, features)).astype(dtype)
+    v = rng.standard_normal((n_batch, kv_heads, n_key, 3)).astype(dtype)
+    alibi = draw(st.sampled_from([None, "per head", "per batch"]))
+    options = {
+        "causal": draw(st.booleans()),
+        "window_size": (draw(st.integers(-1, 30)), draw(st.integers(-1, 30))),
+        "softcap": draw(st.sampled_from([0.0, 0.5, 3.0])),
+        "alibi_slopes": {
+            None: None,
+            "per head": rng.random(heads),
+            "per batch": rng.random((n_batch, heads)),
+        }[alibi],
+        "sinks": rng.standard_normal(heads) if draw(st.booleans()) else None,
+    }
+    return q, k, v, options
+
+
+@settings(max_examples=25, deadline=None)
+@given(problem=variant_problems())
+def test_variant_weights_of_the_kernels_are_the_references_on_random_problems(problem):
+    """Rule: flash_attention(..., return_weights=True) on the CPU gives the reference's
+    weights, the sink's column included, in both dtypes. Reason: the ("variant_weights",
+    "cpu") kernel recomputes each block's scores through the kernels' modification and
+    the forward's log-sum-exp; the only test of it checks row sums and P V against the
+    same backend's output, on one float64 shape, so weights put in the wrong rows of
+    a batch entry, or a modification applied twice, could pass. Tolerance: each weight
+    is exp(s - lse), with s a dot product of E terms and lse a sum over S keys:
+    attention_tolerance(dtype, E, S)."""
+    q, k, v, options = problem
+    out, weights = variants.flash_attention(q, k, v, return_weights=True, backend="cpu", **options)
+    ref_out, ref_weights = variants.flash_attention(
+        q, k, v, return_weights=True, backend="reference", **options
+    )
+    assert weights.shape == ref_weights.shape
+    tolerance = attention_tolerance(q.dtype, q.shape[-1], k.shape[-2])
+    assert_close(weights, ref_weights, tolerance)
+    assert_close(out, ref_out, tolerance)
+
+
+# --- flex_attention: random lengths, per-(batch, head) block masks, score mods ---------------
+
+
+def _mask_of_batch_and_head(b, h, q_idx, kv_idx):  # plain Python: tfmath compiles it
+    return (q_idx + b) // 7 == kv_idx // 5 or (q_idx + h) % 3 == kv_idx % 3
+
+
+def _bias_of_batch_and_head(score, b, h, q_idx, kv_idx):
+    return score - (h + 1) * 0.1 * abs(q_idx - kv_idx) + 0.3 * b
+
+
+def _unit(score, b, h, q_idx, kv_idx):
+    return 1.0
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    dtype=st.sampled_from([np.float32, np.float64]),
+    n_batch=st.integers(1, 2),
+    heads=st.integers(1, 3),
+    n_query=st.integers(1, 70),
+    n_key=st.integers(1, 70),
+    features=st.integers(1, 8),
+    block_size=st.sampled_from([8, 16, 128, (8, 16)]),
+    masked=st.booleans(),
+    modified=st.booleans(),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_flex_attention_matches_the_definition_on_random_lengths_and_block_masks(
+    dtype, n_batch, heads, n_query, n_key, features, block_size, masked, modified, seed
+):
+    """Rule: flex_attention and its gradients on the CPU equal the reference, and the
+    reference with a block mask equals exact attention with the dense mask, for any
+    lengths (L != S, not multiples of the blocks) and a mask_mod that reads the batch
+    entry and the head. Reason: flex was tested on 100 x 100 problems with masks that
+    ignore b and h (B = H = None), so classify_blocks (DIRECT) never counted blocks per
+    (batch, head), and no random shape reached the kernels. Tolerance:
+    attention_tolerance (E-term scores, S-term sums), 4 times it for the gradients,
+    each gradient on the scale of its largest entry (as test_variants does)."""
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((n_batch, heads, n_query, features)).astype(dtype)
+    k = rng.standard_normal((n_batch, heads, n_key, features)).astype(dtype)
+    v = rng.standard_normal((n_batch, heads, n_key, 4)).astype(dtype)
+    block_mask = (
+        variants.create_block_mask(
+            _mask_of_batch_and_head, n_batch, heads, n_query, n_key, BLOCK_SIZE=block_size
+        )
+        if masked
+        else None
+    )
+    options = {
+        "block_mask": block_mask,
+        "score_mod": _bias_of_batch_and_head if modified else None,
+        "score_mod_derivative": _unit if modified else None,
+    }
+    tolerance = attention_tolerance(np.dtype(dtype), features, n_key)
+    out, lse = variants.flex_attention(q, k, v, return_lse=True, backend="cpu", **options)
+    ref_out, ref_lse = variants.flex_attention(
+        q, k, v, return_lse=True, backend="reference", **options
+    )
+    assert_close(out, ref_out, tolerance)
+    assert_close(lse, ref_lse, tolerance)
+    if masked and not modified:
+        b, h, i, j = np.indices((n_batch, heads, n_query, n_key), sparse=True)
+        dense = np.vectorize(_mask_of_batch_and_head)(b, h, i, j)
+        exact = tfmath.scaled_dot_product_attention(q, k, v, dense, backend="reference")
+        assert_close(ref_out, exact, tolerance)
+    grad_output = rng.standard_normal(out.shape).astype(dtype)
+    grads = variants.flex_attention_grad(q, k, v, grad_output, backend="cpu", **options)
+    ref_grads = variants.flex_attention_grad(q, k, v, grad_output, backend="reference", **options)
+    for grad, ref in zip(grads[:3], ref_grads[:3], strict=True):
+        scale = max(np.abs(ref).max(initial=0), 1.0)
+        assert_close(grad / scale, ref / scale, 4 * tolerance)
+
+
+# --- variant_attention_grad: the sinks' gradient and grad_lse on random problems ------------
+
+
+@settings(max_examples=25, deadline=None)
+@given(problem=variant_problems(max_len=90), with_grad_lse=st.booleans())
+def test_sink_and_log_sum_exp_gradients_match_the_reference_on_random_problems(
+    problem, with_grad_lse
+):
+    """Rule: every gradient flash_attention_grad returns (query, key, value and the
+    sinks') equals the reference's, with and without an upstream gradient of the
+    log-sum-exp, on random shapes, grouped heads, windows, soft caps and slopes.
+    Reason: the random test compares grads[:3] only and never passes grad_lse, so the
+    sinks' gradient and the log-sum-exp's contribution to dS were checked on the fixed
+    130-key shapes alone. Tolerance: 4 attention_tolerance on the scale of each
+    gradient's largest entry, as the suite holds the other gradients."""
+    q, k, v, options = problem
+    out, lse = variants.flash_attention(q, k, v, return_lse=True, backend="cpu", **options)
+    rng = np.random.default_rng(q.size)
+    grad_output = rng.standard_normal(out.shape).astype(q.dtype)
+    grad_lse = rng.standard_normal(lse.shape).astype(q.dtype) if with_grad_lse else None
+    grads = variants.flash_attention_grad(
+        q, k, v, grad_output, grad_lse=grad_lse, backend="cpu", **options
+    )
+    ref_grads = variants.flash_attention_grad(
+        q, k, v, grad_output, grad_lse=grad_lse, backend="reference", **options
+    )
+    tolerance = attention_tolerance(q.dtype, q.shape[-1], k.shape[-2])
+    assert len(grads) == len(ref_grads)
+    for grad, ref in zip(grads, ref_grads, strict=True):
+        if ref is None:
+            assert grad is None
+            continue
+        assert grad.shape == ref.shape
+        scale = max(np.abs(ref).max(initial=0), 1.0)
+        assert_close(grad / scale, ref / scale, 4 * tolerance)

@@ -653,7 +653,8 @@ def check_weights_recomputable(dtype, log_sum_exp, grad_output, grad_log_sum_exp
             "rounds it by more than the weights can bear (a padding row masked with a "
             "large finite number, such as -1e9, has weights summing to the number of keys "
             "there). Mask with -inf or a boolean mask (a masked row then has zero "
-            "gradients), give the row a zero output gradient, or compute in float64"
+            "gradients), give the row a zero output gradient, or compute in float64 (which "
+            "keeps log-sum-exps up to 2**45 to that precision)"
         )
 
 

@@ -559,8 +559,9 @@ def variant_attention(problem):
     out = np.zeros((n_batch, n_query_tiles, blocks.query_tile, problem.value_dim), dtype)
     log_sum_exp = np.full((n_batch, n_query_tiles, blocks.query_tile), -np.inf, dtype)
     modification = problem.modification
-    forward, _, _ = modification_functions(modification, dtype)
     with serial_blas(), user_errors():
+        # Compiled inside the context, which reports a user's function Numba cannot type.
+        forward, _, _ = modification_functions(modification, dtype)
         _forward_kernel(np.dtype(dtype))(
             query_tiles, _row_tiles(problem.key, blocks.key_tile),
             _row_tiles(problem.value, blocks.key_tile), problem.index, problem.lengths,
@@ -601,10 +602,10 @@ def variant_attention_grad(problem, grad_output, grad_log_sum_exp, saved):
     grad_key = np.empty((n_batch, n_key_tiles, key_tile, problem.key.shape[2]), dtype)
     grad_value = np.empty((n_batch, n_key_tiles, key_tile, problem.value_dim), dtype)
     modification = problem.modification
-    _, backward, parameter_gradient = modification_functions(modification, dtype)
     grad_params = np.zeros((n_batch * n_parts, max(modification.n_learnable, 1)))
     transposed = blocks.transposed()
     with serial_blas(), user_errors():
+        _, backward, parameter_gradient = modification_functions(modification, dtype)
         _backward_kernel(np.dtype(dtype))(
             query_tiles, key_tiles, _row_tiles(problem.value, key_tile),
             _row_tiles(np.ascontiguousarray(grad_output, dtype), query_tile),

@@ -104,7 +104,9 @@ def cross_entropy(
 
     computed from the logits directly (never from :math:`\log \hat y`), so it
     neither overflows nor takes :math:`\log 0`. These are PyTorch's
-    ``cross_entropy`` semantics.
+    ``cross_entropy`` semantics, with the classes on the last axis of ``logits``
+    (PyTorch's are on dimension 1: pass ``torch.movedim(logits, 1, -1)``; logits of
+    shape ``(N, C, d)`` with ``C == d`` would otherwise be read the other way silently).
 
     Parameters
     ----------

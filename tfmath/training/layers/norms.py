@@ -141,6 +141,8 @@ def rms_norm(x, weight, eps=1e-6, *, backend="auto"):
     x : array_like, shape (..., d)
     weight : array_like, shape (d,)
     eps : float, optional
+        :math:`\epsilon \ge 0`; 1e-6 as LLaMA's (PyTorch's ``rms_norm`` defaults to
+        the dtype's machine epsilon, which differs where rows are small).
     backend : {"auto", "cpu", "cuda", "reference"}, optional
 
     Returns
