@@ -756,6 +756,20 @@ def attention_grad(
     return gradients(problem, grad_output, saved_forward(problem, output, log_sum_exp))
 
 
+def _check_recomputable_weights(problem, grad_output, saved):
+    """The kernels recompute the weights from the forward's log-sum-exp: checked first
+    (:func:`~tfmath._contract.attention.check_weights_recomputable`). Without a saved
+    one, a forward gives it only where a bound on the scores cannot rule the limit out,
+    and the kernels still run their own; the reference recomputes the weights from their
+    definition. Operands on the GPU are not checked: the check would read the
+    log-sum-exp back to the host on every backward."""
+    if saved is not None:
+        check_weights_recomputable(problem.compute_dtype, saved[1], grad_output)
+    elif problem.backend != "reference" and scores_may_reach_log_sum_exp_limit(problem):
+        log_sum_exp = forward(problem, "flash", return_log_sum_exp=True)[1]
+        check_weights_recomputable(problem.compute_dtype, log_sum_exp, grad_output)
+
+
 def gradients(problem, grad_output, saved=None):
     """:func:`attention_grad` on a validated problem and output gradient.
 
@@ -763,15 +777,8 @@ def gradients(problem, grad_output, saved=None):
     Gradients of broadcast operands are summed back to the operands' shapes.
     """
     check_cuda_flash_heads(problem)
-    # The kernels recompute the weights from the forward's log-sum-exp, checked first.
-    # Without a saved one, a forward gives it only where a bound on the scores cannot
-    # rule the limit out, and the kernels still run their own (the reference recomputes
-    # the weights from their definition).
-    if saved is not None:
-        check_weights_recomputable(problem.compute_dtype, saved[1], grad_output)
-    elif problem.backend != "reference" and scores_may_reach_log_sum_exp_limit(problem):
-        log_sum_exp = forward(problem, "flash", return_log_sum_exp=True)[1]
-        check_weights_recomputable(problem.compute_dtype, log_sum_exp, grad_output)
+    if not problem.on_device:
+        _check_recomputable_weights(problem, grad_output, saved)
     grads = run("attention_grad", problem, grad_output, saved)
     sum_to_shape = implementation("sum_to_shape", problem.backend)
     return tuple(

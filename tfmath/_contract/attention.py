@@ -603,10 +603,7 @@ def log_sum_exp_limit(dtype):
 def scores_may_reach_log_sum_exp_limit(problem):
     r"""Whether some row's log-sum-exp may reach :func:`log_sum_exp_limit`, from a bound on
     the scores (:math:`|s| \le |\text{scale}|\, E \max|q| \max|k| + \max|M|` over the
-    mask's finite entries) that costs a pass over the operands; True on the device,
-    where the bound is not taken."""
-    if problem.on_device:
-        return True
+    mask's finite entries) that costs a pass over the host operands."""
     limit = log_sum_exp_limit(problem.compute_dtype)
 
     def largest(array, where=True):
