@@ -851,3 +851,63 @@ def test_the_drop_in_call_times_cover_every_call_of_the_steps():
     assert row.context == 8
     times = (row.torch_forward, row.tfmath_forward, row.torch_backward, row.tfmath_backward)
     assert all(0 < t < 10 for t in times)
+
+
+@pytest.mark.parametrize(
+    ("shape", "target_shape"),
+    [((4, 5), (4,)), ((2, 5, 5), (2, 5)), ((3, 4, 2, 6), (3, 2, 6)), ((5,), ())],
+    ids=["(N, C)", "(N, C, d) with C = d", "(N, C, d1, d2)", "unbatched (C,)"],
+)
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_nn_cross_entropy_is_torchs_with_the_classes_on_dimension_1(shape, target_shape, reduction):
+    """tfmath.nn.cross_entropy reads the classes where PyTorch does (dimension 1, or 0
+    unbatched; tfmath.cross_entropy's are last, and (N, C, d) with C = d would be read
+    the other way silently), with ignore_index and label smoothing; the loss and its
+    gradient equal PyTorch's. float64 sums of a few dozen terms: 1e-12."""
+    functional = torch.nn.functional
+    rng = np.random.default_rng(11)
+    n_classes = shape[1] if len(shape) > 1 else shape[0]
+    targets = torch.from_numpy(rng.integers(0, n_classes, target_shape))
+    if target_shape:
+        targets.view(-1)[0] = -100  # a padded position
+    for smoothing in (0.0, 0.1):
+        logits = torch.from_numpy(rng.standard_normal(shape)).requires_grad_()
+        mine = tfmath.nn.cross_entropy(logits, targets, reduction=reduction,
+                                       label_smoothing=smoothing)  # fmt: skip
+        theirs = functional.cross_entropy(logits, targets, reduction=reduction,
+                                          label_smoothing=smoothing)  # fmt: skip
+        (my_grad,) = torch.autograd.grad(mine.sum(), logits)
+        (their_grad,) = torch.autograd.grad(theirs.sum(), logits)
+        torch.testing.assert_close(mine, theirs, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(my_grad, their_grad, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("dim", [0, 1, -1])
+def test_nn_log_softmax_is_torchs_along_any_dim(dim):
+    rng = np.random.default_rng(12)
+    x = torch.from_numpy(rng.standard_normal((2, 3, 4))).requires_grad_()
+    grad = torch.from_numpy(rng.standard_normal((2, 3, 4)))
+    mine, theirs = tfmath.nn.log_softmax(x, dim), torch.nn.functional.log_softmax(x, dim)
+    torch.testing.assert_close(mine, theirs, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(
+        torch.autograd.grad(mine, x, grad)[0], torch.autograd.grad(theirs, x, grad)[0],
+        rtol=1e-12, atol=1e-12,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("call", "exception", "words"),
+    [
+        (lambda x, t: tfmath.nn.cross_entropy(x, t, weight=torch.ones(5)), ArgumentError,
+         ["class weights"]),
+        (lambda x, t: tfmath.nn.cross_entropy(x, t, reduce=False), ArgumentError,
+         ["reduction="]),
+        (lambda x, t: tfmath.nn.cross_entropy(x, torch.softmax(x, 1)), DTypeError,
+         ["class probabilities", "(4,)"]),
+    ],
+)  # fmt: skip
+def test_nn_cross_entropy_refuses_what_it_does_not_compute(call, exception, words):
+    x, t = torch.randn(4, 5, dtype=torch.float64), torch.zeros(4, dtype=torch.int64)
+    with pytest.raises(exception) as caught:
+        call(x, t)
+    assert all(word in str(caught.value) for word in words)

@@ -22,9 +22,13 @@ soft cap or a score modification, with gradients for the sink logits and a
 relative position bias table where they require grad.
 """
 
+import numpy as np
+
 from tfmath.attention import scaled_dot_product_attention as _attention
 from tfmath.attention import softmax as _softmax
-from tfmath.errors import ArgumentError
+from tfmath.errors import ArgumentError, DTypeError, ShapeError
+from tfmath.training.layers import cross_entropy as _cross_entropy
+from tfmath.training.layers import log_softmax as _log_softmax
 from tfmath.variants import (
     create_block_mask,
     flash_attention,
@@ -34,9 +38,11 @@ from tfmath.variants import (
 
 __all__ = [
     "create_block_mask",
+    "cross_entropy",
     "flash_attention",
     "flash_attention_varlen",
     "flex_attention",
+    "log_softmax",
     "scaled_dot_product_attention",
     "softmax",
 ]
@@ -74,3 +80,60 @@ def softmax(input, dim, dtype=None):
     if dtype is not None:
         input = input.to(dtype)
     return _softmax(input, axis=dim)
+
+
+def log_softmax(input, dim, dtype=None):
+    """``torch.nn.functional.log_softmax`` along ``dim``, computed by tfmath
+    (:func:`tfmath.log_softmax` with ``dim`` moved last and back).
+
+    ``dtype``, as in PyTorch, casts ``input`` before the log-softmax.
+    """
+    if dtype is not None:
+        input = input.to(dtype)
+    return _moved(_log_softmax(_moved(input, dim, -1)), -1, dim)
+
+
+def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-100,
+                  reduce=None, reduction="mean", label_smoothing=0.0):  # fmt: skip
+    """``torch.nn.functional.cross_entropy`` of class indices, computed by tfmath.
+
+    As in PyTorch, ``input`` holds the classes on dimension 1, ``(N, C, d1, ...)``, or
+    is one unbatched ``(C,)`` row, and ``target`` the class of each position, ``(N, d1,
+    ...)`` or a scalar; :func:`tfmath.cross_entropy` takes the classes on the last axis.
+    Class weights, targets given as class probabilities, and the deprecated
+    ``size_average`` and ``reduce`` are refused.
+    """
+    if weight is not None:
+        raise ArgumentError("tfmath.nn.cross_entropy takes no class weights: pass weight=None")
+    if size_average is not None or reduce is not None:
+        raise ArgumentError(
+            "size_average and reduce are deprecated in PyTorch; pass reduction='mean', "
+            "'sum' or 'none'"
+        )
+    n_dims = len(np.shape(input))
+    if n_dims == 0:
+        raise ShapeError("input must hold the classes: shape (C,) or (N, C, ...), got a scalar")
+    if len(np.shape(target)) != n_dims - 1:
+        raise DTypeError(
+            f"target must give one class per position, shape {_without_classes(input)}; got "
+            f"{tuple(np.shape(target))} (targets given as class probabilities, the input's "
+            "shape, are not taken)"
+        )
+    logits = _moved(input, 1, -1) if n_dims > 1 else input
+    return _cross_entropy(
+        logits, target, label_smoothing=label_smoothing, ignore_index=ignore_index,
+        reduction=reduction,
+    )  # fmt: skip
+
+
+def _without_classes(input):
+    shape = tuple(np.shape(input))
+    return shape[1:] if len(shape) == 1 else (shape[0], *shape[2:])
+
+
+def _moved(x, source, destination):
+    """``x`` with axis ``source`` moved to ``destination``: torch's ``movedim`` for a
+    tensor (autograd follows it), NumPy's ``moveaxis`` for an array."""
+    if hasattr(x, "movedim"):
+        return x.movedim(source, destination)
+    return np.moveaxis(x, source, destination)
