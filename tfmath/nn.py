@@ -77,9 +77,7 @@ def softmax(input, dim, dtype=None):
 
     ``dtype``, as in PyTorch, casts ``input`` before the softmax.
     """
-    if dtype is not None:
-        input = input.to(dtype)
-    return _softmax(input, axis=dim)
+    return _softmax(_cast(input, dtype), axis=dim)
 
 
 def log_softmax(input, dim, dtype=None):
@@ -88,9 +86,7 @@ def log_softmax(input, dim, dtype=None):
 
     ``dtype``, as in PyTorch, casts ``input`` before the log-softmax.
     """
-    if dtype is not None:
-        input = input.to(dtype)
-    return _moved(_log_softmax(_moved(input, dim, -1)), -1, dim)
+    return _moved(_log_softmax(_moved(_cast(input, dtype), dim, -1)), -1, dim)
 
 
 def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-100,
@@ -137,3 +133,10 @@ def _moved(x, source, destination):
     if hasattr(x, "movedim"):
         return x.movedim(source, destination)
     return np.moveaxis(x, source, destination)
+
+
+def _cast(x, dtype):
+    """``x`` in ``dtype`` (None: as it is), a tensor by ``to``, an array by NumPy."""
+    if dtype is None:
+        return x
+    return x.to(dtype) if hasattr(x, "to") else np.asarray(x, dtype=dtype)
