@@ -45,10 +45,10 @@ LAYERS = (
             "tfmath.rnn",
             "tfmath.variants",
             "tfmath.formulas",
-            "tfmath.nn",
         ),
     ),
-    ("training", ("tfmath.training",)),
+    # The PyTorch drop-ins sit with the training stack, whose layer functions some wrap.
+    ("training", ("tfmath.training", "tfmath.nn")),
     ("analysis", ("tfmath.analysis",)),
     ("plotting", ("tfmath.plotting",)),
     ("tools", ("tfmath.tools", "tfmath.report", "tfmath.experiments", "tfmath.view", "tfmath.cli")),

@@ -9,7 +9,8 @@ The package, from the top down (each layer imports only the layers below it):
   :mod:`tfmath.report` and the :mod:`tfmath.experiments` it runs;
 - measurements on the mathematics: :mod:`tfmath.analysis`;
 - the training stack: :mod:`tfmath.training` (parameters, layers, models,
-  optimiser, loop, sweeps);
+  optimiser, loop, sweeps), beside :mod:`tfmath.nn`, PyTorch's signatures over the
+  topics and the training layers' functions;
 - kernel-backed topics, which validate, dispatch and package results:
   :mod:`tfmath.attention`, :mod:`tfmath.positional`, :mod:`tfmath.variance`,
   :mod:`tfmath.efficient`, :mod:`tfmath.rnn`, :mod:`tfmath.variants`; and closed forms with no
