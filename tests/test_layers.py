@@ -278,6 +278,39 @@ def test_normalised_rows_have_zero_mean_and_unit_variance(any_backend):
     assert_close(np.mean(r * r, axis=-1), np.ones(4), 1e-13)
 
 
+@pytest.mark.parametrize(
+    ("dtype", "scale", "eps"),
+    [
+        (np.float32, 1e30, 1e-5),  # squares beyond float32's 3.4e38
+        (np.float32, 1e-30, 0.0),  # squares below its smallest subnormal
+        (np.float64, 1e200, 1e-5),  # squares beyond float64's 1.8e308
+        (np.float64, 1e-200, 0.0),  # and below its smallest subnormal
+    ],
+)
+def test_the_norms_of_rows_at_the_ends_of_their_dtype(any_backend, dtype, scale, eps):
+    # Both norms are invariant to a row's scale (eps aside, negligible here: eps / scale^2
+    # is 1e-65 or 0), so rows scaled to where their squares overflow or underflow must
+    # normalise as the unscaled rows do. Summed in the input's dtype, float32 rows of
+    # 1e30 gave every backend's reference y = bias (rstd = 0). Tolerances: a few
+    # roundings of an O(1) result in the input's dtype.
+    rng = np.random.default_rng(3)
+    base = rng.standard_normal((3, 16)) + 2
+    weight, bias = rng.standard_normal(16), rng.standard_normal(16)
+    x = (base * scale).astype(dtype)
+    expected_y, cache = L.layer_norm_forward(base, weight, bias, eps=0.0, backend="reference")
+    expected_r, rms_cache = L.rms_norm_forward(base, weight, eps=0.0, backend="reference")
+    tolerance = 1e-6 if dtype == np.float32 else 1e-14
+    y, got = L.layer_norm_forward(
+        x, weight.astype(dtype), bias.astype(dtype), eps, backend=any_backend
+    )
+    assert_close(y, expected_y, tolerance)
+    assert_close(got.saved["mean"] / scale, cache.saved["mean"], tolerance)
+    assert_close(got.saved["rstd"] * scale, cache.saved["rstd"], tolerance)
+    r, got = L.rms_norm_forward(x, weight.astype(dtype), eps, backend=any_backend)
+    assert_close(r, expected_r, tolerance)
+    assert_close(got.saved["rstd"] * scale, rms_cache.saved["rstd"], tolerance)
+
+
 def test_activations_at_known_points(any_backend):
     h = np.array([[-1.0, 0.0, 1.0, 2.0]])
     phi = [0.5 * (1 + math.erf(v / math.sqrt(2))) for v in h[0]]

@@ -17,6 +17,8 @@ _INV_SQRT_2 = 1 / math.sqrt(2)
 _INV_SQRT_2PI = 1 / math.sqrt(2 * math.pi)
 #: The cubic coefficient of GELU's tanh approximation (Hendrycks and Gimpel 2016).
 _GELU_CUBIC = 0.044715
+#: The smallest normal float64: a variance below it has lost digits to underflow.
+_FLOAT64_TINY = 2.2250738585072014e-308
 
 
 def swiglu(gate, up):
@@ -54,3 +56,55 @@ def activation_slope(h, code):
     t = math.tanh(_SQRT_2_OVER_PI * (h + _GELU_CUBIC * h * h * h))
     slope = _SQRT_2_OVER_PI * (1 + 3 * _GELU_CUBIC * h * h)
     return 0.5 * (1 + t) + 0.5 * h * (1 - t * t) * slope
+
+
+def norm_statistics(row, eps, centred):
+    r"""The mean :math:`\mu` and :math:`r = 1/\sqrt{\sigma^2 + \epsilon}` of one row: LayerNorm's
+    when ``centred``, else RMSNorm's (:math:`\mu = 0`, :math:`\sigma^2` the mean square).
+
+    Summed in float64 whatever the row's dtype (``float()`` widens on the CPU, the GPU
+    and the simulator alike), so a float32 or half-precision row's squares never
+    overflow or underflow. A float64 row whose variance overflows (entries beyond
+    about 1e154) or, with ``eps = 0``, underflows is summed again divided by its
+    largest magnitude :math:`s`: :math:`r = 1/(s\sqrt{\sigma'^2 + \epsilon/s^2})`,
+    which is exact where the first sums were infinite or zero. ``r`` is infinite
+    where :math:`\sigma^2 + \epsilon = 0` (a constant row with ``eps = 0``).
+    """
+    n = row.shape[0]
+    eps = float(eps)
+    mean = 0.0
+    if centred:
+        for j in range(n):
+            mean += float(row[j])
+        mean /= n
+    squares = 0.0
+    for j in range(n):
+        centred_value = float(row[j]) - mean
+        squares += centred_value * centred_value
+    variance = squares / n
+    if not (math.isfinite(variance) and (eps != 0 or variance >= _FLOAT64_TINY)):
+        largest = 0.0
+        for j in range(n):
+            largest = max(largest, abs(float(row[j])))
+        # A row of zeros, or one holding inf or NaN: the first sums stand.
+        if 0 < largest < math.inf:
+            unit = 1 / largest
+            scaled_mean = 0.0
+            if centred:
+                for j in range(n):
+                    scaled_mean += float(row[j]) * unit
+                scaled_mean /= n
+            squares = 0.0
+            for j in range(n):
+                centred_value = float(row[j]) * unit - scaled_mean
+                squares += centred_value * centred_value
+            spread = squares / n
+            if eps != 0:
+                # Only an overflow brings a nonzero eps here: unit is small and eps / s^2
+                # at most underflows (with eps = 0, unit^2 could be infinite, and
+                # reassociation would then form 0 * inf).
+                spread += eps * unit * unit
+            root = largest * math.sqrt(spread)
+            return scaled_mean * largest, math.inf if root == 0 else 1 / root
+    root = math.sqrt(variance + eps)
+    return mean, math.inf if root == 0 else 1 / root

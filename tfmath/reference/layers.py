@@ -16,6 +16,32 @@ from scipy.special import erf
 from tfmath._contract.layers import GELU, GELU_TANH, RELU
 
 
+def _row_statistics(x, eps, centred):
+    r"""Per row, :math:`\mu` (0 unless ``centred``) and :math:`r = 1/\sqrt{\sigma^2+\epsilon}`,
+    in float64.
+
+    Rows whose variance overflows float64 (entries beyond about 1e154) or, with
+    ``eps = 0``, underflows it are computed again divided by their largest
+    magnitude :math:`s`, as :math:`r = 1/(s\sqrt{\sigma'^2 + \epsilon/s^2})`.
+    """
+    wide = x.astype(np.float64)
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        mean = wide.mean(axis=1) if centred else np.zeros(len(wide))
+        variance = ((wide - mean[:, None]) ** 2).mean(axis=1)
+        largest = np.abs(wide).max(axis=1, initial=0)
+        redo = ~(np.isfinite(variance) & ((eps != 0) | (variance >= np.finfo(np.float64).tiny)))
+        redo &= (largest > 0) & np.isfinite(largest)
+        root = np.sqrt(variance + eps)
+        if redo.any():
+            s = largest[redo]
+            unit = wide[redo] / s[:, None]
+            unit_mean = unit.mean(axis=1) if centred else np.zeros(len(unit))
+            unit_variance = ((unit - unit_mean[:, None]) ** 2).mean(axis=1)
+            mean[redo] = unit_mean * s
+            root[redo] = s * np.sqrt(unit_variance + eps / s / s)
+        return mean, 1 / root
+
+
 def layer_norm(x, weight, bias, eps):
     r"""Layer normalisation of each row (Ba et al. 2016).
 
@@ -24,16 +50,18 @@ def layer_norm(x, weight, bias, eps):
         \mu = \frac1d \sum_j x_j, \quad \sigma^2 = \frac1d \sum_j (x_j - \mu)^2,
         \quad y_j = \gamma_j \frac{x_j - \mu}{\sqrt{\sigma^2 + \epsilon}} + \beta_j
 
+    The statistics are those of :func:`_row_statistics` (float64, rescaled where
+    they would overflow).
+
     Returns
     -------
     y : array (n, d)
     mean, rstd : arrays (n,)
         :math:`\mu` and :math:`1/\sqrt{\sigma^2 + \epsilon}`, kept for the backward pass.
     """
-    mean = x.mean(axis=1)
-    centred = x - mean[:, None]
-    rstd = 1 / np.sqrt((centred * centred).mean(axis=1) + eps)
-    y = centred * rstd[:, None] * weight + bias
+    mean, rstd = _row_statistics(x, eps, centred=True)
+    with np.errstate(invalid="ignore"):  # inf * 0: NaN, for a constant row with eps = 0
+        y = (x - mean[:, None]) * rstd[:, None] * weight + bias
     return y.astype(x.dtype), mean.astype(x.dtype), rstd.astype(x.dtype)
 
 
@@ -70,10 +98,12 @@ def rms_norm(x, weight, eps):
 
     .. math:: y_j = \gamma_j\, x_j\, r, \qquad r = \Big(\frac1d \sum_j x_j^2 + \epsilon\Big)^{-1/2}
 
-    Returns ``y`` and ``r`` (per row).
+    with :math:`r` from :func:`_row_statistics`. Returns ``y`` and ``r`` (per row).
     """
-    rstd = 1 / np.sqrt((x * x).mean(axis=1) + eps)
-    return (x * rstd[:, None] * weight).astype(x.dtype), rstd.astype(x.dtype)
+    rstd = _row_statistics(x, eps, centred=False)[1]
+    with np.errstate(invalid="ignore"):
+        y = x * rstd[:, None] * weight
+    return y.astype(x.dtype), rstd.astype(x.dtype)
 
 
 def rms_norm_backward(grad_y, x, weight, rstd):

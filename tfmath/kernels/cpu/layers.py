@@ -8,7 +8,9 @@ RMSNorm's run a second loop that is parallel over features. The fused training
 step (:mod:`tfmath.kernels.cpu.training_step`) runs the LayerNorm kernels that
 write into its buffers, ``layer_norm_forward_into`` and ``layer_norm_backward_into``.
 Computation and accumulation stay in the input's dtype, as in the attention
-kernels; the reference (NumPy) is the oracle they are tested against.
+kernels, but for the norms' row statistics, which sum in float64
+(:func:`tfmath.kernels.formulas.norm_statistics`, shared with the CUDA kernels); the
+reference (NumPy) is the oracle they are tested against.
 """
 
 import math
@@ -31,23 +33,17 @@ def _row_mean(row):
     return total / row.shape[0]
 
 
+_norm_statistics = cpu_kernel(formulas.norm_statistics, inline=True)
+
+
 @cpu_kernel(inline=True)
 def layer_norm_row(row, weight, bias, eps, out):
     """One row of LayerNorm: ``out = (row - mean) * rstd * weight + bias``; returns
     ``(mean, rstd)``. Pasted into both forward kernels (see ``inline`` in
     :func:`tfmath._jit.cpu_kernel`)."""
     prefer_wide_vectors()
-    n_features = row.shape[0]
-    mu = row.dtype.type(0)
-    for j in range(n_features):
-        mu += row[j]
-    mu /= n_features
-    variance = row.dtype.type(0)
-    for j in range(n_features):
-        centred = row[j] - mu
-        variance += centred * centred
-    r = 1 / math.sqrt(variance / n_features + eps)
-    for j in range(n_features):
+    mu, r = _norm_statistics(row, eps, True)
+    for j in range(row.shape[0]):
         out[j] = (row[j] - mu) * r * weight[j] + bias[j]
     return mu, r
 
@@ -135,15 +131,13 @@ def layer_norm_backward(grad_y, x, weight, mean, rstd):
 
 @cpu_kernel(parallel=True)
 def _rms_norm_kernel(x, weight, eps, y, rstd):
-    n_rows, n_features = x.shape
-    for i in numba.prange(n_rows):
-        squares = x.dtype.type(0)
-        for j in range(n_features):
-            squares += x[i, j] * x[i, j]
-        r = 1 / math.sqrt(squares / n_features + eps)
+    for i in numba.prange(x.shape[0]):
+        prefer_wide_vectors()
+        row, out = x[i], y[i]
+        r = _norm_statistics(row, eps, False)[1]
         rstd[i] = r
-        for j in range(n_features):
-            y[i, j] = x[i, j] * r * weight[j]
+        for j in range(row.shape[0]):
+            out[j] = row[j] * r * weight[j]
 
 
 def rms_norm(x, weight, eps):

@@ -47,11 +47,7 @@ class _Transfer:
         return tuple(_cuda.to_host(a) for a in arrays)
 
 
-@cuda.jit(device=True)
-def _reciprocal(s):
-    """1 / s, infinite at 0 (a constant row with ``eps=0``), as on the CPU: the simulator
-    runs this as Python, whose float division by zero raises."""
-    return math.inf if s == 0 else 1 / s
+_norm_statistics = cuda.jit(device=True)(formulas.norm_statistics)
 
 
 @cuda.jit
@@ -59,18 +55,10 @@ def _layer_norm_kernel(x, weight, bias, eps, y, mean, rstd):
     i = cuda.grid(1)
     if i >= x.shape[0]:
         return
-    n_features = x.shape[1]
-    mu = x[i, 0] * 0
-    for j in range(n_features):
-        mu += x[i, j]
-    mu /= n_features
-    variance = mu * 0
-    for j in range(n_features):
-        variance += (x[i, j] - mu) * (x[i, j] - mu)
-    r = _reciprocal(math.sqrt(variance / n_features + eps))
+    mu, r = _norm_statistics(x[i], eps, True)
     mean[i] = mu
     rstd[i] = r
-    for j in range(n_features):
+    for j in range(x.shape[1]):
         y[i, j] = (x[i, j] - mu) * r * weight[j] + bias[j]
 
 
@@ -150,13 +138,9 @@ def _rms_norm_kernel(x, weight, eps, y, rstd):
     i = cuda.grid(1)
     if i >= x.shape[0]:
         return
-    n_features = x.shape[1]
-    squares = x[i, 0] * 0
-    for j in range(n_features):
-        squares += x[i, j] * x[i, j]
-    r = _reciprocal(math.sqrt(squares / n_features + eps))
+    r = _norm_statistics(x[i], eps, False)[1]
     rstd[i] = r
-    for j in range(n_features):
+    for j in range(x.shape[1]):
         y[i, j] = x[i, j] * r * weight[j]
 
 
