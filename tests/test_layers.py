@@ -330,6 +330,26 @@ def test_activations_at_known_points(any_backend):
     assert_close(L.ffn_activation(h, "swiglu", backend=any_backend), [silu * up], 1e-15)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("activation", ["gelu", "gelu_tanh", "swiglu"])
+def test_activation_slopes_where_the_activations_saturate(any_backend, dtype, activation):
+    # Far out, GELU's slope is 1 on the right and 0 on the left, tanh-GELU's too (its
+    # second term h (1 - t^2) slope vanishes with 1 - t^2, though h^3 overflows: from
+    # 1e13 in float32, 1e103 in float64, where 0 * inf gave NaN). SwiGLU's gate slope
+    # tends to up on the right and 0 on the left, its up slope to silu(gate) (-60 e^-60,
+    # hence the tolerance).
+    big = float(np.finfo(dtype).max) ** 0.5 * 4  # its square overflows
+    h = np.array([[-big, -1e13, -60.0, 60.0, 1e13, big]], dtype)
+    if activation == "swiglu":
+        h = np.concatenate([h, np.ones_like(h)], axis=1)
+    _, cache = L.ffn_activation_forward(h, activation, backend=any_backend)
+    slope = L.ffn_activation_backward(np.ones((1, 6), dtype), cache)
+    expected = [[0, 0, 0, 1, 1, 1]]
+    if activation == "swiglu":
+        expected = [[0, 0, 0, 1, 1, 1, 0, 0, 0, 60, 1e13, big]]
+    assert_close(slope, np.array(expected, dtype), 1e-20)
+
+
 def test_primitives_agree_with_pytorch():
     torch = pytest.importorskip("torch")
     functional = torch.nn.functional

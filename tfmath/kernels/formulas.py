@@ -54,8 +54,13 @@ def activation_slope(h, code):
     if code == GELU:
         return 0.5 * (1 + math.erf(h * _INV_SQRT_2)) + h * _INV_SQRT_2PI * math.exp(-0.5 * h * h)
     t = math.tanh(_SQRT_2_OVER_PI * (h + _GELU_CUBIC * h * h * h))
+    sech_squared = 1 - t * t
+    if sech_squared == 0:
+        # |h| beyond about 10 (float32) or 19 (float64): the second term is 0, but its
+        # h * slope may be infinite (h^2 overflows from 1e19 in float32) and 0 * inf NaN.
+        return 0.5 * (1 + t)
     slope = _SQRT_2_OVER_PI * (1 + 3 * _GELU_CUBIC * h * h)
-    return 0.5 * (1 + t) + 0.5 * h * (1 - t * t) * slope
+    return 0.5 * (1 + t) + 0.5 * h * sech_squared * slope
 
 
 def norm_statistics(row, eps, centred):

@@ -126,7 +126,8 @@ def rms_norm_backward(grad_y, x, weight, rstd):
 
 
 def _gelu_tanh_inner(x):
-    return math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)
+    with np.errstate(over="ignore"):  # an infinite argument is tanh's saturation: harmless
+        return math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)
 
 
 def _sigmoid(x):
@@ -190,12 +191,17 @@ def ffn_activation_backward(grad_out, h, code):
         grad = grad_out * (h > 0)
     elif code == GELU:
         cdf = 0.5 * (1 + erf(h / math.sqrt(2)))
-        pdf = np.exp(-0.5 * h * h) / math.sqrt(2 * math.pi)
+        with np.errstate(over="ignore"):  # h^2 overflowing: the density is 0
+            pdf = np.exp(-0.5 * h * h) / math.sqrt(2 * math.pi)
         grad = grad_out * (cdf + h * pdf)
     elif code == GELU_TANH:
         t = np.tanh(_gelu_tanh_inner(h))
-        slope = math.sqrt(2 / math.pi) * (1 + 3 * 0.044715 * h * h)
-        grad = grad_out * (0.5 * (1 + t) + 0.5 * h * (1 - t * t) * slope)
+        sech_squared = 1 - t * t
+        # Where tanh has saturated the second term is 0, though h * slope may be inf.
+        with np.errstate(invalid="ignore", over="ignore"):
+            slope = math.sqrt(2 / math.pi) * (1 + 3 * 0.044715 * h * h)
+            second = np.where(sech_squared == 0, 0, 0.5 * h * sech_squared * slope)
+        grad = grad_out * (0.5 * (1 + t) + second)
     else:
         gate, up = np.split(h, 2, axis=1)
         sigmoid = _sigmoid(gate)
