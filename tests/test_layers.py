@@ -350,6 +350,47 @@ def test_activation_slopes_where_the_activations_saturate(any_backend, dtype, ac
     assert_close(slope, np.array(expected, dtype), 1e-20)
 
 
+def test_a_class_masked_with_minus_infinity_in_the_first_column(any_backend):
+    # log_softmax([-inf, 0, -inf, 1]) = [-inf, -log(1 + e), -inf, -log(1 + 1/e)]: the CUDA
+    # kernels began their sums at x[i, 0] * 0, NaN where the first logit is -inf, and
+    # the batch's mean loss with it.
+    x = np.array([[-np.inf, 0.0, -np.inf, 1.0], [0.0, -np.inf, 1.0, -np.inf]])
+    near, far = -math.log1p(math.e), -math.log1p(1 / math.e)
+    expected = [[-np.inf, near, -np.inf, far], [near, -np.inf, far, -np.inf]]
+    assert_close(L.log_softmax(x, backend=any_backend), expected, 1e-15)
+    loss = L.cross_entropy(x, np.array([1, 0]), reduction="none", backend=any_backend)
+    assert_close(loss, [-near, -near], 1e-15)
+
+
+def test_label_smoothing_of_logits_whose_sum_overflows(any_backend):
+    # The smoothing term is eps (m - mean(x)); the logits' own sum overflowed (3 * 3e38 in
+    # float32), giving -inf where the loss of three equal logits is log 3.
+    logits = np.full((1, 3), 3e38, np.float32)
+    loss = L.cross_entropy(
+        logits, np.array([0]), label_smoothing=0.5, reduction="none", backend=any_backend
+    )
+    assert_close(loss, [math.log(3)], 1e-6)
+
+
+def test_a_norm_row_that_is_not_finite_leaves_the_others_alone(any_backend):
+    # Row 0 constant with eps = 0 (rstd infinite), or holding inf: the parameter gradients
+    # of the other rows' columns and grad_bias (the sum of grad_y) stay finite. The CUDA
+    # kernels began those column sums at rstd[0] * 0, NaN in every column.
+    x = np.array([[2.0, 2.0, 2.0], [1.0, 2.0, 4.0], [0.5, -1.0, 3.0]])
+    grad_y = np.ones_like(x)
+    weight, bias = np.ones(3), np.zeros(3)
+    _, cache = L.layer_norm_forward(x, weight, bias, eps=0.0, backend=any_backend)
+    grad_bias = L.layer_norm_backward(grad_y, cache)[2]
+    assert_close(grad_bias, [3.0, 3.0, 3.0], 0)
+    x[0] = [np.inf, 1.0, 2.0]
+    y, cache = L.rms_norm_forward(x, weight, eps=1e-6, backend=any_backend)
+    expected, expected_cache = L.rms_norm_forward(x, weight, eps=1e-6, backend="reference")
+    assert_close(y, expected, 1e-15)  # row 0: [nan, 0, 0]
+    grad_weight = L.rms_norm_backward(grad_y, cache)[1]
+    assert_close(grad_weight, L.rms_norm_backward(grad_y, expected_cache)[1], 1e-15)
+    assert np.isfinite(grad_weight[1:]).all()
+
+
 def test_primitives_agree_with_pytorch():
     torch = pytest.importorskip("torch")
     functional = torch.nn.functional

@@ -359,6 +359,18 @@ def test_row_statistics_closed_forms(any_backend):
     assert (single.max_weight[0], single.entropy[0], single.jacobian_norm[0]) == (1.0, 0.0, 0.0)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_row_statistics_of_a_row_whose_range_overflows(any_backend, dtype):
+    # Scores of +-(largest / 2 + 1): each finite, their differences not. The softmax is
+    # one-hot and its entropy 0; the far weights' p log p is 0 * -inf, which gave NaN
+    # on the CPU and CUDA kernels.
+    big = float(np.finfo(dtype).max) * 0.9
+    scores = np.array([[big, -big, 0.0, 1.0]], dtype)
+    statistics = softmax_row_statistics(scores, backend=any_backend)
+    assert (statistics.max_weight[0], statistics.entropy[0]) == (1.0, 0.0)
+    assert statistics.jacobian_norm[0] == 0.0
+
+
 @pytest.mark.parametrize("backend", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("logit", [0.5, 8.0, 60.0, 300.0])
 def test_two_key_jacobian_keeps_relative_precision_when_saturated(backend, logit):

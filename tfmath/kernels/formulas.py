@@ -113,3 +113,48 @@ def norm_statistics(row, eps, centred):
             return scaled_mean * largest, math.inf if root == 0 else 1 / root
     root = math.sqrt(variance + eps)
     return mean, math.inf if root == 0 else 1 / root
+
+
+def softmax_row_statistics(row, scale):
+    r"""The largest weight, the entropy and the Jacobian's Frobenius norm of
+    :math:`\operatorname{softmax}(\text{scale} \cdot \text{row})`, in the row's dtype.
+
+    With :math:`a` the arg-max, :math:`e_j = e^{\text{scale}(x_j - x_a)}` and
+    :math:`\text{rest} = \sum_{j \ne a} e_j`, the weights are
+    :math:`p_j = e_j / (1 + \text{rest})`; :math:`1 - p_a = \text{rest}/(1 + \text{rest})`
+    and the sums over :math:`j \ne a` are formed directly, never as differences of numbers
+    near 1, so that saturated rows keep their (tiny) Jacobian norms to full relative
+    precision. A weight that is exactly 0 adds nothing to the entropy (its
+    :math:`p \log p` is :math:`0 \cdot (-\infty)` when the row's range overflows).
+    """
+    n = row.shape[0]
+    zero = row.dtype.type(0)
+    one = row.dtype.type(1)
+    top = 0
+    for j in range(1, n):
+        if scale * row[j] > scale * row[top]:
+            top = j
+    peak = scale * row[top]
+    rest = zero
+    for j in range(n):
+        if j != top:
+            rest += math.exp(scale * row[j] - peak)
+    total = one + rest
+    p_top = one / total
+    entropy = math.log(total)
+    diagonal = (p_top * rest / total) * (p_top * rest / total)
+    rest_squares = zero
+    rest_fourths = zero
+    for j in range(n):
+        if j != top:
+            shifted = scale * row[j] - peak
+            p = math.exp(shifted) / total
+            if p != 0:
+                entropy -= p * shifted
+            diagonal += (p * (one - p)) * (p * (one - p))
+            rest_squares += p * p
+            rest_fourths += (p * p) * (p * p)
+    off_diagonal = (p_top + p_top) * p_top * rest_squares + (
+        rest_squares * rest_squares - rest_fourths
+    )
+    return p_top, entropy, math.sqrt(diagonal + max(off_diagonal, zero))

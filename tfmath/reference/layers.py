@@ -260,8 +260,8 @@ def cross_entropy(logits, targets, label_smoothing, ignore_index):
     .. math::
 
         L = -\sum_j q_j \log \operatorname{softmax}(x)_j
-          = \lambda + (1 - \varepsilon)(m - x_t) + \varepsilon \Big(m - \frac1V
-            \sum_j x_j\Big),
+          = \lambda + (1 - \varepsilon)(m - x_t) + \frac{\varepsilon}{V}
+            \sum_j (m - x_j),
 
     every bracket a difference of nearby numbers taken exactly. Rows whose
     target equals ``ignore_index`` get loss 0.
@@ -279,7 +279,8 @@ def cross_entropy(logits, targets, label_smoothing, ignore_index):
     with np.errstate(invalid="ignore"):  # inf - inf in a row holding +inf: NaN, as it should
         loss = log_sum + (1 - label_smoothing) * (row_max - target_logit)
         if label_smoothing != 0:
-            loss = loss + label_smoothing * (row_max - logits.mean(axis=1))
+            # m - mean(x) as the mean of the gaps m - x_j: the logits' own sum can overflow.
+            loss = loss + label_smoothing * (row_max[:, None] - logits).mean(axis=1)
     loss = np.where(ignored, 0, loss)
     dtype = logits.dtype
     return loss.astype(dtype), row_max.astype(dtype), log_sum.astype(dtype)

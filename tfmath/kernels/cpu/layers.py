@@ -26,10 +26,12 @@ from tfmath.kernels.cpu.vector_width import prefer_wide_vectors
 
 
 @cpu_kernel
-def _row_mean(row):
+def _mean_gap(row, row_max):
+    """The mean of ``row_max - row[j] >= 0``: ``row_max - mean(row)`` without summing the
+    row itself, which overflows where ``len(row) * |row[j]|`` passes the dtype's largest."""
     total = row.dtype.type(0)
     for j in range(row.shape[0]):
-        total += row[j]
+        total += row_max - row[j]
     return total / row.shape[0]
 
 
@@ -286,7 +288,7 @@ def _cross_entropy_kernel(logits, targets, smoothing, ignore_index, loss, row_ma
             continue
         row_loss = log_sum + (1 - smoothing) * (row_max - logits[i, targets[i]])
         if smoothing != 0:
-            row_loss += smoothing * (row_max - _row_mean(logits[i]))
+            row_loss += smoothing * _mean_gap(logits[i], row_max)
         loss[i] = row_loss
 
 

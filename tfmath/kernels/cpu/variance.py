@@ -22,6 +22,7 @@ from tfmath._contract.variance import (
     SPLITMIX_MULTIPLIERS,
 )
 from tfmath._jit import cpu_kernel
+from tfmath.kernels import formulas
 
 #: Rows per parallel task; each task reuses one query and one key buffer.
 ROWS_PER_TASK = 64
@@ -205,45 +206,7 @@ def score_samples(problem):
     return out
 
 
-@cpu_kernel
-def _row_statistics(row, scale):
-    """Maximum weight, entropy and Jacobian Frobenius norm of ``softmax(scale * row)``.
-
-    With ``a`` the arg-max, ``e_j = exp(scale x_j - scale x_a)`` and ``rest = sum_{j != a} e_j``,
-    the weights are ``p_j = e_j / (1 + rest)``; ``1 - p_a = rest / (1 + rest)`` and the sums
-    over ``j != a`` are formed directly, never as differences of numbers near 1, so that
-    saturated rows keep their (tiny) Jacobian norms to full relative precision.
-    """
-    n = row.shape[0]
-    zero = row.dtype.type(0)
-    one = row.dtype.type(1)
-    top = 0
-    for j in range(1, n):
-        if scale * row[j] > scale * row[top]:
-            top = j
-    peak = scale * row[top]
-    rest = zero
-    for j in range(n):
-        if j != top:
-            rest += math.exp(scale * row[j] - peak)
-    total = one + rest
-    p_top = one / total
-    entropy = math.log(total)
-    diagonal = (p_top * rest / total) * (p_top * rest / total)
-    rest_squares = zero
-    rest_fourths = zero
-    for j in range(n):
-        if j != top:
-            shifted = scale * row[j] - peak
-            p = math.exp(shifted) / total
-            entropy -= p * shifted
-            diagonal += (p * (one - p)) * (p * (one - p))
-            rest_squares += p * p
-            rest_fourths += (p * p) * (p * p)
-    off_diagonal = (p_top + p_top) * p_top * rest_squares + (
-        rest_squares * rest_squares - rest_fourths
-    )
-    return p_top, entropy, math.sqrt(diagonal + max(off_diagonal, zero))
+_row_statistics = cpu_kernel(formulas.softmax_row_statistics)
 
 
 @cpu_kernel(parallel=True)

@@ -80,8 +80,8 @@ def _layer_norm_grad_x_kernel(grad_y, x, weight, mean, rstd, grad_x):
         return
     n_features = x.shape[1]
     mu, r = mean[i], rstd[i]
-    g_mean = r * 0
-    g_xhat_mean = r * 0
+    g_mean = x.dtype.type(0)
+    g_xhat_mean = x.dtype.type(0)
     for j in range(n_features):
         g = grad_y[i, j] * weight[j]
         g_mean += g
@@ -100,8 +100,9 @@ def _norm_grad_params_kernel(grad_y, x, mean, rstd, grad_weight, grad_bias):
     if j >= x.shape[1]:
         return
     centred = mean.shape[0] != 0
-    gw = rstd[0] * 0
-    gb = rstd[0] * 0
+    # Typed zeros, not rstd[0] * 0: that is NaN where row 0's rstd is infinite.
+    gw = x.dtype.type(0)
+    gb = x.dtype.type(0)
     for i in range(x.shape[0]):
         shift = mean[i] if centred else 0
         gw += grad_y[i, j] * (x[i, j] - shift) * rstd[i]
@@ -161,7 +162,7 @@ def _rms_norm_grad_x_kernel(grad_y, x, weight, rstd, grad_x):
         return
     n_features = x.shape[1]
     r = rstd[i]
-    gx_mean = r * 0
+    gx_mean = x.dtype.type(0)
     for j in range(n_features):
         gx_mean += grad_y[i, j] * weight[j] * x[i, j]
     gx_mean /= n_features
@@ -246,9 +247,10 @@ def _max_and_log_sum(x, i):
             row_max = x[i, j]
     if row_max == -math.inf:
         return row_max, row_max
-    total = x[i, 0] * 0
+    # Summed in float64, as on the CPU (and 0.0, not x[i, 0] * 0, which is NaN at -inf).
+    total = 0.0
     for j in range(x.shape[1]):
-        total += math.exp(x[i, j] - row_max)
+        total += math.exp(float(x[i, j]) - row_max)
     return row_max, math.log(total)
 
 
@@ -276,7 +278,7 @@ def _log_softmax_grad_kernel(grad_y, y, grad_x):
     i = cuda.grid(1)
     if i >= y.shape[0]:
         return
-    total = grad_y[i, 0] * 0
+    total = grad_y.dtype.type(0)
     for j in range(y.shape[1]):
         total += grad_y[i, j]
     for j in range(y.shape[1]):
@@ -305,10 +307,12 @@ def _cross_entropy_kernel(logits, targets, smoothing, ignore_index, loss, row_ma
         return
     row_loss = log_sum + (1 - smoothing) * (row_max - logits[i, targets[i]])
     if smoothing != 0:
-        total = log_sum * 0
+        # m - mean(x) as the mean of the gaps m - x_j >= 0: a sum of the logits
+        # themselves overflows at V |x| > the dtype's largest.
+        gaps = logits.dtype.type(0)
         for j in range(logits.shape[1]):
-            total += logits[i, j]
-        row_loss += smoothing * (row_max - total / logits.shape[1])
+            gaps += row_max - logits[i, j]
+        row_loss += smoothing * (gaps / logits.shape[1])
     loss[i] = row_loss
 
 

@@ -12,7 +12,6 @@ numbers again, at the price of drawing the query once per key.
 """
 
 import contextlib
-import functools
 import math
 import warnings
 
@@ -26,6 +25,7 @@ from tfmath._contract.variance import (
     SIGN_BITS_PER_WORD,
     SPLITMIX_MULTIPLIERS,
 )
+from tfmath.kernels import formulas
 
 # numba-cuda types its kernels with its own type system (see _cuda.numba_types).
 float64, int64, uint32, uint64 = (
@@ -190,48 +190,16 @@ def score_samples(problem):
     return _cuda.to_host(out)
 
 
-@functools.cache
-def _row_statistics_kernel(numba_dtype):
-    @cuda.jit
-    def kernel(scores, scale, out):
-        """One thread per row; the sums over non-maximal weights are formed directly."""
-        i = cuda.grid(1)
-        if i >= scores.shape[0]:
-            return
-        n = scores.shape[1]
-        zero = numba_dtype(0)
-        one = numba_dtype(1)
-        top = 0
-        for j in range(1, n):
-            if scale * scores[i, j] > scale * scores[i, top]:
-                top = j
-        peak = scale * scores[i, top]
-        rest = zero
-        for j in range(n):
-            if j != top:
-                rest += math.exp(scale * scores[i, j] - peak)
-        total = one + rest
-        p_top = one / total
-        entropy = math.log(total)
-        diagonal = (p_top * rest / total) * (p_top * rest / total)
-        rest_squares = zero
-        rest_fourths = zero
-        for j in range(n):
-            if j != top:
-                shifted = scale * scores[i, j] - peak
-                p = math.exp(shifted) / total
-                entropy -= p * shifted
-                diagonal += (p * (one - p)) * (p * (one - p))
-                rest_squares += p * p
-                rest_fourths += (p * p) * (p * p)
-        off_diagonal = (
-            (p_top + p_top) * p_top * rest_squares + rest_squares * rest_squares - rest_fourths
-        )
-        out[0, i] = p_top
-        out[1, i] = entropy
-        out[2, i] = math.sqrt(diagonal + max(off_diagonal, zero))
+_row_statistics = cuda.jit(device=True)(formulas.softmax_row_statistics)
 
-    return kernel
+
+@cuda.jit
+def _row_statistics_kernel(scores, scale, out):
+    """One thread per row."""
+    i = cuda.grid(1)
+    if i >= scores.shape[0]:
+        return
+    out[0, i], out[1, i], out[2, i] = _row_statistics(scores[i], scale)
 
 
 def softmax_row_statistics(scores, scale):
@@ -242,7 +210,7 @@ def softmax_row_statistics(scores, scale):
     out = _cuda.device_empty((3, device_scores.shape[0]), dtype)
     if device_scores.shape[0] > 0:
         blocks, threads = _cuda.launch_shape(device_scores.shape[0])
-        _row_statistics_kernel(_cuda.numba_dtype(dtype))[blocks, threads, _cuda.stream()](
+        _row_statistics_kernel[blocks, threads, _cuda.stream()](
             device_scores, dtype.type(scale), out
         )
     return out if on_device else _cuda.to_host(out)
