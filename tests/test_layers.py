@@ -350,6 +350,29 @@ def test_activation_slopes_where_the_activations_saturate(any_backend, dtype, ac
     assert_close(slope, np.array(expected, dtype), 1e-20)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("activation", ["gelu", "gelu_tanh"])
+def test_gelu_to_full_relative_precision_in_its_left_tail(any_backend, dtype, activation):
+    # 1 + erf(h / sqrt 2) and 1 + tanh(u) cancel for h < 0: evaluated so, float32 was 30%
+    # off at h = -5 and float64 lost everything from h = -9, where GELU is still 1e-18. The
+    # reference evaluates Phi and the logistic function in float64 (scipy's ndtr,
+    # expit); relative tolerances: float64 a few roundings, float32 one rounding of an
+    # exponent near 100 (the simulator computes in float32).
+    h = np.array([[-9.0, -6.0, -5.0, -3.0, -1.0, 0.5, 3.0]], dtype)
+    y, cache = L.ffn_activation_forward(h, activation, backend=any_backend)
+    slope = L.ffn_activation_backward(np.ones_like(h), cache)
+    expected_y, expected_cache = L.ffn_activation_forward(h, activation, backend="reference")
+    expected_slope = L.ffn_activation_backward(np.ones_like(h), expected_cache)
+    tolerance = 2e-5 if dtype == np.float32 else 1e-12
+    np.testing.assert_allclose(y, expected_y, rtol=tolerance, atol=0)
+    np.testing.assert_allclose(slope, expected_slope, rtol=tolerance, atol=0)
+    if activation == "gelu":  # and the reference against the closed form at h = -9
+        phi = 0.5 * math.erfc(9 / math.sqrt(2))
+        assert expected_y[0, 0] == pytest.approx(
+            -9 * phi, rel=2e-6 if dtype == np.float32 else 1e-14
+        )
+
+
 def test_a_class_masked_with_minus_infinity_in_the_first_column(any_backend):
     # log_softmax([-inf, 0, -inf, 1]) = [-inf, -log(1 + e), -inf, -log(1 + 1/e)]: the CUDA
     # kernels began their sums at x[i, 0] * 0, NaN where the first logit is -inf, and

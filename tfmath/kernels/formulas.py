@@ -38,29 +38,41 @@ def swiglu_gradients(g, gate, up):
 
 
 def activation(h, code):
-    """ReLU, GELU or tanh-GELU of one value (``code``: one of
-    :data:`tfmath._contract.layers.ACTIVATIONS`)."""
+    r"""ReLU, GELU or tanh-GELU of one value (``code``: one of
+    :data:`tfmath._contract.layers.ACTIVATIONS`).
+
+    GELU as :math:`h \operatorname{erfc}(-h/\sqrt2)/2` and tanh-GELU as
+    :math:`h / (1 + e^{-2u})`, :math:`u = \sqrt{2/\pi}(h + 0.044715 h^3)`: the textbook
+    :math:`1 + \operatorname{erf}` and :math:`1 + \tanh` cancel for :math:`h < 0`, to
+    nothing from :math:`h \approx -9` in float64, where GELU is still 1e-18."""
     if code == RELU:
         return max(h, 0)
     if code == GELU:
-        return 0.5 * h * (1 + math.erf(h * _INV_SQRT_2))
-    return 0.5 * h * (1 + math.tanh(_SQRT_2_OVER_PI * (h + _GELU_CUBIC * h * h * h)))
+        return 0.5 * h * math.erfc(-h * _INV_SQRT_2)
+    u = _SQRT_2_OVER_PI * (h + _GELU_CUBIC * h * h * h)
+    tail = math.exp(-2 * abs(u))  # <= 1, as in swiglu
+    return h / (1 + tail) if u >= 0 else h * tail / (1 + tail)
 
 
 def activation_slope(h, code):
-    """The derivative of :func:`activation` at ``h`` (ReLU's at 0 taken as 0, as PyTorch)."""
+    r"""The derivative of :func:`activation` at ``h`` (ReLU's at 0 taken as 0, as PyTorch).
+
+    Tanh-GELU's is :math:`s + 2 h s (1 - s) u'` with :math:`s = 1/(1 + e^{-2u})`, both
+    :math:`s` and :math:`1 - s` formed from :math:`e^{-2|u|} \le 1`, so neither cancels nor
+    overflows."""
     if code == RELU:
         return 1.0 if h > 0 else 0.0
     if code == GELU:
-        return 0.5 * (1 + math.erf(h * _INV_SQRT_2)) + h * _INV_SQRT_2PI * math.exp(-0.5 * h * h)
-    t = math.tanh(_SQRT_2_OVER_PI * (h + _GELU_CUBIC * h * h * h))
-    sech_squared = 1 - t * t
-    if sech_squared == 0:
-        # |h| beyond about 10 (float32) or 19 (float64): the second term is 0, but its
-        # h * slope may be infinite (h^2 overflows from 1e19 in float32) and 0 * inf NaN.
-        return 0.5 * (1 + t)
-    slope = _SQRT_2_OVER_PI * (1 + 3 * _GELU_CUBIC * h * h)
-    return 0.5 * (1 + t) + 0.5 * h * sech_squared * slope
+        return 0.5 * math.erfc(-h * _INV_SQRT_2) + h * _INV_SQRT_2PI * math.exp(-0.5 * h * h)
+    u = _SQRT_2_OVER_PI * (h + _GELU_CUBIC * h * h * h)
+    tail = math.exp(-2 * abs(u))
+    s = 1 / (1 + tail) if u >= 0 else tail / (1 + tail)
+    if tail == 0:
+        # Saturated: the second term is 0, but h u' may be infinite (h^2 overflows from
+        # 1e19 in float32) and 0 * inf NaN.
+        return s
+    rest = tail / (1 + tail) if u >= 0 else 1 / (1 + tail)
+    return s + 2 * h * s * rest * _SQRT_2_OVER_PI * (1 + 3 * _GELU_CUBIC * h * h)
 
 
 def norm_statistics(row, eps, centred):
