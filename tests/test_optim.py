@@ -69,6 +69,33 @@ def test_first_adam_step_is_the_sign_of_the_gradient():
     assert np.array_equal(params["w"], theta)  # the input is not modified
 
 
+@pytest.mark.parametrize(
+    ("dtype", "gradient", "eps", "moved"),
+    [
+        (np.float32, 2e19, 1e-9, True),  # g^2 beyond float32: the step is still lr
+        (np.float32, -1e20, 1e-9, True),
+        (np.float32, 1e-30, 0.0, True),  # g^2 below float32's subnormals, no eps to hide it
+        (np.float64, 1e160, 1e-9, False),  # g^2 beyond float64: v = inf, no step (PyTorch's)
+    ],
+)
+def test_adam_at_the_ends_of_the_dtype(dtype, gradient, eps, moved):
+    # The functional optimiser and the fused step's kernel take the same first step,
+    # lr * sign(g), wherever g^2 is finite in float64. Before: functional float32 did not
+    # move from |g| = 1.8e19 and gave -inf at 1e-30 with eps = 0; the fused kernel turned
+    # a float64 parameter into NaN at 1e160 (an approximate square root of inf).
+    from tfmath.kernels.cpu.training_step import adam_update
+
+    theta, g = np.ones(3, dtype), np.full(3, gradient, dtype)
+    adam = Adam(learning_rate=1e-3, eps=eps)
+    params = Parameters({"w": theta})
+    functional = adam.update(params, Parameters({"w": g}), adam.init(params))[0]["w"]
+    fused = theta.copy()
+    adam_update(fused, g, np.zeros(3), np.zeros(3), 1e-3, adam.beta1, adam.beta2, eps, 1)
+    expected = theta - 1e-3 * np.sign(g) if moved else theta
+    np.testing.assert_array_equal(functional, expected.astype(dtype))
+    np.testing.assert_array_equal(fused, expected.astype(dtype))
+
+
 def test_adam_matches_pytorch_with_the_warmup_schedule():
     torch = pytest.importorskip("torch")
     rng = np.random.default_rng(0)

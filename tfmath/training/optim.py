@@ -240,7 +240,8 @@ class Adam:
     The divisions by :math:`1 - \beta^t` undo the moments' bias towards their
     zero start; on the first step the update is
     :math:`\alpha\, g / (|g| + \epsilon)`, a step of size about :math:`\alpha`
-    in the direction of :math:`-\operatorname{sign}(g)`.
+    in the direction of :math:`-\operatorname{sign}(g)`. The arithmetic is in float64,
+    rounded to the parameters' dtype once; the moments are kept in that dtype.
 
     Parameters
     ----------
@@ -315,9 +316,13 @@ class Adam:
         second_correction = 1 - self.beta2**step
         new_params, first, second = {}, {}, {}
         for name, theta in params.items():
-            g = grads[name]
+            # In float64, rounded to the parameters' dtype once, as the fused step's kernel
+            # does: in float32, v / (1 - beta2^t) (g^2 on the first step) overflowed from
+            # |g| = 1.8e19 and the parameter did not move.
+            g = grads[name].astype(np.float64)
             m = self.beta1 * state.first_moment[name] + (1 - self.beta1) * g
-            v = self.beta2 * state.second_moment[name] + (1 - self.beta2) * g * g
+            with np.errstate(over="ignore"):  # g^2 beyond float64: v = inf, no step (as PyTorch)
+                v = self.beta2 * state.second_moment[name] + (1 - self.beta2) * g * g
             step_size = (m / first_correction) / (np.sqrt(v / second_correction) + self.eps)
             new_params[name] = (theta - rate * step_size).astype(theta.dtype)
             first[name], second[name] = m.astype(theta.dtype), v.astype(theta.dtype)

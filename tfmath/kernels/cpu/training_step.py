@@ -535,4 +535,8 @@ def _adam_chunk(theta, grad, first, second, rate, beta1, beta2, eps, inverse_fir
         v = beta2 * second[i] + (1 - beta2) * g * g
         first[i] = m
         second[i] = v
-        theta[i] -= rate * (m * inverse_first) / (math.sqrt(v * inverse_second) + eps)
+        # v is infinite where g^2 overflows (float64 gradients beyond 1.3e154): no step, as
+        # an exact square root gives and PyTorch takes; the vectorised approximate one
+        # (the afn flag) computes sqrt(v) as v / sqrt-estimate = inf * 0, NaN.
+        if v < math.inf:
+            theta[i] -= rate * (m * inverse_first) / (math.sqrt(v * inverse_second) + eps)
