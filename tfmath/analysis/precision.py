@@ -239,17 +239,18 @@ def measure_unshifted_softmax_overflow(
         Rows where some :math:`e^{x_j}` overflowed (what
         :func:`unshifted_softmax_overflow_probability` predicts).
     row : OverflowEstimate
-        Rows where the float16 result is not finite: a term, or the sum of the
-        terms, overflowed.
+        Rows whose float16 weights are wrong: a term overflowed (the weights are
+        NaN or infinite), or the sum of the terms did though no term did (the
+        weights are then all 0, finite and wrong).
     """
     logits = sample_scores(d_k, n_rows, n_keys=n_keys, seed=seed, backend=backend)
     # The overflows are what is counted, not warnings to print.
     with np.errstate(over="ignore", invalid="ignore"):
         exponentials = np.exp(logits.astype(np.float16))  # rounded to float16, as a kernel would
         total = np.add.accumulate(exponentials, axis=1, dtype=np.float16)[:, -1]
-        weights = exponentials / total[:, None]
-    term = np.sum(np.any(np.isinf(exponentials), axis=1))
-    row = np.sum(~np.all(np.isfinite(weights), axis=1))
+    term_overflows = np.any(np.isinf(exponentials), axis=1)
+    term = np.sum(term_overflows)
+    row = np.sum(term_overflows | np.isinf(total))
     max_abs = float(np.abs(logits).max())
     return (
         _estimate(d_k, term, n_rows, max_abs, confidence),

@@ -142,7 +142,7 @@ def _estimates_table(estimates, predicted, rows=None):
         "largest_magnitude": [round(e.max_abs, 1) for e in estimates],
     }
     if rows is not None:
-        columns["rows_not_finite"] = [round(e.fraction, 4) for e in rows]
+        columns["rows_term_or_sum_overflows"] = [round(e.fraction, 4) for e in rows]
     return Table(columns)
 
 
@@ -171,6 +171,11 @@ def _caption(scores, softmax, accumulation):
     }
     longest = accumulation[0].lengths[-1]
     d64 = softmax["term"][-1]
+    # Where the sum overflowing adds most rows to those with an overflowing term.
+    widest = max(
+        zip(softmax["term"], softmax["row"], strict=True),
+        key=lambda pair: pair[1].fraction - pair[0].fraction,
+    )
     return (
         f"Left: with query and key components of standard deviation sigma = {COMPONENT_STD:g}, "
         f"Var(q.k) = d_k sigma^4 predicts that a row of {N_KEYS} unscaled scores overflows "
@@ -183,15 +188,19 @@ def _caption(scores, softmax, accumulation):
         f"without the row maximum subtracted, e^x overflows float16 from x = ln 65520 = 11.09; "
         f"with unscaled logits of d_k = {d64.d_k}, {d64.fraction:.0%} of rows of "
         f"{SOFTMAX_KEYS} logits already have an overflowing term (theory within the interval "
-        f"at {softmax_within} of {len(softmax['term'])} d_k), and the sum overflows earlier "
-        f"still; subtracting the maximum keeps every exponent <= 0. Right: accumulating in "
-        f"float32 and rounding once, tfmath's error stays at the final rounding whatever L "
+        f"at {softmax_within} of {len(softmax['term'])} d_k); the float16 sum overflows "
+        f"earlier still, so that more rows get wrong weights (all 0) than have an overflowing "
+        f"term: {widest[1].fraction:.0%} against {widest[0].fraction:.0%} at d_k = "
+        f"{widest[0].d_k}; subtracting the maximum keeps every exponent <= 0. Right: "
+        f"accumulating in float32 and rounding once, tfmath's error stays at the final "
+        f"rounding whatever L "
         f"(at most {float32_accumulated['float16']:.2f} u in float16 and "
         f"{float32_accumulated['bfloat16']:.2f} u in bfloat16, against u/sqrt(3) = 0.58 u for "
         f"a single rounding), while summing in the input's precision reaches "
         f"{half_accumulated['float16']:.1f} u and {half_accumulated['bfloat16']:.1f} u at "
-        f"L = {longest}. Its error grows like S^{growth['float16']:.2f} in float16, near the "
-        f"S^0.5 of independent roundings adding up, and like S^{growth['bfloat16']:.2f} in "
+        f"L = {longest}. Its error grows like S^{growth['float16']:.2f} in float16, below the "
+        f"S^0.5 that independent roundings of a running sum would give, and like "
+        f"S^{growth['bfloat16']:.2f} in "
         f"bfloat16, faster, because with 8 bits of significand the terms fall below half a "
         f"unit of the running sum and are lost outright.{_rounded_weights_sentence(accumulation)}"
         f"{_torch_sentence(accumulation)}"

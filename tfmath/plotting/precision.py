@@ -73,8 +73,8 @@ def softmax_overflow(term, row, *, n_keys, ax=None):
     ----------
     term, row : sequence of OverflowEstimate
         :func:`tfmath.analysis.precision.measure_unshifted_softmax_overflow`'s
-        results, one per d_k: some :math:`e^{x_j}` overflowed, and the row's
-        result was not finite.
+        results, one per d_k: some :math:`e^{x_j}` overflowed, and a term or the
+        row's sum overflowed (its weights are wrong).
     n_keys : int
         Logits per row, as measured.
     ax : matplotlib.axes.Axes, optional
@@ -87,14 +87,13 @@ def softmax_overflow(term, row, *, n_keys, ax=None):
 
     ax = axes_or_new(ax)
     d = np.array([e.d_k for e in term])
-    for estimates, color, label in (
-        (term, "C0", "measured: some $e^{x_j}$ overflows"),
-        (row, "C3", "measured: the row is not finite"),
+    for estimates, color, marker, label in (
+        (term, "C0", "o", "measured: some $e^{x_j}$ overflows"),
+        (row, "C3", "s", "measured: a term or the sum overflows"),
     ):
         fractions = np.array([e.fraction for e in estimates])
-        ax.errorbar(
-            d, fractions, yerr=_error_bars(estimates), fmt="o", color=color, capsize=3, label=label
-        )
+        ax.errorbar(d, fractions, yerr=_error_bars(estimates), fmt=marker, color=color,
+                    mfc="none", capsize=3, label=label)  # fmt: skip
     grid = np.linspace(d[0], d[-1], 25)
     ax.plot(grid, precision.unshifted_softmax_overflow_probability(grid, n_keys),
             color="C0", label=r"theory: $E[1 - \Phi(\ln 65520/|q|)^{S}]$")  # fmt: skip
