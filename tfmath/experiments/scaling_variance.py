@@ -380,9 +380,9 @@ def _saturation_caption(curve, gradients):
         f"form, which never subtracts from 1, is the one to trust. The gradient reaching the query "
         f"through one head (median over {gradients.n_heads} heads) falls to "
         f"{gradients.unscaled_spread.median[last]:.1e} unscaled and stays at "
-        f"{gradients.scaled_spread.median[last]:.2f} scaled. tfmath has no attention backward "
-        f"pass yet: that gradient is the hand-derived reference derivative, which matches "
-        f"central differences of tfmath.scaled_dot_product_attention to "
+        f"{gradients.scaled_spread.median[last]:.2f} scaled. That gradient comes from "
+        f"{gradients.source} and matches central differences of "
+        f"tfmath.scaled_dot_product_attention to "
         f"{gradients.max_relative_error:.1e} (relative) at d_k ≤ {gradients.checked_d_k.max()}."
     )
 
