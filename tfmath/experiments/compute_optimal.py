@@ -62,7 +62,7 @@ from tfmath.experiments._sweeps import (
     training_source,
 )
 from tfmath.formulas.accounting import count_parameters, flops_per_token
-from tfmath.formulas.scaling import BESIROGLU, CHINCHILLA, fit_scaling_law
+from tfmath.formulas.scaling import BESIROGLU, CHINCHILLA, KAPLAN_JOINT, fit_scaling_law
 from tfmath.plotting import new_figure
 from tfmath.plotting.compute_optimal import (
     envelope_sizes,
@@ -543,6 +543,9 @@ def predict_largest_budget(fit):
         # measurement, and need not hold the prediction at all).
         "prediction_interval": [float(measured[-1] - high), float(measured[-1] - low)],
         "refits_used": len(usable),
+        # What the largest budget gains over the one before: a test whose interval is
+        # as wide could not tell the frontier from a flat line.
+        "improvement": float(measured[-2] - measured[-1]),
     }
 
 
@@ -553,11 +556,16 @@ def _claims(kaplan, frontier_c, prediction, n, d):
         "tokens, against Kaplan et al.'s 1e6 to 1e9 parameters and 2e7 to 2e10 BPE tokens "
         "of WebText2: the exponents of tiny byte-level models need not be theirs."
     )
+    joint = (
+        "Kaplan et al.'s equation 1.5 fitted to every IsoFLOP run (their own fit of it, "
+        f"table 2: alpha_N = {KAPLAN_JOINT.alpha_n}, alpha_D = {KAPLAN_JOINT.alpha_d}; the "
+        "printed exponents are their separate fits of L(N) and L(D)). "
+    )
     rows = [
         ("Scaling law L(N) ∝ N^-0.076 (exponent)", "0.076", kaplan.alpha_n,
-         kaplan.intervals["alpha_n"], "Kaplan et al.'s equation 1.5 fitted to every IsoFLOP run. "),
+         kaplan.intervals["alpha_n"], joint),
         ("Scaling law L(D) ∝ D^-0.095 (exponent)", "0.095", kaplan.alpha_d,
-         kaplan.intervals["alpha_d"], "Kaplan et al.'s equation 1.5 fitted to every IsoFLOP run. "),
+         kaplan.intervals["alpha_d"], joint),
         ("Scaling law L(C) ∝ C^-0.050 (exponent, compute-efficient frontier)", "0.050",
          frontier_c.exponent, frontier_c.exponent_interval,
          "A pure power law through the IsoFLOP minima. "),
@@ -598,7 +606,9 @@ def _claims(kaplan, frontier_c, prediction, n, d):
             reason=f"Frontier fitted on every budget but the largest "
             f"({prediction['budget']:.2g} FLOPs), which predicts "
             f"{prediction['predicted']:.3f} there; trained, it gives "
-            f"{prediction['measured']:.3f}.",
+            f"{prediction['measured']:.3f}. The test's power: the interval is "
+            f"{high - low:.3f} nats wide, against the {prediction['improvement']:.3f} the "
+            f"frontier gains from the budget before.",
         )
     )
     return claims
@@ -813,7 +823,8 @@ def _caption(
         f"level off, not the entropy of the text. Kaplan et "
         f"al.'s pure power law L(N, D) gives alpha_N = {kaplan.alpha_n:.3f} "
         f"{_interval(kaplan.intervals['alpha_n'], 3)} and alpha_D = {kaplan.alpha_d:.3f} "
-        f"{_interval(kaplan.intervals['alpha_d'], 3)} (Kaplan et al.: 0.076 and 0.095), and "
+        f"{_interval(kaplan.intervals['alpha_d'], 3)} (Kaplan et al.'s fit of the same equation, "
+        f"table 2: {KAPLAN_JOINT.alpha_n} and {KAPLAN_JOINT.alpha_d}), and "
         f"the frontier falls as L ∝ C^-{frontier_c.exponent:.3f} "
         f"{_interval(frontier_c.exponent_interval, 3)} (0.050). "
     )

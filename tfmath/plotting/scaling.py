@@ -251,7 +251,7 @@ def chinchilla_plane(compute, params, loss, frontier_n, kaplan_n, models, profil
     return figure
 
 
-def reproduction_fits(panels, entropy, published_exponents):
+def reproduction_fits(panels, entropy, published):
     r"""Measured :math:`L(N)` and :math:`L(D)` with their fitted laws: the loss, and the
     reducible loss :math:`L - E` on log-log axes beside the published slopes.
 
@@ -263,8 +263,9 @@ def reproduction_fits(panels, entropy, published_exponents):
         ``"D"``), the axis label and the title's note.
     entropy : float
         The language's entropy rate :math:`E`, the irreducible loss.
-    published_exponents : dict
-        Kaplan et al.'s exponent for each symbol, drawn through the points' middle.
+    published : dict
+        For each symbol, ``(source, exponent)`` pairs of published exponents of the
+        reducible loss, each drawn through the points' middle.
 
     Returns
     -------
@@ -303,13 +304,13 @@ def reproduction_fits(panels, entropy, published_exponents):
             ax_excess.loglog(
                 grid, centre_y * (grid / centre_x) ** -bound, color="C0", lw=0.6, ls="--"
             )
-        published = published_exponents[name]
-        ax_excess.loglog(
-            grid,
-            centre_y * (grid / centre_x) ** -published,
-            color="C3",
-            label=rf"Kaplan et al.: $\alpha_{name}$ = {published}",
-        )
+        for (source, exponent), color in zip(published[name], ("C3", "C2"), strict=False):
+            ax_excess.loglog(
+                grid,
+                centre_y * (grid / centre_x) ** -exponent,
+                color=color,
+                label=rf"{source}: $\alpha_{name}$ = {exponent}",
+            )
         ax_excess.set_xlabel(label)
         ax_excess.set_ylabel("reducible loss L - E (nats per token)")
         ax_excess.set_title(
