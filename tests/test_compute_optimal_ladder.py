@@ -302,7 +302,12 @@ def test_the_experiment_fits_every_rung_and_judges_both_papers(monkeypatch):
             for count in ("non_embedding", "all")} == {ladder.VALLEY}  # fmt: skip
     assert rungs["a"]["non_embedding"]["a"] < rungs["b"]["non_embedding"]["a"] - 0.02
     assert [claim.printed for claim in result.claims] == ["0.73", "0.50"]
-    assert all(claim.measured is not None for claim in result.claims)
+    # A verdict exactly where the rung's count of N gives a power law (no bend).
+    judged = (("a", "non_embedding"), ("e", "all"))
+    for claim, (letter, count) in zip(result.claims, judged, strict=True):
+        bends = ladder._bends(rungs[letter][count]["drift"])
+        assert (claim.measured is None) == bends, (letter, count)
+    assert result.claims[0].measured is None and "bend" in result.claims[0].reason
     assert set(result.figures) == {"ladder"} and "rung" in result.tables["exponents"].columns
     for rung in ladder.RUNGS:
         assert f"{rung.letter}. " in result.caption
@@ -336,10 +341,13 @@ def test_the_ledger_gives_no_verdict_on_an_undetermined_exponent():
         return SimpleNamespace(a=a, a_interval=np.array([low, high]))
 
     n = np.array([78.0, 5100.0])
+    straight = {"non_embedding_drift": None, "all_drift": None}
     fits = {
         "a": {"non_embedding": fit(0.47, -0.21, 0.92), "all": fit(0.32, -0.37, 0.77), "n": n},
         "e": {"non_embedding": fit(0.54, 0.44, 0.62), "all": fit(0.36, 0.29, 0.42), "n": n},
     }
+    for rung in fits.values():
+        rung.update(straight)
     kaplan, chinchilla = ladder._claims(fits)
     assert kaplan.measured is None and kaplan.verdict == "not computed"
     assert "undetermined" in kaplan.reason and "0.47 [-0.21, 0.92]" in kaplan.reason
@@ -357,3 +365,24 @@ def test_exponent_ladder_draws_missing_values_and_open_intervals():
     assert [t.get_text() for t in ax.get_yticklabels()] == ["a", "b", "c"]
     labels = ax.get_legend_handles_labels()[1]
     assert "one (95%)" in labels and "two (95%)" not in labels
+
+
+def test_the_ledger_gives_no_verdict_where_the_optima_bend():
+    # A rung whose local exponent falls from 0.9 to 0.1 across its budgets has no one
+    # exponent: its fitted a is an average, and "differs" from 0.50 would judge a power
+    # law the runs reject.
+    def fit(a, low, high):
+        return SimpleNamespace(a=a, a_interval=np.array([low, high]))
+
+    bend = {"per_decade": -0.8, "interval": [-1.29, -0.21], "first": 0.91, "last": 0.11}
+    n = np.array([78.0, 5100.0])
+    fits = {
+        "a": {"non_embedding": fit(0.38, 0.33, 0.45), "all": fit(0.27, 0.23, 0.30), "n": n,
+              "non_embedding_drift": None, "all_drift": None},
+        "e": {"non_embedding": fit(0.45, 0.33, 0.54), "all": fit(0.30, 0.21, 0.36), "n": n,
+              "non_embedding_drift": None, "all_drift": bend},
+    }  # fmt: skip
+    kaplan, chinchilla = ladder._claims(fits)
+    assert kaplan.measured == pytest.approx(0.38)
+    assert chinchilla.measured is None and chinchilla.verdict == "not computed"
+    assert "from 0.91 to 0.11" in chinchilla.reason

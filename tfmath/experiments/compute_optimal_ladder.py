@@ -273,7 +273,7 @@ def compute_optimal_ladder(settings):
     seconds += sum(tuning["seconds"])
     table = _exponents_table(fits)
     return ExperimentResult(
-        caption=_caption(fits, plan, source, seconds),
+        caption=_caption(fits, plan, source, seconds) + _tuning_sentence(tuning, setups["e"]),
         figures={"ladder": _ladder_figure(fits, grids)},
         tables={
             "exponents": table,
@@ -455,6 +455,17 @@ def _claims(fits):
         if isinstance(fit, str):
             claims.append(Claim("003", statement, printed, None, reason=f"{how}{fit}."))
             continue
+        drift = fits[letter][f"{count}_drift"]
+        if _bends(drift):
+            # A power law the runs reject has no exponent to set beside the paper's.
+            claims.append(Claim("003", statement, printed, None, reason=(
+                f"{how}The optima bend across the budgets beyond their noise: the local "
+                f"exponent goes from {drift['first']:.2f} to {drift['last']:.2f} "
+                f"({drift['per_decade']:+.2f} [{drift['interval'][0]:+.2f}, "
+                f"{drift['interval'][1]:+.2f}] per decade of C), so no one exponent "
+                f"describes these runs; the fitted average is a = {_interval(fit)}."
+            )))  # fmt: skip
+            continue
         if _undetermined(fit):
             # An interval wider than its estimate holds almost any published value, and a
             # verdict of "holds" would say these runs agree with it: they say nothing.
@@ -500,28 +511,44 @@ def _caption(fits, plan, source, seconds):
             f"{'s' if len(budgets) > 3 else ''} of freedom, and the intervals draw it "
             "from its chi-squared law (docs/scaling_laws.rst gives the --full run). "
         )
-    moves = []
+    drifts = {r.letter: fits[r.letter]["non_embedding_drift"] for r in RUNGS}
+    bends = [(letter, d) for letter, d in drifts.items() if _bends(d)]
+    bent = {letter for letter, _ in bends}
+    moves, against = [], 0
     for before, after in itertools.pairwise(RUNGS):
         first, second = fits[before.letter]["non_embedding"], fits[after.letter]["non_embedding"]
-        if _undetermined(first) or _undetermined(second):
+        # A rung whose optima bend has no one exponent: its a is an average over budgets
+        # that cover other true compute than its neighbour's, and the difference of two
+        # such averages is not the change's effect.
+        if _undetermined(first) or _undetermined(second) or {before.letter, after.letter} & bent:
             continue
         change = second.a - first.a
         # The rungs' runs are independent draws but for their shared seeds, which make
         # the two errors agree more often than not: adding the half-widths in quadrature
         # overstates the change's interval.
         half = math.hypot(_half_width(first), _half_width(second))
-        verdict = "moves a" if abs(change) > half else "does not move a beyond the noise"
-        moves.append(f"{after.change.lstrip('+ ')} {verdict} ({change:+.2f} ± {half:.2f})")
+        published = porian2024(after.porian).published.a - porian2024(before.porian).published.a
+        beyond = abs(change) > half
+        against += beyond and change * published < 0
+        verdict = "moves a" if beyond else "does not move a beyond the noise"
+        moves.append(
+            f"{after.change.lstrip('+ ')} {verdict} ({change:+.2f} ± {half:.2f}; Porian et "
+            f"al.: {published:+.2f})"
+        )
     if moves:
         text += "Step by step (N non-embedding): " + "; ".join(moves) + ". "
+        if against:
+            text += (
+                f"{against} of these step{'s' if against > 1 else ''} "
+                f"move{'' if against > 1 else 's'} a the other way from Porian et al.'s: "
+                "at these sizes the steps do not carry over either. "
+            )
     shifts = [
         fits[r.letter]["non_embedding"].a - fits[r.letter]["all"].a
         for r in RUNGS
         if not _undetermined(fits[r.letter]["non_embedding"])
         and not _undetermined(fits[r.letter]["all"])
     ]
-    drifts = {r.letter: fits[r.letter]["non_embedding_drift"] for r in RUNGS}
-    bends = [(letter, d) for letter, d in drifts.items() if _bends(d)]
     if bends:
         text += (
             "The optima bend across the budgets beyond their noise on rung"
@@ -533,7 +560,9 @@ def _caption(fits, plan, source, seconds):
                 f"{d['interval'][1]:+.2f}], from {d['first']:.2f} to {d['last']:.2f}"
                 for letter, d in bends
             )
-            + " (a power law's is 0). "
+            + " (a power law's is 0); the steps from or to "
+            f"{'them' if len(bends) > 1 else 'it'} are not given, and the ledger gives no "
+            "verdict on an exponent whose power law the runs reject. "
         )
     if shifts:
         text += (
@@ -543,7 +572,8 @@ def _caption(fits, plan, source, seconds):
         )
     first, last = fits["a"]["non_embedding"], fits["e"]["all"]
     porian = [porian2024(r.porian).published.a for r in (RUNGS[0], RUNGS[-1])]
-    if not _undetermined(first) and not _undetermined(last):
+    straight = not _bends(fits["a"]["non_embedding_drift"]) and not _bends(fits["e"]["all_drift"])
+    if not _undetermined(first) and not _undetermined(last) and straight:
         change = last.a - first.a
         half = math.hypot(_half_width(first), _half_width(last))
         moved = "a change beyond" if abs(change) > half else "a change within"
@@ -555,10 +585,31 @@ def _caption(fits, plan, source, seconds):
             "are not the papers': the papers' fits ran up to models of billions of "
             "parameters, while here the models have hundreds to thousands, mostly the "
             "token table and head, and the optima bend within the one decade of budgets "
-            "run, so that no one exponent describes them; what carries over is how each "
-            "change moves a, step by step, not its level. "
+            "run. "
         )
     return text + f"The runs took {seconds:.0f} s to train (re-runs load them from the cache)."
+
+
+def _tuning_sentence(tuning, setup):
+    """How many widths' best rate in rung e's sweep lies at an end of the factors tried,
+    where the sweep does not bracket it."""
+    beta2 = setup.tuned[0][2]
+    best = {}
+    for width, factor, b2, loss in zip(
+        tuning["width"], tuning["factor"], tuning["beta2"], tuning["loss"], strict=True
+    ):
+        if b2 == beta2 and (width not in best or loss < best[width][1]):
+            best[width] = (factor, loss)
+    ends = (min(LEARNING_RATE_FACTORS), max(LEARNING_RATE_FACTORS))
+    at_end = sorted(width for width, (factor, _) in best.items() if factor in ends)
+    if not at_end:
+        return ""
+    return (
+        f" Rung e's tuning is partial: at {len(at_end)} of the {len(best)} widths swept "
+        f"(d_model {', '.join(map(str, at_end))}) the best peak rate is at an end of the "
+        f"factors tried ({ends[0]:g} to {ends[1]:g} times the untuned one), one seed per run, "
+        "so the optimum is not bracketed and the rates rung e uses are clipped to that range."
+    )
 
 
 def _describe(source):
