@@ -433,6 +433,7 @@ def compute_optimal(settings):
             source,
             spent / budgets,
             seconds,
+            (n, d, loss),
         ),
         figures=figures,
         tables={
@@ -769,6 +770,35 @@ def _published_table():
     )
 
 
+def _approach3_fit(parametric, isoflop, runs):
+    """Approach 3's exponents beside the published ones, and how far its law misses the
+    runs against their noise: where it misses by more, its a agreeing with approach 2's
+    is no evidence for either."""
+    from scipy.stats import chi2
+
+    n, d, loss = runs
+    law = parametric.law
+    misses = loss - law.loss(n, d)
+    residual = float(np.sqrt(np.mean(misses**2)))
+    # The runs' scatter about the law against their seed-to-seed noise: chi-squared with
+    # a degree of freedom per run, less the law's five parameters.
+    p_value = float(chi2.sf(np.sum((misses / isoflop.loss_std) ** 2), len(loss) - 5))
+    text = (
+        f"Its alpha = {law.alpha:.2f} {_interval(parametric.intervals['alpha'])} and beta = "
+        f"{law.beta:.2f} {_interval(parametric.intervals['beta'])} (Hoffmann et al.: "
+        f"{CHINCHILLA.alpha} and {CHINCHILLA.beta}; Besiroglu et al.: {BESIROGLU.alpha:.2f} "
+        f"and {BESIROGLU.beta:.2f}); the law misses the runs by {residual:.3f} nats (root "
+        f"mean square) "
+    )
+    noise = f"against their noise of {isoflop.loss_std:.3f} (chi-squared p = {p_value:.1g})"
+    if p_value < 0.01:
+        return text + (
+            f"{noise}: the form E + A/N^alpha + B/D^beta does not describe models this "
+            f"small, and its a agreeing or not with approach 2's says nothing of either. "
+        )
+    return text + f"{noise}. "
+
+
 def _interval(values, digits=2):
     low, high = values
     if not (np.isfinite(low) and np.isfinite(high)):
@@ -777,8 +807,9 @@ def _interval(values, digits=2):
 
 
 def _caption(
-    isoflop, hoffmann, envelope, parametric, kaplan, frontier_c, prediction, source, met, seconds
-):
+    isoflop, hoffmann, envelope, parametric, kaplan, frontier_c, prediction, source, met, seconds,
+    runs,
+):  # fmt: skip
     a, b = isoflop.a, isoflop.b
     ratios = [c.d_opt / c.n_opt for c in hoffmann.curves]
     verdict = []
@@ -820,7 +851,8 @@ def _caption(
         f"a = {a3:.2f} "
         f"{_interval(parametric.intervals['n_exponent'])}{bounded}: {agree}; its E = "
         f"{parametric.law.e:.2f} {_interval(parametric.intervals['e'])} is where these sizes "
-        f"level off, not the entropy of the text. Kaplan et "
+        f"level off, not the entropy of the text. {_approach3_fit(parametric, isoflop, runs)}"
+        f"Kaplan et "
         f"al.'s pure power law L(N, D) gives alpha_N = {kaplan.alpha_n:.3f} "
         f"{_interval(kaplan.intervals['alpha_n'], 3)} and alpha_D = {kaplan.alpha_d:.3f} "
         f"{_interval(kaplan.intervals['alpha_d'], 3)} (Kaplan et al.'s fit of the same equation, "
