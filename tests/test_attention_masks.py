@@ -464,3 +464,26 @@ def test_grouped_query_head_h_attends_key_value_head_h_over_the_group(backend, m
         backend=backend,
     )  # fmt: skip
     assert_close(grouped, repeated, attention_tolerance(np.float64, 8, 30))
+
+
+@pytest.mark.parametrize("method", ["flash", "naive"])
+@pytest.mark.parametrize("length", [1, 5, 96])
+def test_a_read_only_mask_is_read(method, length):
+    # Masks from np.broadcast_to, memory maps and np.frombuffer are read-only: the CPU
+    # flash kernels passed an additive mask as the output buffer of their block
+    # classification, and Numba refused it ("Cannot modify readonly array").
+    rng = np.random.default_rng(length)
+    q, g = (rng.standard_normal((2, 3, length, 8)) for _ in range(2))
+    k, v = (rng.standard_normal((2, 3, 40, 8)) for _ in range(2))
+    mask = np.triu(np.full((length, 40), -1e4), 3) + rng.standard_normal((length, 40))
+    for read_only in (
+        np.broadcast_to(mask, (2, 3, length, 40)),
+        np.frombuffer(mask.tobytes()).reshape(length, 40),
+    ):
+        assert not read_only.flags.writeable
+        out = tfmath.scaled_dot_product_attention(q, k, v, attn_mask=read_only, method=method)
+        expected = tfmath.scaled_dot_product_attention(q, k, v, attn_mask=mask, method=method)
+        np.testing.assert_array_equal(out, expected)
+        grads = tfmath.attention_grad(q, k, v, g, attn_mask=read_only)
+        for got, want in zip(grads, tfmath.attention_grad(q, k, v, g, attn_mask=mask), strict=True):
+            np.testing.assert_array_equal(got, want)

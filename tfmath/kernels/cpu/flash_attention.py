@@ -403,9 +403,13 @@ def mask_operand(mask, dtype, key_tile, query_tile):
     tile_kinds = np.empty((n_masks, n_key_blocks, n_query_blocks), dtype=np.int8)
     is_boolean = mask.dtype == np.bool_
     additive = np.empty(mask.shape, dtype=dtype) if is_boolean else mask.astype(dtype, copy=False)
+    # An additive mask is only read: the kernel writes a boolean one's 0 and -inf, and
+    # gets a placeholder otherwise, so that a read-only mask (from np.broadcast_to, a
+    # memory map, np.frombuffer) is never typed as the kernel's output.
+    written = additive if is_boolean else np.empty((1, 1, 1), dtype=dtype)
     _classify_blocks(
         mask.view(np.uint8) if is_boolean else additive, is_boolean, key_tile, query_tile,
-        additive, tile_kinds,
+        written, tile_kinds,
     )  # fmt: skip
     return additive, tile_kinds
 
