@@ -1322,3 +1322,23 @@ def test_sink_and_log_sum_exp_gradients_match_the_reference_on_random_problems(
         assert grad.shape == ref.shape
         scale = max(np.abs(ref).max(initial=0), 1.0)
         assert_close(grad / scale, ref / scale, 4 * tolerance)
+
+
+def test_a_relative_position_table_is_read_whatever_its_flags_and_refused_if_not_floating():
+    # A read-only table failed in Numba's dispatcher (no matching signature); integer,
+    # boolean and complex ones were cast silently (the imaginary part dropped), where
+    # every operand of tfmath is refused.
+    rng = np.random.default_rng(7)
+    q, k, v, g = (rng.standard_normal((1, 2, 12, 4)) for _ in range(4))
+    table = rng.standard_normal((2, 7))
+    read_only = np.frombuffer(table.tobytes()).reshape(2, 7)
+    expected = variants.flex_attention(q, k, v, variants.RelativePositionBias(table))
+    got = variants.flex_attention(q, k, v, variants.RelativePositionBias(read_only))
+    np.testing.assert_array_equal(got, expected)
+    grads = variants.flex_attention_grad(q, k, v, g, variants.RelativePositionBias(read_only))
+    np.testing.assert_array_equal(
+        grads[3], variants.flex_attention_grad(q, k, v, g, variants.RelativePositionBias(table))[3]
+    )
+    for bad in (np.round(table).astype(np.int64), table > 0, table + 1j):
+        with pytest.raises(tfmath.DTypeError, match="table"):
+            variants.flex_attention(q, k, v, variants.RelativePositionBias(bad))

@@ -27,7 +27,7 @@ from tfmath import _dispatch
 from tfmath._contract import variants as contract
 from tfmath._contract.attention import check_weights_recomputable
 from tfmath._contract.backend import resolve_backend
-from tfmath._contract.checks import attention_scale, boolean_flag, integer
+from tfmath._contract.checks import attention_scale, boolean_flag, float_operand, integer
 from tfmath._contract.tensors import (
     Rule,
     any_tensor,
@@ -767,8 +767,11 @@ def _flex_problem(query, key, value, score_mod, block_mask, scale, enable_gqa,
             raise ShapeError(
                 f"the relative position bias table has {table.shape[0]} heads, the query {n_heads}"
             )
+        # Refused if not floating, as every operand is; then a float64 copy the kernels may
+        # take (a few numbers; a read-only table would not match their signatures).
+        table = float_operand("RelativePositionBias's table", table)
         modification = contract.Modification(
-            "flex", np.ascontiguousarray(table, dtype=np.float64).ravel(),
+            "flex", np.array(table, dtype=np.float64).ravel(),
             np.array([score_mod.reach], dtype=np.int64), table.size, "relative_bias", "unit",
             mask_mod,
         )  # fmt: skip
