@@ -658,3 +658,13 @@ def test_reproduction_experiment_resumes_with_the_same_figures(fresh_results_cac
     assert second.data == first.data
     assert second.tables["runs"].columns == first.tables["runs"].columns
     assert svg(second.figures["empirical_scaling"]) == svg(first.figures["empirical_scaling"])
+
+
+def test_complex_measurements_are_refused_not_cast():
+    # NumPy casts complex to float64 by dropping the imaginary part, with a warning only.
+    from tfmath.variance import sample_variance
+
+    with pytest.raises(DTypeError, match="y must be real"):
+        fit_scaling_law([1.0, 2.0, 4.0, 8.0], np.array([3.0, 2.0, 1.5, 1.2]) + 1j)
+    with pytest.raises(DTypeError, match="samples must be real"):
+        sample_variance(np.array([1.0, 2.0, 3.0]) + 0.5j)

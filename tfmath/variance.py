@@ -32,6 +32,7 @@ from tfmath._contract.backend import resolve_backend
 from tfmath._contract.checks import (
     confidence_level,
     float_operand,
+    host_array,
     integer,
     real,
     require_ndim,
@@ -236,7 +237,7 @@ def sample_variance(samples, confidence=0.95):
     >>> sample_variance([1.0, 2.0, 3.0, 4.0]).variance
     1.6666666666666667
     """
-    x = np.asarray(samples, dtype=np.float64)
+    x = host_array("samples", samples, np.float64)
     if x.ndim != 1 or x.size < 2:
         raise ArgumentError(f"samples must be 1-D with at least 2 entries, got shape {x.shape}")
     z = _normal_quantile(confidence_level(confidence))

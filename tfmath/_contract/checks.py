@@ -195,10 +195,14 @@ def host_array(name, value, dtype=None):
     """``np.asarray(value, dtype)`` for a host input, with errors that name the argument.
 
     NumPy's own message for a ragged nested list ("inhomogeneous shape") does
-    not say which argument was ragged.
+    not say which argument was ragged. Complex values asked for as real numbers are
+    refused: NumPy would drop their imaginary parts with only a warning.
     """
+    real_wanted = dtype is not None and np.dtype(dtype).kind in "fiub"
     try:
-        return np.asarray(value, dtype=dtype)
+        array = np.asarray(value) if real_wanted else np.asarray(value, dtype=dtype)
+        if real_wanted and array.dtype.kind != "c":
+            array = array.astype(dtype, copy=False)
     except ValueError as error:
         if "inhomogeneous" not in str(error):
             raise DTypeError(f"{name} could not be read as {dtype} numbers: {error}") from None
@@ -207,6 +211,12 @@ def host_array(name, value, dtype=None):
         ) from None
     except TypeError as error:
         raise DTypeError(f"{name} could not be read as an array: {error}") from None
+    if array.dtype.kind == "c" and real_wanted:
+        raise DTypeError(
+            f"{name} must be real, got complex values ({array.dtype}): pass the real part "
+            "or the modulus, whichever is meant"
+        )
+    return array
 
 
 def float_operand(name, value, *, half=False):

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tfmath._contract.checks import confidence_level, integer
+from tfmath._contract.checks import confidence_level, host_array, integer
 from tfmath.errors import ArgumentError, DTypeError, FitWarning
 
 __all__ = [
@@ -72,7 +72,7 @@ def _positive(name, value, meaning=""):
     """``value`` as float64 (a float for a scalar), refusing non-finite or non-positive entries."""
     if isinstance(value, str | bool | np.bool_) or np.asarray(value).dtype == np.bool_:
         raise DTypeError(f"{name} must be a positive number or array, got {value!r}")
-    array = np.asarray(value, dtype=np.float64)
+    array = host_array(name, value, np.float64)
     bad = ~(np.isfinite(array) & (array > 0))
     if np.any(bad):
         meaning = f" ({meaning})" if meaning else ""
@@ -745,7 +745,7 @@ def fit_scaling_law(
 def _fit_data(x, y):
     arrays = []
     for name, value in (("x", x), ("y", y)):
-        array = np.asarray(value, dtype=np.float64)
+        array = host_array(name, value, np.float64)
         if array.ndim != 1:
             raise ArgumentError(f"{name} must be 1-D, got shape {array.shape}")
         arrays.append(np.atleast_1d(_positive(name, array)))
