@@ -1565,3 +1565,8 @@ def test_norms_match_the_reference_within_the_cancellation_of_their_rows(block):
         assert_close(got[0], want[0], base * amplification**2)
         for g, w in zip(got[1:], want[1:], strict=True):
             assert_close(g, w, base * amplification * (1 + n_rows))
+
+
+def test_an_activation_of_no_features_is_refused_by_name():
+    with pytest.raises(ShapeError, match="h must have at least one feature"):
+        L.ffn_activation(np.ones((3, 0)), "gelu")

@@ -911,3 +911,42 @@ def test_nn_cross_entropy_refuses_what_it_does_not_compute(call, exception, word
     with pytest.raises(exception) as caught:
         call(x, t)
     assert all(word in str(caught.value) for word in words)
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_tanh", "swiglu"])
+def test_ffn_activation_takes_tensors_and_differentiates_them(activation):
+    # It took NumPy arrays only (its _forward's error named torch.float64 as no dtype),
+    # while the norms and losses beside it take tensors.
+    from tfmath.training import layers
+
+    x = torch.randn(3, 8, dtype=torch.float64, requires_grad=True)
+    y = layers.ffn_activation(x, activation)
+    y.pow(2).sum().backward()
+    twin = x.detach().clone().requires_grad_(True)
+    if activation == "swiglu":
+        gate, up = twin.chunk(2, dim=-1)
+        expected = torch.nn.functional.silu(gate) * up
+    elif activation == "relu":
+        expected = torch.relu(twin)
+    else:
+        approximate = "tanh" if activation == "gelu_tanh" else "none"
+        expected = torch.nn.functional.gelu(twin, approximate=approximate)
+    expected.pow(2).sum().backward()
+    assert isinstance(y, torch.Tensor)
+    torch.testing.assert_close(y, expected.detach(), rtol=1e-13, atol=1e-15)
+    torch.testing.assert_close(x.grad, twin.grad, rtol=1e-13, atol=1e-15)
+
+
+def test_the_numpy_blocks_refuse_tensors_by_name():
+    from tfmath.training import layers
+
+    x = torch.randn(3, 8, dtype=torch.float64)
+    with pytest.raises(DTypeError, match="layer_norm_forward takes NumPy arrays"):
+        layers.layer_norm_forward(x, torch.ones(8, dtype=torch.float64), torch.zeros(8))
+
+
+def test_nn_casts_an_array_to_a_torch_dtype():
+    # A NumPy array with PyTorch's dtype= keyword: NumPy cannot read torch.float64.
+    x = np.random.default_rng(0).standard_normal((3, 4)).astype(np.float32)
+    assert tfmath.nn.softmax(x, 1, dtype=torch.float64).dtype == np.float64
+    assert tfmath.nn.log_softmax(x, 1, dtype=torch.bfloat16).dtype.name == "bfloat16"

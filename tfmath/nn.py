@@ -22,8 +22,11 @@ soft cap or a score modification, with gradients for the sink logits and a
 relative position bias table where they require grad.
 """
 
+import sys
+
 import numpy as np
 
+from tfmath._contract.tensors import to_array
 from tfmath.attention import scaled_dot_product_attention as _attention
 from tfmath.attention import softmax as _softmax
 from tfmath.errors import ArgumentError, DTypeError, ShapeError
@@ -136,7 +139,13 @@ def _moved(x, source, destination):
 
 
 def _cast(x, dtype):
-    """``x`` in ``dtype`` (None: as it is), a tensor by ``to``, an array by NumPy."""
+    """``x`` in ``dtype`` (None: as it is), a tensor by ``to``, an array by NumPy (a torch
+    dtype given for an array read as its NumPy twin, bfloat16 as ml_dtypes')."""
     if dtype is None:
         return x
-    return x.to(dtype) if hasattr(x, "to") else np.asarray(x, dtype=dtype)
+    if hasattr(x, "to"):
+        return x.to(dtype)
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(dtype, torch.dtype):
+        dtype = to_array("dtype", torch.empty(0, dtype=dtype)).dtype
+    return np.asarray(x, dtype=dtype)

@@ -13,6 +13,7 @@ from tfmath._contract.checks import (
     real,
     require_ndim,
 )
+from tfmath._contract.tensors import any_tensor
 from tfmath.errors import ArgumentError, DTypeError, ShapeError
 from tfmath.training.params import Parameters
 
@@ -55,6 +56,14 @@ def half_precision(block):
 
     @functools.wraps(block)
     def wrapper(*args, **kwargs):
+        if any_tensor(*args, *kwargs.values()):
+            # The blocks are the NumPy layer under the tensor functions (layer_norm,
+            # ffn_activation, ...), which convert and call them; their caches hold arrays.
+            raise DTypeError(
+                f"{block.__name__} takes NumPy arrays and gives a NumPy cache, got a "
+                "torch.Tensor: convert it with .detach().cpu().numpy(), or call the "
+                "function without _forward, which takes tensors and differentiates them"
+            )
         # The blocks' masks are keyword-only, and a mask's dtype is not the block's.
         dtype = _first_half_dtype(args) or (
             kwargs and _first_half_dtype(v for k, v in kwargs.items() if not _is_mask(k))

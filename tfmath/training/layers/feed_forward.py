@@ -8,10 +8,12 @@ from tfmath._contract.checks import (
     integer,
 )
 from tfmath._contract.layers import ACTIVATIONS
+from tfmath._contract.tensors import accepts_tensors
 from tfmath._dispatch import implementation
 from tfmath.errors import ShapeError
 from tfmath.training.layers._base import (
     Cache,
+    _features,
     _gradient,
     _host_operand,
     _linear,
@@ -25,6 +27,7 @@ from tfmath.training.layers._base import (
 from tfmath.training.params import ParameterSpec
 
 
+@accepts_tensors(autograd=lambda: (ffn_activation_forward, ffn_activation_backward))
 def ffn_activation(h, activation="gelu", *, backend="auto"):
     r"""The feed-forward network's nonlinearity, elementwise (ReLU, GELU) or gated (SwiGLU).
 
@@ -73,6 +76,7 @@ def ffn_activation_forward(h, activation="gelu", *, backend="auto"):
     """:func:`ffn_activation`, also returning the :class:`Cache` for its backward."""
     code = ACTIVATIONS[choice("activation", activation, ACTIVATIONS)]
     h = _host_operand("h", h)
+    _features("h", h)
     if code == ACTIVATIONS["swiglu"] and h.shape[-1] % 2:
         raise ShapeError(
             f"h must have an even last dimension [gate | up] for swiglu, got shape {h.shape}"
