@@ -89,16 +89,25 @@ def complexity_scaling(settings):
     linear = time_fits["linear"]
     crossed = {(c.variant, c.d): c for c in crossovers}
     first_d = grid["crossover_dims"][0]
-    others = [f for name, f in memory_fits.items() if name != "naive" and f is not None]
-    n_exponents = [f.exponents["n"] for f in others]
+    others = {name: f for name, f in memory_fits.items() if name != "naive" and f is not None}
+    # An exponent whose interval is wider than itself is not quoted: the runs do not
+    # determine it.
+    determined = {name: f for name, f in others.items() if not _undetermined(f)}
+    n_exponents = [f.exponents["n"] for f in determined.values()]
     others_memory = (
-        f"every other variant's peak grows as n^{min(n_exponents):.2f} to "
-        f"n^{max(n_exponents):.2f}, the O(n d) of its operands and output, read as resident "
-        f"pages: at a few MiB the pages the allocator reuses move a point by up to a MiB "
-        f"from run to run, so these exponents, and their intervals, are rough"
-        if others
+        f"the other variants' peaks grow as n^{min(n_exponents):.2f} to "
+        f"n^{max(n_exponents):.2f} ({', '.join(determined)}), the O(n d) of their operands "
+        f"and output, read as resident pages: at a few MiB the pages the allocator reuses "
+        f"move a point by up to a MiB from run to run, so these exponents are rough"
+        if determined
         else "no other variant's memory was fitted"
     )
+    if len(determined) < len(others):
+        others_memory += (
+            f"; for {', '.join(name for name in others if name not in determined)} the "
+            f"runs do not determine the exponents (intervals wider than the estimates, "
+            f"from six points at two d), which the table gives"
+        )
     caption = (
         f"Median CPU time of {grid['repeats']} calls after a warm-up, on one thread, batch 1 "
         f"x {grid['heads']} heads, float32, backend {backend}. The machine is shared with "
@@ -280,6 +289,14 @@ def _crossover_data(c):
         "status": c.status,
         "grid": list(c.grid),
     }
+
+
+def _undetermined(fit):
+    """Whether some exponent's interval is wider than the exponent itself."""
+    return any(
+        fit.intervals[name][1] - fit.intervals[name][0] > abs(fit.exponents[name])
+        for name in fit.exponents
+    )
 
 
 def _fits_table(time_fits, memory_fits):
