@@ -81,7 +81,9 @@ def positional_heatmap(settings):
                     seed,
                     "PE(pos, 2i) = sin(pos/10000^(2i/d)), PE(pos, 2i+1) = cos(...): "
                     "largest difference of tfmath's encoding from the formula evaluated "
-                    "directly",
+                    f"directly (positions 0 to {encoding.shape[0] - 1}, d = "
+                    f"{encoding.shape[1]}; further out the directly evaluated formula "
+                    "loses digits to its angles' rounding, which tfmath's does not)",
                     "0",
                     _formula_difference(encoding),
                     exact=True,
