@@ -17,8 +17,6 @@ _INV_SQRT_2 = 1 / math.sqrt(2)
 _INV_SQRT_2PI = 1 / math.sqrt(2 * math.pi)
 #: The cubic coefficient of GELU's tanh approximation (Hendrycks and Gimpel 2016).
 _GELU_CUBIC = 0.044715
-#: The smallest normal float64: a variance below it has lost digits to underflow.
-_FLOAT64_TINY = 2.2250738585072014e-308
 
 
 def swiglu(gate, up):
@@ -81,11 +79,12 @@ def norm_statistics(row, eps, centred):
 
     Summed in float64 whatever the row's dtype (``float()`` widens on the CPU, the GPU
     and the simulator alike), so a float32 or half-precision row's squares never
-    overflow or underflow. A float64 row whose variance overflows (entries beyond
-    about 1e154) or, with ``eps = 0``, underflows is summed again divided by its
-    largest magnitude :math:`s`: :math:`r = 1/(s\sqrt{\sigma'^2 + \epsilon/s^2})`,
-    which is exact where the first sums were infinite or zero. ``r`` is infinite
-    where :math:`\sigma^2 + \epsilon = 0` (a constant row with ``eps = 0``).
+    overflow or underflow. ``r`` is infinite where :math:`\sigma^2 + \epsilon = 0` (a
+    constant row with ``eps = 0``). Free of branches, so that the CPU kernels' loops
+    over rows vectorise: a float64 row whose variance overflows (entries beyond about
+    1e154) gets ``r = 0``, and one whose variance underflows (with ``eps = 0``) an ``r``
+    above :data:`UNDERFLOWED_RSTD`; the kernels compute those rows again with
+    :func:`rescaled_norm_statistics`.
     """
     n = row.shape[0]
     eps = float(eps)
@@ -98,33 +97,47 @@ def norm_statistics(row, eps, centred):
     for j in range(n):
         centred_value = float(row[j]) - mean
         squares += centred_value * centred_value
-    variance = squares / n
-    if not (math.isfinite(variance) and (eps != 0 or variance >= _FLOAT64_TINY)):
-        largest = 0.0
-        for j in range(n):
-            largest = max(largest, abs(float(row[j])))
-        # A row of zeros, or one holding inf or NaN: the first sums stand.
-        if 0 < largest < math.inf:
-            unit = 1 / largest
-            scaled_mean = 0.0
-            if centred:
-                for j in range(n):
-                    scaled_mean += float(row[j]) * unit
-                scaled_mean /= n
-            squares = 0.0
-            for j in range(n):
-                centred_value = float(row[j]) * unit - scaled_mean
-                squares += centred_value * centred_value
-            spread = squares / n
-            if eps != 0:
-                # Only an overflow brings a nonzero eps here: unit is small and eps / s^2
-                # at most underflows (with eps = 0, unit^2 could be infinite, and
-                # reassociation would then form 0 * inf).
-                spread += eps * unit * unit
-            root = largest * math.sqrt(spread)
-            return scaled_mean * largest, math.inf if root == 0 else 1 / root
-    root = math.sqrt(variance + eps)
+    root = math.sqrt(squares / n + eps)
     return mean, math.inf if root == 0 else 1 / root
+
+
+#: :func:`norm_statistics`'s ``r`` above which the variance has underflowed float64
+#: (one over the square root of its smallest normal number).
+UNDERFLOWED_RSTD = 6.703903964971299e153
+
+
+def rescaled_norm_statistics(row, eps, centred):
+    r""":func:`norm_statistics` for a row whose float64 variance overflowed or underflowed:
+    summed again divided by the row's largest magnitude :math:`s`, as
+    :math:`r = 1/(s\sqrt{\sigma'^2 + \epsilon/s^2})`. The norms are invariant to a row's
+    scale but for :math:`\epsilon`, which is scaled with it. A row of zeros, or one
+    holding inf or NaN, gets the plain sums again (:math:`s = 1`).
+    """
+    n = row.shape[0]
+    eps = float(eps)
+    largest = 0.0
+    for j in range(n):
+        largest = max(largest, abs(float(row[j])))
+    if not 0 < largest < math.inf:
+        largest = 1.0  # the plain sums
+    unit = 1 / largest
+    mean = 0.0
+    if centred:
+        for j in range(n):
+            mean += float(row[j]) * unit
+        mean /= n
+    squares = 0.0
+    for j in range(n):
+        centred_value = float(row[j]) * unit - mean
+        squares += centred_value * centred_value
+    spread = squares / n
+    if eps != 0:
+        # A nonzero eps comes here with an overflow (unit small: eps / s^2 at most
+        # underflows) or s = 1; with eps = 0, unit^2 could be infinite, and
+        # reassociation would then form 0 * inf.
+        spread += eps * unit * unit
+    root = largest * math.sqrt(spread)
+    return mean * largest, math.inf if root == 0 else 1 / root
 
 
 def softmax_row_statistics(row, scale):

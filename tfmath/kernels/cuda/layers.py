@@ -48,6 +48,18 @@ class _Transfer:
 
 
 _norm_statistics = cuda.jit(device=True)(formulas.norm_statistics)
+_rescaled_norm_statistics = cuda.jit(device=True)(formulas.rescaled_norm_statistics)
+
+
+@cuda.jit(device=True)
+def _row_statistics(row, eps, centred):
+    """:func:`~tfmath.kernels.formulas.norm_statistics`, and its rescaled form for a row
+    whose float64 variance overflowed or underflowed (a thread per row: no loop to keep
+    free of branches, as on the CPU)."""
+    mu, r = _norm_statistics(row, eps, centred)
+    if r == 0 or r > formulas.UNDERFLOWED_RSTD:
+        mu, r = _rescaled_norm_statistics(row, eps, centred)
+    return mu, r
 
 
 @cuda.jit
@@ -55,7 +67,7 @@ def _layer_norm_kernel(x, weight, bias, eps, y, mean, rstd):
     i = cuda.grid(1)
     if i >= x.shape[0]:
         return
-    mu, r = _norm_statistics(x[i], eps, True)
+    mu, r = _row_statistics(x[i], eps, True)
     mean[i] = mu
     rstd[i] = r
     for j in range(x.shape[1]):
@@ -139,7 +151,7 @@ def _rms_norm_kernel(x, weight, eps, y, rstd):
     i = cuda.grid(1)
     if i >= x.shape[0]:
         return
-    r = _norm_statistics(x[i], eps, False)[1]
+    r = _row_statistics(x[i], eps, False)[1]
     rstd[i] = r
     for j in range(x.shape[1]):
         y[i, j] = x[i, j] * r * weight[j]
