@@ -197,6 +197,50 @@ def test_kernel_cache_never_loads_one_signatures_code_for_another(tmp_path):
     assert reader.load("float16") is None
 
 
+def test_a_damaged_or_full_kernel_cache_costs_a_compilation_not_the_call(tmp_path):
+    # A truncated data file or index raised UnpicklingError or EOFError on every call of
+    # that kernel, and a full disk (ENOSPC: the empty file of the writability check still
+    # fits) OSError on every compilation, in every later process.
+    from tfmath import _kernel_cache
+
+    cache_file = _kernel_cache._key_checked_cache_file_class()
+    writer = cache_file(str(tmp_path), "kernel-1", "stamp")
+    writer.save("float32", "float32 code")
+    data = tmp_path / "kernel-1.1.nbc"
+    data.write_bytes(data.read_bytes()[:7])
+    reader = cache_file(str(tmp_path), "kernel-1", "stamp")
+    assert reader.load("float32") is None  # compiled again
+    reader.save("float32", "float32 code")
+    assert reader.load("float32") == "float32 code"
+    index = tmp_path / "kernel-1.nbi"
+    index.write_bytes(index.read_bytes()[:5])
+    assert reader.load("float32") is None
+    reader.save("float64", "float64 code")  # the index rewritten
+    assert reader.load("float64") == "float64 code"
+
+    def full(name, data):
+        raise OSError(28, "No space left on device")
+
+    reader._save_data = full
+    _kernel_cache._warn_once.cache_clear()
+    with pytest.warns(RuntimeWarning, match="could not write a compiled kernel"):
+        reader.save("float16", "float16 code")
+
+
+def test_no_home_folder_turns_the_kernel_cache_off(monkeypatch):
+    from tfmath import _kernel_cache
+
+    for variable in ("TFMATH_CACHE_DIR", "NUMBA_CACHE_DIR", "XDG_CACHE_HOME", "TFMATH_CACHE"):
+        monkeypatch.delenv(variable, raising=False)
+
+    def no_home():
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.setattr(_kernel_cache.Path, "home", staticmethod(no_home))
+    cache = _kernel_cache.kernel_cache.__wrapped__()  # not this process's, decided already
+    assert not cache.enabled and "TFMATH_CACHE_DIR" in cache.describe()
+
+
 def test_kernel_cache_folder_is_keyed_by_the_sources_and_follows_the_environment(monkeypatch):
     from tfmath import _kernel_cache
 

@@ -25,6 +25,7 @@ import logging
 import os
 import sys
 import tempfile
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -110,7 +111,10 @@ def kernel_cache():
     """The kernel cache of this process: decided once, at the first kernel compilation."""
     if os.environ.get("TFMATH_CACHE", "1") == "0":
         return KernelCache(None, "TFMATH_CACHE=0")
-    folder = kernel_cache_folder(_cached_kernel_sources_digest())
+    try:
+        folder = kernel_cache_folder(_cached_kernel_sources_digest())
+    except RuntimeError as error:  # Path.home(): no home folder to be found
+        return KernelCache(None, f"{error}; set TFMATH_CACHE_DIR to a writable folder")
     try:
         folder.mkdir(parents=True, exist_ok=True)
         tempfile.TemporaryFile(dir=folder).close()
@@ -232,10 +236,29 @@ def _key_checked_cache_file_class():
         """
 
         def save(self, key, data):
-            super().save(key, (_KEY_CHECKED_ENTRY, key, data))
+            try:
+                super().save(key, (_KEY_CHECKED_ENTRY, key, data))
+            except OSError as error:
+                # A full disk or quota: the kernel was compiled, and runs; it is only not
+                # kept (an empty file, the writability check, fits where its code does not).
+                _warn_once(
+                    f"tfmath could not write a compiled kernel to its cache in "
+                    f"{self._cache_path} ({error.strerror or error}); kernels compile "
+                    "again in every process until it can (set TFMATH_CACHE_DIR to another "
+                    "folder, or TFMATH_CACHE=0)"
+                )
+
+        def _load_index(self):
+            try:
+                return super()._load_index()
+            except Exception:  # a truncated or garbled index: as if empty, and rewritten
+                return {}
 
         def load(self, key):
-            entry = super().load(key)
+            try:
+                entry = super().load(key)
+            except Exception:  # a truncated or garbled data file: compile again
+                return None
             if isinstance(entry, tuple) and len(entry) == 3 and entry[0] == _KEY_CHECKED_ENTRY:
                 _, saved_key, data = entry
                 if saved_key == key:
@@ -243,6 +266,11 @@ def _key_checked_cache_file_class():
             return None
 
     return KeyCheckedCacheFile
+
+
+@functools.cache
+def _warn_once(message):
+    warnings.warn(message, RuntimeWarning, stacklevel=2)
 
 
 #: Marks a data file of the kernel cache as holding its key (:func:`_key_checked_cache_file_class`).
