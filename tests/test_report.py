@@ -183,6 +183,30 @@ def test_staging_folders_of_killed_runs_are_removed_and_live_ones_kept(tmp_path)
     assert leftovers == [".report.mine", "report"]
 
 
+def test_only_tfmaths_own_leftovers_are_removed(tmp_path):
+    # A user's copy of a report named like a staging folder (it holds the report marker)
+    # and an empty folder of theirs were removed; a retired report whose deletion was
+    # interrupted after its marker went was never removed.
+    from tfmath.report._staging import remove_abandoned
+
+    out = tmp_path / "report"
+    copy = tmp_path / ".report.2026-11-29"  # a dated copy of yesterday's report
+    copy.mkdir()
+    (copy / ".tfmath-report").write_text("tfmath\n")
+    lookalike = tmp_path / ".report.abcd1234"  # tempfile's form, but no lock file beside it
+    lookalike.mkdir()
+    killed = tmp_path / ".report.k1ll3d_x"  # a killed run's staging folder and its lock
+    killed.mkdir()
+    (killed / ".tfmath-report").write_text("tfmath\n")
+    (tmp_path / ".report.k1ll3d_x.lock").write_text("")
+    retired = tmp_path / ".report.old.r3t1r3d_"  # half deleted: no marker left
+    (retired / "report" / "figures").mkdir(parents=True)
+    removed = remove_abandoned(out, ".tfmath-report")
+    assert sorted(p.name for p in removed) == [".report.k1ll3d_x", ".report.old.r3t1r3d_"]
+    assert copy.exists() and lookalike.exists()
+    assert not (tmp_path / ".report.k1ll3d_x.lock").exists()
+
+
 def test_cli_output_read_in_part_ends_quietly():
     """``tfmath info | head -1``: the reader closes the pipe, and tfmath stops without a
     BrokenPipeError traceback."""

@@ -5,12 +5,18 @@ holds an exclusive lock on ``.<out>.<random>.lock`` for as long as it lives.
 The operating system releases the lock when the process ends, however it
 ends (SIGKILL included), so a folder whose lock can be taken belongs to a
 run that is gone, and the next run removes it; a folder whose lock is held is
-being written and is left alone. Only folders that are empty or carry the
-report marker are ever removed, so nothing of the user's is touched.
+being written and is left alone. A finished run retires the report it replaces
+to ``.<out>.old.<random>`` and deletes it. Only folders named as tfmath names
+them are ever removed: a staging folder beside its lock file (a killed run
+leaves both; a copy of a report beside it has no lock file) that is empty or
+carries the report marker, and a retired one, whatever is left of it (its
+deletion may have been interrupted after the marker went), so nothing of the
+user's is touched.
 """
 
 import contextlib
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -60,12 +66,23 @@ def remove_abandoned(out_dir, marker):
     """
     if fcntl is None or not out_dir.parent.is_dir():
         return []
+    # tempfile's names: eight of its characters after the prefix.
+    random = r"[a-z0-9_]{8}"
+    staged = re.compile(rf"\.{re.escape(out_dir.name)}\.{random}")
+    retired = re.compile(rf"\.{re.escape(out_dir.name)}\.old\.{random}")
     removed = []
     for candidate in sorted(out_dir.parent.glob(f".{out_dir.name}.*")):
-        if not candidate.is_dir() or not _built_by_a_report_run(candidate, marker):
+        if not candidate.is_dir():
             continue
         lock_path = candidate.with_name(candidate.name + LOCK_SUFFIX)
-        if _held(lock_path):
+        if retired.fullmatch(candidate.name):
+            pass
+        elif not (
+            staged.fullmatch(candidate.name)
+            and lock_path.exists()
+            and _staged_report(candidate, marker)
+            and not _held(lock_path)
+        ):
             continue
         shutil.rmtree(candidate, ignore_errors=True)
         lock_path.unlink(missing_ok=True)
@@ -73,13 +90,9 @@ def remove_abandoned(out_dir, marker):
     return removed
 
 
-def _built_by_a_report_run(folder, marker):
-    """Empty (a run died before writing anything), a staged report, or a retired one."""
-    return (
-        not any(folder.iterdir())
-        or (folder / marker).exists()
-        or (folder / "report" / marker).exists()
-    )
+def _staged_report(folder, marker):
+    """Empty (a run died before writing anything), or a staged report."""
+    return not any(folder.iterdir()) or (folder / marker).exists()
 
 
 def _held(lock_path):

@@ -115,7 +115,16 @@ def _replace(staging, out_dir):
         retired = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old.", dir=out_dir.parent))
         os.replace(out_dir, retired / "report")
         os.replace(staging, out_dir)
-        shutil.rmtree(retired, ignore_errors=True)
+        try:
+            shutil.rmtree(retired, ignore_errors=True)
+        except KeyboardInterrupt:
+            # The new report is in place: the run has succeeded, and what is left of the
+            # old one is removed by the next run (_staging.remove_abandoned).
+            print(
+                f"interrupted while deleting the previous report; {out_dir} holds the new "
+                f"one, and the next run removes what is left of the old ({retired.name})",
+                file=sys.stderr,
+            )
     else:
         os.replace(staging, out_dir)
 
