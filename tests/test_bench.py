@@ -216,3 +216,30 @@ def test_an_environment_no_command_can_run_in_is_refused_before_any_work(
     monkeypatch.setattr(cli, "_print_machine", lambda: pytest.fail("work started"))
     assert cli.main(["bench", "attention", "--quick"]) == 2
     assert words in capsys.readouterr().err
+
+
+def test_a_threading_layer_numba_cannot_load_is_refused_before_any_work(capsys, monkeypatch):
+    """TBB named but not installed: the first parallel kernel failed, partway through a
+    report or a benchmark."""
+    from tfmath import _jit
+
+    monkeypatch.setitem(_jit._LAYER_MODULES, "tbb", "tfmath_tests_no_such_layer")
+    monkeypatch.setenv("TFMATH_THREADING_LAYER", "tbb")
+    monkeypatch.setattr(cli, "_print_machine", lambda: pytest.fail("work started"))
+    assert cli.main(["bench", "attention", "--quick"]) == 2
+    assert "which Numba cannot load here" in capsys.readouterr().err
+
+
+def test_the_cli_writes_to_a_terminal_that_is_not_utf8():
+    """reproduce --list on an ASCII stdout raised UnicodeEncodeError at its first "·"."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONIOENCODING": "ascii"}
+    completed = subprocess.run(
+        [sys.executable, "-m", "tfmath", "reproduce", "--list"],
+        env=env, capture_output=True, text=True, encoding="ascii", errors="replace",
+    )  # fmt: skip
+    assert completed.returncode == 0 and "Traceback" not in completed.stderr
+    assert "worked_examples" in completed.stdout

@@ -13,6 +13,7 @@ Environment variable, read once, at the first kernel compilation:
 """
 
 import functools
+import importlib
 import os
 
 from tfmath._kernel_cache import attach_kernel_cache
@@ -29,6 +30,12 @@ from tfmath._kernel_cache import attach_kernel_cache
 FASTMATH_FLAGS = frozenset({"nsz", "contract", "afn", "reassoc"})
 
 _THREADING_LAYERS = ("default", "tbb", "omp", "workqueue")
+#: The Numba module each layer loads.
+_LAYER_MODULES = {
+    "tbb": "numba.np.ufunc.tbbpool",
+    "omp": "numba.np.ufunc.omppool",
+    "workqueue": "numba.np.ufunc.workqueue",
+}
 
 
 #: Work (elements, or score-feature products, as each kernel counts it) below which
@@ -46,6 +53,16 @@ def requested_threading_layer():
         raise ValueError(
             f"TFMATH_THREADING_LAYER must be one of {_THREADING_LAYERS}, got {layer!r}"
         )
+    if layer != "default":
+        # Checked here, before any work: Numba would fail only at the first parallel
+        # kernel, partway through a report or a benchmark.
+        try:
+            importlib.import_module(_LAYER_MODULES[layer])
+        except ImportError as error:
+            raise ValueError(
+                f"TFMATH_THREADING_LAYER={layer}, which Numba cannot load here ({error}): "
+                "unset it, or install what it needs (tbb: pip install tbb)"
+            ) from None
     return layer
 
 

@@ -15,6 +15,11 @@ def main(argv=None):
     if args.command is None:
         parser.print_help()
         return 2
+    # Text the terminal's encoding cannot show (a latin-1 or C locale) is escaped, not
+    # a UnicodeEncodeError partway through (reproduce --list's "·", the captions' "√").
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
     error = _environment_error()
     if error is not None:
         print(f"tfmath: {error}", file=sys.stderr)
