@@ -46,6 +46,7 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+from scipy.stats import chi2
 
 from tfmath.analysis.claims import Claim
 from tfmath.analysis.compute_optimal import (
@@ -782,8 +783,6 @@ def _approach3_fit(parametric, isoflop, runs):
     """Approach 3's exponents beside the published ones, and how far its law misses the
     runs against their noise: where it misses by more, its a agreeing with approach 2's
     is no evidence for either."""
-    from scipy.stats import chi2
-
     n, d, loss = runs
     law = parametric.law
     misses = loss - law.loss(n, d)
@@ -885,7 +884,6 @@ def _caption(
     return text + f"The runs took {seconds:.0f} s to train (re-runs load them from the cache)."
 
 
-#: How the caption names each model of the valleys (IsoFlopFit.optimum).
 def _valley_sentence(isoflop, parabola):
     """How far one parabola per budget moves a from the chosen valley model's estimate."""
     if parabola is None:
@@ -900,6 +898,7 @@ def _valley_sentence(isoflop, parabola):
     )
 
 
+#: How the caption names each model of the valleys (IsoFlopFit.optimum).
 _VALLEY_MODELS = {
     "parabola": "one parabola in log N through its runs (it fits every budget within the "
     "seeds' noise)",
